@@ -1,0 +1,126 @@
+"""Pure-torch references for every kernel family in this package.
+
+These functions define what each Triton kernel must compute; the engine also runs them directly on CPU.
+They favour clarity over speed, but they are vectorised enough to serve a small model on CPU.
+Nothing here imports the engine.
+
+Shapes (T = tokens in the flat batch, B = sequences, H = hidden size, D = head dim):
+    paged KV cache, per layer: k_cache, v_cache: [num_blocks, block_size, num_kv_heads, D]
+    slot = block_id * block_size + offset_in_block; slot < 0 means "padding, write nothing".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H], weight: [H] -> [T, H] in x's dtype. Math in float32, as transformers does."""
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual'), residual'). Shapes [T, H]."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] laid out as [gate | up] -> silu(gate) * up: [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding (rotate halves), as HF Llama applies it.
+
+    positions: [T] int; q: [T, num_heads * D]; k: [T, num_kv_heads * D];
+    cos_sin_cache: [max_position, D] float32 holding [cos(theta) | sin(theta)], each D/2 wide.
+    Returns new (q, k) in the input dtypes; the Triton kernel does the same in place.
+    """
+    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, D/2] each
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)  # [T, 1, D]
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xs = x.view(x.shape[0], -1, head_dim)
+        x1, x2 = xs.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        out = xs.float() * cos + rotated.float() * sin
+        return out.to(x.dtype).view_as(x)
+
+    return rotate(q), rotate(k)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, num_kv_heads, D] into the paged caches at slot_mapping [T] (in place).
+
+    Slots < 0 are padding (CUDA-graph batches) and are skipped.
+    """
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len cached tokens of one sequence: [seq_len, num_kv_heads, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, kvh, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a mixed batch over the paged KV cache (new K/V already written).
+
+    q: [T, num_heads, D]; query_start_loc: [B + 1] (sequence b owns q rows qsl[b]:qsl[b+1]);
+    seq_lens: [B] tokens in context after this step, new ones included; block_tables: [B, max_blocks].
+    Query row i of sequence b sits at position seq_len - q_len + i and sees keys 0..that position.
+    Returns [T, num_heads, D] in q's dtype. Grouped-query attention: head h reads kv head h // (H / KVH).
+    """
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    for b, seq_len in enumerate(lens):
+        start, end = starts[b], starts[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], seq_len)  # [S, kvh, D]
+        v = gather_kv(v_cache, block_tables[b], seq_len)
+        qb = q[start:end].transpose(0, 1)  # [H, q_len, D]
+        kb = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)  # [H, S, D]
+        vb = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+        # Causal with an offset: query i (absolute position seq_len - q_len + i) sees keys <= that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        mask = k_pos <= q_pos  # [q_len, S]
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+        out[start:end] = ob.transpose(0, 1)
+    return out
