@@ -1,0 +1,151 @@
+"""Paged KV blocks: free list, reference counts, and a prefix cache over full blocks.
+
+Every layer's cache holds `num_blocks` blocks of `block_size` token slots; a request owns an ordered block table.
+
+Prefix cache. A *full* block whose KV has been computed is registered under a hash chained over every token
+before it: key_i = (hash_{i-1}, tokens of block i), hash_i = hash(key_i). A new request walks its own chain and
+reuses registered blocks while they match, confirming each hit by comparing the stored key (so a hash collision
+can never hand out the wrong KV). Shared blocks are never written: a request only writes slots past its computed
+tokens, which lie in blocks it allocated fresh, and hits are capped so at least one prompt token is recomputed
+(its logits are needed).
+
+Free list. Blocks with no reference sit in `free` in LRU order: allocation takes from the front. A freed block
+that holds registered KV goes to the back (kept as long as possible for reuse); an unregistered one goes to the
+front. Taking a registered block from the free list for a new owner evicts it from the cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+from asyncengine.request import Request
+
+BlockKey = tuple  # (parent hash, token ids of the block...)
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: Optional[int] = None
+    key: Optional[BlockKey] = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which were found
+
+    # -- queries ----------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- hashing ----------------------------------------------------------------------------------------------
+    def _extend_hashes(self, request: Request, num_full_blocks: int) -> None:
+        """Make request.block_hashes cover its first num_full_blocks blocks (computed once, incrementally)."""
+        bs = self.block_size
+        for i in range(len(request.block_hashes), num_full_blocks):
+            parent = request.block_hashes[i - 1] if i else 0
+            key = (parent, *request.token_ids[i * bs : (i + 1) * bs])
+            request.block_hashes.append(hash(key))
+
+    def _key(self, request: Request, i: int) -> BlockKey:
+        parent = request.block_hashes[i - 1] if i else 0
+        return (parent, *request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of the request (at most num_tokens - 1 tokens)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request, max_blocks)
+        hits = []
+        for i in range(max_blocks):
+            block_id = self.cached.get(request.block_hashes[i])
+            if block_id is None or self.blocks[block_id].key != self._key(request, i):
+                break
+            hits.append(block_id)
+        return hits
+
+    # -- allocation -------------------------------------------------------------------------------------------
+    def allocate(self, request: Request, num_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Grow the request's block table to hold num_tokens tokens, first adopting cached_blocks (only for a
+        request with an empty table). All or nothing: returns False, changing nothing, when blocks run short."""
+        needed = self.blocks_for(num_tokens) - len(request.block_table) - len(cached_blocks)
+        hits_in_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if needed > len(self.free) - hits_in_free:
+            return False
+        for block_id in cached_blocks:
+            self._take(block_id)
+            request.block_table.append(block_id)
+        for _ in range(max(needed, 0)):
+            block_id = next(iter(self.free))
+            self._take(block_id)
+            self._evict(block_id)
+            request.block_table.append(block_id)
+        return True
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = block.key = None
+
+    def register_full_blocks(self, request: Request) -> None:
+        """Publish the request's newly computed full blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        self._extend_hashes(request, num_full)
+        for i in range(request.num_registered_blocks, num_full):
+            block = self.blocks[request.block_table[i]]
+            block_hash = request.block_hashes[i]
+            if block.block_hash is None and block_hash not in self.cached:
+                block.block_hash, block.key = block_hash, self._key(request, i)
+                self.cached[block_hash] = block.block_id
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    def free_request(self, request: Request) -> None:
+        """Drop the request's references, last block first (so a shared prefix outlives its tails)."""
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.block_hash is None:
+                    self.free.move_to_end(block_id, last=False)
+        request.block_table = []
+        request.num_registered_blocks = 0
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_prompt_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that nobody references."""
+        for block_id in list(self.free):
+            self._evict(block_id)

@@ -1,0 +1,196 @@
+"""EngineConfig: one flat dataclass for everything the engine needs, validated in __post_init__.
+
+`EngineConfig.model` is a local Hugging Face-format folder (config.json, *.safetensors, tokenizer files). With no
+model named, the engine runs the small default model shipped inside the package. The model's own settings are
+read into a `ModelConfig` (architecture, shapes, rope, eos ids) by `load_model_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def default_model_path() -> str:
+    """The checkpoint shipped inside the package (used when no model is named)."""
+    return str(Path(__file__).parent / "default_model")
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs to know of a checkpoint, normalised across transformers versions."""
+
+    path: str
+    architecture: str
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype  # the dtype the weights run in
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass
+class EngineConfig:
+    model: Optional[str] = None  # local HF folder; None -> the embedded default model
+    tokenizer: Optional[str] = None  # defaults to the model folder
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill splits longer prompts)
+    max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_kv_blocks: Optional[int] = None  # default: sized from memory (GPU) or from kv_cache_memory_gb (CPU)
+    kv_cache_memory_gb: float = 1.0  # CPU only: memory given to the KV cache
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # disable CUDA graphs
+    max_queue_len: Optional[int] = None  # waiting requests beyond this are refused (server answers 429)
+    tensor_parallel_size: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = default_model_path()
+        self.model = str(self.model)
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        self._check_positive("block_size", "max_num_seqs", "max_num_batched_tokens")
+        if self.block_size & (self.block_size - 1) or not 1 <= self.block_size <= 256:
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if self.max_queue_len is not None and self.max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet (layers are written for it)")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                    f"max_model_len ({self.max_model_len})"
+                )
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def _resolve_dtype(requested: str, checkpoint_dtype: Optional[torch.dtype], device: torch.device) -> torch.dtype:
+    """auto = the checkpoint's dtype on GPU; on CPU half-precision checkpoints run in float32 (faster, exact)."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    dtype = checkpoint_dtype or torch.float32
+    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype
+
+
+def _checkpoint_dtype(hf_config: Any) -> Optional[torch.dtype]:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        return _DTYPES.get(dtype)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _eos_ids(folder: Path, hf_config: Any) -> list[int]:
+    """EOS ids from generation_config.json (preferred, may be a list) or config.json."""
+    eos: Any = None
+    gen = folder / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def load_model_config(config: EngineConfig, device: torch.device) -> ModelConfig:
+    """Read and check the checkpoint folder; raise ValueError naming what is missing or unsupported."""
+    from transformers import AutoConfig
+
+    from asyncengine.models import supported_architectures
+
+    folder = Path(config.model)
+    if not folder.is_dir():
+        raise ValueError(f"model {config.model!r} is not a local folder (no hub access: give a path to a checkpoint)")
+    if not (folder / "config.json").exists():
+        raise ValueError(f"model folder {folder} has no config.json: not a Hugging Face checkpoint")
+    raw = json.loads((folder / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    supported = [a for a in archs if a in supported_architectures()]
+    if not supported:
+        raise ValueError(
+            f"model folder {folder}: architectures {archs} not supported; supported: {sorted(supported_architectures())}"
+        )
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"model folder {folder} has no *.safetensors weights")
+    hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return ModelConfig(
+        path=str(folder),
+        architecture=supported[0],
+        hf_config=hf_config,
+        dtype=_resolve_dtype(config.dtype, _checkpoint_dtype(hf_config), device),
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
+        eos_token_ids=_eos_ids(folder, hf_config),
+    )
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) is larger than the model's max_position_embeddings ({limit})"
+        )
+    return config.max_model_len

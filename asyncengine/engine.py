@@ -1,0 +1,315 @@
+"""LLMEngine: the synchronous, sans-IO core. `add_request`, `abort_request`, `step()`.
+
+A request's life, top to bottom:
+    add_request    validate, tokenize, fan out n children (Request), queue them in the scheduler
+    step           scheduler.schedule()       -> which tokens each request computes now
+                   model_runner.execute()     -> one forward pass + sampling (the only device work)
+                   scheduler.update()         -> append tokens, token-decided stops, free finished blocks
+                   _detokenize()              -> text deltas, stop strings (which finish requests too)
+                   _make_outputs()            -> RequestOutput per user request, by its output kind
+`step()` is split into `schedule()`, `execute()` and `finish_step()` so the async engine can run the device work
+in a worker thread while the event loop stays free; calling `step()` does all three.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Union
+
+from asyncengine.block_manager import BlockManager
+from asyncengine.config import EngineConfig, load_model_config, resolve_max_model_len
+from asyncengine.model_runner import ModelRunner, StepResult
+from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from asyncengine.request import Request, RequestStatus
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.scheduler import Scheduler, SchedulerOutput
+from asyncengine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list[int]]
+
+
+@dataclass
+class StepStats:
+    """Observations of one step, for metrics listeners (seconds)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+    e2e_latency: list[float] = field(default_factory=list)
+    finished_reasons: list[str] = field(default_factory=list)
+
+
+class _UserRequest:
+    """A user's request: n children and what has been reported of them so far (for DELTA outputs)."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], kind: RequestOutputKind,
+                 children: list[Request]):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.kind = kind
+        self.children = children
+        self.sent_text = [0] * len(children)
+        self.sent_tokens = [0] * len(children)
+        self.changed = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        device = config.torch_device()
+        self.model_config = load_model_config(config, device)
+        self.max_model_len = self._max_model_len()
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        if self.runner.num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.runner.num_blocks} blocks x {config.block_size} tokens = "
+                f"{self.runner.num_blocks * config.block_size} tokens, fewer than max_model_len ({self.max_model_len}): "
+                "give more KV memory (num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization) or lower max_model_len"
+            )
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.enable_chunked_prefill,
+        )
+        self.user_requests: dict[str, _UserRequest] = {}
+        self.children: dict[str, Request] = {}
+        self.stats_listeners: list[Callable[[StepStats], None]] = []
+        self._ids = itertools.count()
+        logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        return cls(config)
+
+    def _max_model_len(self) -> int:
+        max_len = resolve_max_model_len(self.config, self.model_config)
+        window = getattr(self.model_config.hf_config, "sliding_window", None)
+        uses_window = getattr(self.model_config.hf_config, "use_sliding_window", True)
+        if window and uses_window and window < max_len:
+            logger.warning("sliding window %d < max_model_len %d: limiting max_model_len to the window", window, max_len)
+            max_len = window
+        return max_len
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **kwargs)
+
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """ValueError when the prompt or its max_tokens cannot fit; the message states the numbers."""
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}: "
+                "at least one token must remain for generation"
+            )
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(prompt_ids) + params.max_tokens} exceeds max_model_len ({self.max_model_len})"
+            )
+        params.validate_for_model(vocab)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+        prompt_token_ids: Optional[list[int]] = None,
+    ) -> None:
+        """Queue a request. prompt: text, or token ids. Raises ValueError on bad input or a duplicate live id."""
+        if request_id in self.user_requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params.clone() if params is not None else SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_prompt(prompt_token_ids, params)
+        params._eos_token_ids = list(self.model_config.eos_token_ids)
+        max_tokens = params.max_tokens or (self.max_model_len - len(prompt_token_ids))
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = [self._make_child(request_id, i, params, prompt_token_ids, max_tokens, text, arrival)
+                    for i in range(params.n)]
+        self.user_requests[request_id] = _UserRequest(request_id, text, prompt_token_ids, params.output_kind, children)
+        for child in children:
+            self.children[child.request_id] = child
+            self.scheduler.add(child)
+
+    def _make_child(self, parent_id, index, params, prompt_ids, max_tokens, text, arrival) -> Request:
+        child_params = params
+        if params.n > 1 and params.seed is not None:  # distinct but reproducible samples
+            child_params = params.clone()
+            child_params.seed = params.seed + index
+        child_id = parent_id if params.n == 1 else f"{parent_id}#{index}#{next(self._ids)}"
+        child = Request(child_id, prompt_ids, child_params, max_tokens, parent_id=parent_id, index=index,
+                        prompt=text, arrival_time=arrival)
+        if child_params.seed is not None:
+            child.generator = self.runner.make_generator(child_params.seed)
+        child.detokenizer = IncrementalDetokenizer(self.tokenizer, len(prompt_ids), child_params)
+        return child
+
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[RequestOutput]:
+        """Finish the given requests with finish_reason "abort" and free their blocks now. Unknown ids are
+        ignored. Returns their final outputs."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for request_id in request_ids:
+            user = self.user_requests.get(request_id)
+            if user is None:
+                continue
+            self.scheduler.abort(c for c in user.children if not c.finished)
+            user.changed = True
+            outputs.append(self._output(user))
+            self._forget(user)
+        return outputs
+
+    def _forget(self, user: _UserRequest) -> None:
+        del self.user_requests[user.request_id]
+        for child in user.children:
+            self.children.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.user_requests)
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.schedule()
+        result = self.execute(sched)
+        return self.finish_step(sched, result)
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """The device work of a step; touches no engine state, so it may run in another thread."""
+        if sched.is_empty:
+            return StepResult({}, {})
+        return self.runner.execute(sched)
+
+    def finish_step(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        now = time.monotonic()
+        stats = StepStats()
+        got_token = self.scheduler.update(sched, result.tokens)
+        for request in got_token:
+            self._record_token(request, result, now, stats)
+            self._detokenize(request)
+        stats.generation_tokens = len(got_token)
+        outputs = self._make_outputs(stats, now)
+        for listener in self.stats_listeners:
+            listener(stats)
+        return outputs
+
+    def _record_token(self, request: Request, result: StepResult, now: float, stats: StepStats) -> None:
+        if request.first_token_time is None:
+            request.first_token_time = now
+            stats.prompt_tokens += request.num_prompt_tokens
+            stats.time_to_first_token.append(now - request.arrival_time)
+        else:
+            stats.inter_token_latency.append(now - request.last_token_time)
+        request.last_token_time = now
+        entry = result.logprobs.get(request.request_id)
+        if entry is not None:
+            for token_id, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([token_id])
+            request.logprobs.append(entry)
+            request.cumulative_logprob += entry[request.token_ids[-1]].logprob
+        self.user_requests[request.parent_id].changed = True
+
+    def _detokenize(self, request: Request) -> None:
+        detok = request.detokenizer
+        ended_by_token = request.finished and request.status == RequestStatus.FINISHED_STOPPED
+        if ended_by_token and not request.params.include_stop_str_in_output:
+            return  # EOS / stop token: its text is not part of the output
+        stop = detok.update(request.token_ids, final=request.finished)
+        if stop is not None and not request.finished:
+            request.stop_reason = stop
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+
+    def _make_outputs(self, stats: StepStats, now: float) -> list[RequestOutput]:
+        outputs = []
+        for user in [u for u in self.user_requests.values() if u.changed]:
+            user.changed = False
+            finished = user.finished
+            if user.kind == RequestOutputKind.FINAL_ONLY and not finished:
+                continue
+            outputs.append(self._output(user))
+            if finished:
+                for child in user.children:
+                    stats.e2e_latency.append(now - child.arrival_time)
+                    stats.finished_reasons.append(child.finish_reason)
+                self._forget(user)
+        return outputs
+
+    def _output(self, user: _UserRequest) -> RequestOutput:
+        delta = user.kind == RequestOutputKind.DELTA
+        completions = []
+        for i, child in enumerate(user.children):
+            detok = child.detokenizer
+            visible = detok.visible_len(child.finished)
+            text_from = user.sent_text[i] if delta else 0
+            tokens_from = user.sent_tokens[i] if delta else 0
+            out_ids = child.output_token_ids
+            completions.append(CompletionOutput(
+                index=child.index,
+                text=detok.text[text_from:visible],
+                token_ids=out_ids[tokens_from:],
+                cumulative_logprob=child.cumulative_logprob if child.params.logprobs is not None else None,
+                logprobs=child.logprobs[tokens_from:] if child.params.logprobs is not None else None,
+                finish_reason=child.finish_reason,
+                stop_reason=child.stop_reason,
+            ))
+            user.sent_text[i], user.sent_tokens[i] = max(visible, user.sent_text[i]), len(out_ids)
+        first = user.children[0]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            last_token_time=first.last_token_time,
+            finished_time=time.monotonic() if user.finished else None,
+            num_preemptions=sum(c.num_preemptions for c in user.children),
+        )
+        return RequestOutput(
+            request_id=user.request_id,
+            prompt=user.prompt,
+            prompt_token_ids=user.prompt_ids,
+            outputs=completions,
+            finished=user.finished,
+            metrics=metrics,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    # -- introspection ----------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage

@@ -1,0 +1,96 @@
+"""LLM: the offline batch API. `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from asyncengine.config import EngineConfig
+from asyncengine.engine import LLMEngine, PromptType
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Runs batches of prompts to completion. Keyword arguments are EngineConfig fields (block_size,
+    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, ...)."""
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A prompt is a string or a list of token ids; one SamplingParams
+        for all, or one per prompt. Bad input raises ValueError before anything runs."""
+        prompt_list = self._as_list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompt_list)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        ids = self._add_all(prompt_list, params_list)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Conversation, Sequence[Conversation]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Optional[dict] = None,
+    ) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.engine.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
+            for c in conversations
+        ]
+        token_lists = [self.engine.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        return self.generate(token_lists, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _as_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
+        return list(prompts)
+
+    def _add_all(self, prompts: list[PromptType], params_list: list[SamplingParams]) -> list[str]:
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(ids)  # all or nothing: a bad prompt leaves no half-added batch behind
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update(1)
+        return [results[i] for i in ids]

@@ -1,0 +1,201 @@
+"""The model runner: owns the device, the weights and the KV cache, turns a SchedulerOutput into one forward pass
+and samples the next tokens.
+
+Batch layout of one step (T tokens over B scheduled requests, S of which sample):
+    input_ids, positions, slot_mapping: [T]    query_start_loc: [B + 1]    seq_lens: [B]
+    block_tables: [B, max_blocks]             logits_indices: [S] (last row of each sampling request)
+Host-side inputs are built as CPU tensors (pinned on CUDA) and copied without blocking; the only host sync of a
+step is reading the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from asyncengine.config import EngineConfig, ModelConfig
+from asyncengine.models.layers import AttentionMetadata
+from asyncengine.models.loader import load_model
+from asyncengine.outputs import Logprob
+from asyncengine.request import Request
+from asyncengine.sampler import Sampler, SamplingBatch
+from asyncengine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_requests: list[Request]
+
+
+@dataclass
+class StepResult:
+    """What one step produced, on the host: request id -> sampled token, and -> logprobs when asked."""
+
+    tokens: dict[str, int]
+    logprobs: dict[str, dict[int, Logprob]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.config = config
+        self.model_config = model_config
+        self.device = config.torch_device()
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.model = load_model(model_config, self.device, max_positions=max_model_len)
+        self.num_blocks = self._choose_num_blocks()
+        shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=model_config.dtype, device=self.device),
+             torch.zeros(shape, dtype=model_config.dtype, device=self.device))
+            for _ in range(model_config.num_layers)
+        ]
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        self._pin = self.device.type == "cuda"
+
+    # -- KV cache sizing --------------------------------------------------------------------------------------
+    def _bytes_per_block(self) -> int:
+        return self.block_size * self.model_config.kv_bytes_per_token(self.model_config.dtype)
+
+    def _choose_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        # Never more than every sequence slot filled to max_model_len needs.
+        enough = self.config.max_num_seqs * (-(-self.max_model_len // self.block_size) + 1)
+        if self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory()
+        else:
+            budget = int(self.config.kv_cache_memory_gb * 2**30)
+        return max(1, min(enough, budget // self._bytes_per_block()))
+
+    def _profile_free_gpu_memory(self) -> int:
+        """Run the largest step once to learn peak activation memory; return what is left for the KV cache
+        under gpu_memory_utilization."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_forward(min(self.config.max_num_batched_tokens, self.max_model_len))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_budget = int(total * self.config.gpu_memory_utilization) - peak
+        if free_budget <= 0:
+            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f})")
+        return free_budget
+
+    @torch.inference_mode()
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One prefill of num_tokens random tokens into a throw-away cache just big enough for it."""
+        mc, dev = self.model_config, self.device
+        num_blocks = -(-num_tokens // self.block_size)
+        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        caches = [(torch.empty(shape, dtype=mc.dtype, device=dev), torch.empty(shape, dtype=mc.dtype, device=dev))
+                  for _ in range(mc.num_layers)]
+        qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
+        lens = torch.tensor([num_tokens], dtype=torch.int32)
+        metadata = AttentionMetadata(
+            query_start_loc=qsl.to(dev),
+            seq_lens=lens.to(dev),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev).unsqueeze(0),
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        ids = torch.randint(0, mc.vocab_size, (num_tokens,), device=dev)
+        hidden = self.model(ids, torch.arange(num_tokens, device=dev), caches, metadata)
+        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    def make_generator(self, seed: int) -> torch.Generator:
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        return generator
+
+    def _to_device(self, values, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cpu":
+            return host, host
+        return host, host.pin_memory().to(self.device, non_blocking=True)
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        input_ids, positions, slots, qsl, seq_lens, logits_idx, sampling = [], [], [], [0], [], [], []
+        for item in sched.scheduled:
+            request, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids += request.token_ids[start:end]
+            positions += range(start, end)
+            table = request.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            qsl.append(qsl[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            if item.samples:
+                logits_idx.append(qsl[-1] - 1)
+                sampling.append(request)
+        max_blocks = max(len(s.request.block_table) for s in sched.scheduled)
+        tables = [s.request.block_table + [0] * (max_blocks - len(s.request.block_table)) for s in sched.scheduled]
+        qsl_cpu, qsl_dev = self._to_device(qsl, torch.int32)
+        lens_cpu, lens_dev = self._to_device(seq_lens, torch.int32)
+        metadata = AttentionMetadata(
+            query_start_loc=qsl_dev,
+            seq_lens=lens_dev,
+            block_tables=self._to_device(tables, torch.int32)[1],
+            slot_mapping=self._to_device(slots, torch.int64)[1],
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=lens_cpu,
+            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        return StepInputs(
+            input_ids=self._to_device(input_ids, torch.int64)[1],
+            positions=self._to_device(positions, torch.int64)[1],
+            metadata=metadata,
+            logits_indices=self._to_device(logits_idx, torch.int64)[1],
+            sampling_requests=sampling,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run the scheduled tokens through the model and sample; safe to call from a worker thread (it reads the
+        requests but changes none of them)."""
+        inputs = self.prepare(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        if not inputs.sampling_requests:
+            return StepResult({}, {})
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        batch = SamplingBatch.build(inputs.sampling_requests, logits.shape[1], self.device)
+        out = self.sampler(logits, batch)
+        return self._to_host(inputs.sampling_requests, out)
+
+    def _to_host(self, requests: list[Request], out) -> StepResult:
+        token_list = out.token_ids.tolist()  # the step's one host sync
+        tokens = {r.request_id: t for r, t in zip(requests, token_list)}
+        logprobs: dict[str, dict[int, Logprob]] = {}
+        if out.logprobs is not None:
+            values, ids, ranks = out.logprobs.tolist(), out.logprob_ids.tolist(), out.ranks.tolist()
+            for row, request in enumerate(requests):
+                n = request.params.logprobs
+                if n is None:
+                    continue
+                entry = {ids[row][0]: Logprob(values[row][0], ranks[row])}
+                for j in range(1, n + 1):
+                    entry.setdefault(ids[row][j], Logprob(values[row][j], j))
+                logprobs[request.request_id] = entry
+        return StepResult(tokens, logprobs)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self._bytes_per_block()

@@ -1,0 +1,194 @@
+"""Building blocks of the decoder models: parallel-ready linears, RMSNorm, rotary embedding, paged attention.
+
+Linear layers are written as column- and row-parallel (Megatron style) with a tensor-parallel world of size 1
+today: each owns the slice of the full weight that its rank holds, and its `weight_loader` cuts that slice out
+of a checkpoint tensor. Fused layers (QKV, gate/up) load several checkpoint tensors into one weight, named by a
+shard id. Going to several GPUs later only changes `tp_rank`/`tp_size` and adds the all-reduce after row-parallel
+layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncengine import ops
+
+TP_RANK, TP_SIZE = 0, 1
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout, shared by every attention layer (B sequences, T tokens).
+
+    query_start_loc: [B + 1] int32 (device); seq_lens: [B] int32 (device), context length after this step;
+    block_tables: [B, max_blocks] int32 (device); slot_mapping: [T] int64, cache slot of each new token (-1 = pad).
+    The *_cpu copies and max_* ints let kernels size their grids without a device-to-host sync.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W split along the output dimension across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.out_per_rank = out_features // TP_SIZE
+        self.weight = _param(self.out_per_rank, in_features, dtype=dtype)
+        self.bias = _param(self.out_per_rank, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        param.data.copy_(loaded.narrow(0, TP_RANK * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored as one weight, e.g. [gate | up] of the MLP (shard ids 0, 1)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = self.out_sizes[shard_id] // TP_SIZE
+        offset = sum(self.out_sizes[:shard_id]) // TP_SIZE
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, TP_RANK * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections as one weight [q | k | v]; shard ids "q", "k", "v"."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype):
+        self.sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+        super().__init__(hidden, sum(self.sizes.values()), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        offsets = {"q": 0, "k": self.sizes["q"], "v": self.sizes["q"] + self.sizes["k"]}
+        size = self.sizes[shard_id] // TP_SIZE
+        offset = offsets[shard_id] // TP_SIZE
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, TP_RANK * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split along the input dimension; with TP_SIZE > 1 an all-reduce follows."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(out_features, in_features // TP_SIZE, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: added once, on rank 0
+            param.data.copy_(loaded)
+            return
+        size = param.shape[1]
+        param.data.copy_(loaded.narrow(1, TP_RANK * size, size))
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding [vocab, hidden]; also serves as the LM head when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(vocab_size, hidden, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(hidden, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """Without residual: rms_norm(x). With residual: (rms_norm(x + residual), x + residual)."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] (float32) and the attention scaling for a rope config.
+
+    Supports rope_type default, linear and llama3 (Llama-3.1's frequency-dependent scaling: low frequencies are
+    divided by `factor`, high ones kept, and a smooth ramp in between, by wavelength).
+    """
+    base = float(rope.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(rope["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(rope["factor"])
+        low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old_len = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, blended, scaled), 1.0
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds cos_sin_cache [max_positions, head_dim] float32 = [cos | sin] and applies it to q and k."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: dict):
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(head_dim, rope)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.head_dim = head_dim
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the layer's paged cache, then attends over the whole cached context."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata):
+        """q: [T, H*D], k, v: [T, KVH*D] -> [T, H*D]."""
+        tokens = q.shape[0]
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        ops.reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        return out.reshape(tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,178 @@
+"""The Llama family: Llama (incl. Llama-3.1 rope scaling), Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm).
+
+The four differ only in flags read from the HF config, so one implementation serves them all. The model works on
+a flat batch: T tokens from many sequences, each with its position and its cache slot; attention reads the paged
+KV cache through `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from asyncengine import ops
+from asyncengine.models.layers import (
+    AttentionMetadata,
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    PagedAttention,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    TP_SIZE,
+    VocabEmbedding,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, KVH, D]
+
+
+def rope_config(hf_config) -> dict:
+    """rope settings across transformers versions (v5 `rope_parameters`, v4 `rope_theta` + `rope_scaling`)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    rope = dict(getattr(hf_config, "rope_scaling", None) or {})
+    rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool, max_positions: int):
+        super().__init__()
+        hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+        self.num_heads, self.num_kv_heads = heads // TP_SIZE, kv_heads // TP_SIZE
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, kv_heads, qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, getattr(cfg, "attention_bias", False), dtype)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions, rope_config(cfg))
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
+
+    def forward(self, positions, hidden_states, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rotary
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
+        out = self.attn(q, k, v.contiguous(), kv_cache, metadata)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, dtype: torch.dtype):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, dtype)
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, dtype, qkv_bias: bool, qk_norm: bool, max_positions: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, dtype, qkv_bias, qk_norm, max_positions)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, residual: Optional[torch.Tensor], kv_cache, metadata):
+        """Pre-norm block; the residual stream travels beside the hidden states so norms can fuse the add."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, chosen by the flags below."""
+
+    qkv_bias_default = False
+    qk_norm = False
+
+    def __init__(self, cfg, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        qkv_bias = getattr(cfg, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, qkv_bias, self.qk_norm, max_positions) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] -> logits [S, vocab] in float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # -- weight loading -------------------------------------------------------------------------------------
+    # checkpoint name fragment -> (our fused parameter fragment, shard id)
+    stacked = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
+        """Load (HF name, tensor) pairs; returns the (parameter name, shard id) pairs that were written."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, object]] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            shard_id = None
+            for fragment, (fused, sid) in self.stacked.items():
+                if fragment in name:
+                    name, shard_id = name.replace(fragment, fused), sid
+                    break
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
+            param = params[name]
+            loader = getattr(self._owner(name), "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor.to(param.dtype), shard_id)
+            else:
+                param.data.copy_(tensor.to(param.dtype))
+            loaded.add((name, shard_id))
+        return loaded
+
+    def _owner(self, param_name: str) -> nn.Module:
+        return self.get_submodule(param_name.rsplit(".", 1)[0])
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

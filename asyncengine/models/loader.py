@@ -1,0 +1,62 @@
+"""Build a model for a checkpoint and load its safetensors weights (single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from asyncengine.config import ModelConfig
+from asyncengine.models import model_class_for
+from asyncengine.models.layers import MergedColumnParallelLinear, QKVParallelLinear
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files: those named by model.safetensors.index.json when present, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).exists()]
+        if missing:
+            raise ValueError(f"{index} names shards that are missing: {missing}")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {folder} has no *.safetensors weights")
+    return files
+
+
+def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _expected_shards(model: torch.nn.Module) -> set[tuple[str, object]]:
+    expected = set()
+    for module_name, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            if isinstance(module, QKVParallelLinear):
+                expected |= {(full, s) for s in ("q", "k", "v")}
+            elif isinstance(module, MergedColumnParallelLinear):
+                expected |= {(full, s) for s in range(len(module.out_sizes))}
+            else:
+                expected.add((full, None))
+    return expected
+
+
+def load_model(model_config: ModelConfig, device: torch.device, max_positions: int) -> torch.nn.Module:
+    """Instantiate the architecture on `device` in model_config.dtype and fill every parameter from disk."""
+    cls = model_class_for(model_config.architecture)
+    with torch.device(device):
+        model = cls(model_config.hf_config, model_config.dtype, max_positions)
+    loaded = model.load_weights(iterate_weights(Path(model_config.path)))
+    missing = sorted(f"{n}" + (f"[{s}]" if s is not None else "") for n, s in _expected_shards(model) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_config.path} lacks weights for: {', '.join(missing[:10])}")
+    return model.eval()

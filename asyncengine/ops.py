@@ -1,0 +1,72 @@
+"""The adapter between the engine and `asyncengine.kernels`: Triton kernels on CUDA, torch references on CPU.
+
+The choice is made per call from the tensor's device, so the same model code runs on both. Every function here
+has the signature of its counterpart in `kernels/reference.py`; the Triton versions update some tensors in place,
+so callers always use the returned values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from asyncengine.kernels import reference
+
+
+@functools.cache
+def _triton_kernels():
+    """The Triton kernel modules, or None when Triton cannot run here."""
+    try:
+        from asyncengine.kernels import activation, attention, cache, norm, rotary
+    except Exception:  # Triton missing or broken: fall back to the references
+        return None
+    return {"activation": activation, "attention": attention, "cache": cache, "norm": norm, "rotary": rotary}
+
+
+def _impl(x: torch.Tensor, family: str):
+    if x.is_cuda:
+        kernels = _triton_kernels()
+        if kernels is not None:
+            return kernels[family]
+    return reference
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _impl(x, "norm").rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return _impl(x, "norm").fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _impl(x, "activation").silu_and_mul(x)
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache, head_dim: int):
+    return _impl(q, "rotary").rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    _impl(key, "cache").reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, metadata, scale: float) -> torch.Tensor:
+    """metadata: an AttentionMetadata (query_start_loc, seq_lens, block_tables, max lengths as host ints)."""
+    impl = _impl(q, "attention")
+    if impl is reference:
+        return reference.paged_attention(
+            q, k_cache, v_cache, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, scale
+        )
+    return impl.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.block_tables,
+        scale,
+        max_query_len=metadata.max_query_len,
+        max_seq_len=metadata.max_seq_len,
+    )

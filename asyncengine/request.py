@@ -1,0 +1,111 @@
+"""A request's state machine and token lists.
+
+One `Request` is one sequence being generated. A user request with n > 1 becomes n Requests (children) that
+share a parent id; the engine gathers their outputs.
+
+Life of a request:
+
+    WAITING --schedule--> RUNNING --finish--> FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED
+                 ^            |
+                 +--preempt---+   (PREEMPTED: blocks freed, num_computed_tokens reset to 0, recomputed later)
+
+Invariant: `token_ids` = prompt + generated tokens; the KV of the first `num_computed_tokens` of them is in the
+cache, in the blocks of `block_table` (in order). A RUNNING request with num_computed_tokens == len(token_ids) - 1
+is decoding: its next step computes the last token and samples one more.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from asyncengine.outputs import Logprob
+from asyncengine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        *,
+        parent_id: Optional[str] = None,
+        index: int = 0,
+        prompt: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+    ):
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.prompt = prompt
+        self.params = params
+        self.max_tokens = max_tokens
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first scheduling
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of this request's full blocks, extended as they fill
+        self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int | str] = None
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.cumulative_logprob = 0.0
+        self.num_preemptions = 0
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.generator: Optional[torch.Generator] = None  # per-request RNG when params.seed is set
+        self.detokenizer = None  # set by the engine (tokenizer.IncrementalDetokenizer)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

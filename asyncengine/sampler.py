@@ -1,0 +1,157 @@
+"""Logits processing and sampling for a batch of S rows (one per request that samples this step).
+
+Order of operations (as in vLLM):
+  1. logprobs, when asked, come from the raw logits: log_softmax(logits)
+  2. logit_bias is added; min_tokens masks EOS and stop_token_ids to -inf
+  3. penalties: repetition (over prompt and output: positive logits divided, negative multiplied),
+     frequency (minus f * count in output) and presence (minus p * [count > 0])
+  4. greedy rows (temperature 0) take the argmax here
+  5. other rows: divide by temperature, keep the top_k, keep the smallest set with mass >= top_p,
+     drop tokens with prob < min_p * max prob, then sample by the exponential race argmax(p / q), q ~ Exp(1),
+     which needs no host sync. Rows with a seed draw q from their own generator, so a seeded request samples
+     the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from asyncengine.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    """Host-side description of the rows, built once per step; tensors live on the logits' device."""
+
+    requests: list[Request]
+    temperature: torch.Tensor  # [S] float32, 1.0 for greedy rows (unused there)
+    greedy: torch.Tensor  # [S] bool
+    top_k: Optional[torch.Tensor]  # [S] int64, vocab size where disabled; None if no row uses it
+    top_p: Optional[torch.Tensor]  # [S] float32
+    min_p: Optional[torch.Tensor]  # [S] float32
+    all_greedy: bool
+    max_logprobs: int  # the largest top-N asked by any row
+    wants_logprobs: bool
+    biases: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (row, ids, values)
+    banned: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, ids) set to -inf
+
+    @classmethod
+    def build(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
+        params = [r.params for r in requests]
+        temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        greedy = [p.temperature == 0 for p in params]
+
+        def optional(values, neutral, dtype):
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        batch = cls(
+            requests=requests,
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=optional([p.top_k if p.top_k > 0 else vocab_size for p in params], vocab_size, torch.int64),
+            top_p=optional([p.top_p for p in params], 1.0, torch.float32),
+            min_p=optional([p.min_p for p in params], 0.0, torch.float32),
+            all_greedy=all(greedy),
+            max_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            wants_logprobs=any(p.logprobs is not None for p in params),
+        )
+        for row, (request, p) in enumerate(zip(requests, params)):
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
+                vals = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
+                batch.biases.append((row, ids, vals))
+            if request.num_output_tokens < p.min_tokens:
+                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
+                if stop_ids:
+                    batch.banned.append((row, torch.tensor(sorted(stop_ids), dtype=torch.int64, device=device)))
+        return batch
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [S] int64
+    logprobs: Optional[torch.Tensor] = None  # [S, 1 + N] logprob of the sampled token, then the top N
+    logprob_ids: Optional[torch.Tensor] = None  # [S, 1 + N] token ids matching `logprobs`
+    ranks: Optional[torch.Tensor] = None  # [S] rank of the sampled token (1 = most likely)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """In place on logits [S, V] for the rows whose requests ask for penalties."""
+    vocab = logits.shape[1]
+    for row, request in enumerate(requests):
+        p = request.params
+        if not p.needs_penalties:
+            continue
+        out_ids = torch.tensor(request.output_token_ids, dtype=torch.int64, device=logits.device)
+        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt_ids = torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=logits.device)
+            seen[prompt_ids[prompt_ids < vocab]] = True
+            row_logits = logits[row]
+            penalised = torch.where(row_logits > 0, row_logits / p.repetition_penalty, row_logits * p.repetition_penalty)
+            logits[row] = torch.where(seen, penalised, row_logits)
+        logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top_k and top_p on logits [S, V] (returns new logits with -inf for dropped tokens)."""
+    logits = logits / batch.temperature.unsqueeze(1)
+    if batch.top_k is None and batch.top_p is None:
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if batch.top_k is not None:
+        ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+        drop |= ranks >= batch.top_k.unsqueeze(1)
+    if batch.top_p is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+        drop |= mass_before >= batch.top_p.unsqueeze(1)
+    drop[:, 0] = False  # always keep the most likely token
+    return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def exponential_race(probs: torch.Tensor, requests: list[Request], generator: Optional[torch.Generator]) -> torch.Tensor:
+    """argmax(p / q) with q ~ Exp(1) is a draw from p; seeded rows use their own generator."""
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    for row, request in enumerate(requests):
+        if request.generator is not None:
+            q[row].exponential_(generator=request.generator)
+    return (probs / q).argmax(dim=-1)
+
+
+class Sampler:
+    def __init__(self, generator: Optional[torch.Generator] = None):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [S, V] float32 (modified in place) -> sampled token ids and, when asked, logprobs."""
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.wants_logprobs else None
+        for row, ids, values in batch.biases:
+            logits[row].index_add_(0, ids, values)
+        for row, ids in batch.banned:
+            logits[row, ids] = float("-inf")
+        apply_penalties(logits, batch.requests)
+        tokens = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            probs = apply_filters(logits, batch).softmax(dim=-1)
+            if batch.min_p is not None:
+                threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+                probs = probs.masked_fill(probs < threshold, 0.0)
+            sampled = exponential_race(probs, batch.requests, self.generator)
+            tokens = torch.where(batch.greedy, tokens, sampled)
+        out = SamplerOutput(token_ids=tokens)
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, tokens.unsqueeze(1))  # [S, 1]
+            out.ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+            top_vals, top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
+            out.logprobs = torch.cat([chosen, top_vals], dim=1)
+            out.logprob_ids = torch.cat([tokens.unsqueeze(1), top_ids], dim=1)
+        return out

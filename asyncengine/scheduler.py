@@ -1,0 +1,192 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption by recompute.
+
+Each step, `schedule()` decides how many new tokens every request computes:
+
+1. RUNNING requests first, oldest first: a decoding request needs 1 token; one in the middle of a chunked
+   prefill needs the rest of its prompt, cut to what is left of the budget. If its blocks cannot be allocated,
+   the newest running request is preempted (blocks freed, progress dropped, put back at the head of the queue)
+   until they can: possibly the request itself.
+2. Then WAITING requests in arrival order while budget, sequence slots and blocks last. A waiting request first
+   adopts the longest cached prefix of its tokens, then computes the rest, chunked to the budget. The queue is
+   strictly FIFO: if its head cannot get blocks, nothing behind it jumps ahead.
+
+Since decodes are scheduled before any prefill chunk, a long prompt never stalls running requests: it advances
+by the budget left over each step. `update()` then books the computed tokens and the sampled ones, and finishes
+requests whose stop condition a token alone decides (EOS, stop token ids, max_tokens, max_model_len).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from asyncengine.block_manager import BlockManager
+from asyncengine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so its logits give the next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (any state) and free its blocks; a no-op for one already finished."""
+        if request.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_manager.free_request(request)
+
+    # -- scheduling --------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    return budget
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(request)
+            num_cached = len(cached) * self.block_manager.block_size
+            remaining = request.num_tokens - num_cached
+            if remaining > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(remaining, budget)
+            if not self.block_manager.allocate(request, num_cached + num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+                self.block_manager.record_prefix_lookup(request.num_prompt_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Recompute later: drop the request's KV and put it at the head of the queue."""
+        self.running.remove(request)
+        self.block_manager.free_request(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    # -- after the forward pass --------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Book computed tokens and append sampled ones (request_id -> token id); returns requests that got a
+        token. Finishes those whose new token ends them (EOS, stop_token_ids, max_tokens, max_model_len)."""
+        got_token = []
+        for item in out.scheduled:
+            request = item.request
+            if request.finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token)
+            got_token.append(request)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.finish(request, status)
+        return got_token
+
+    def _stop_status(self, request: Request, token: int) -> Optional[RequestStatus]:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in params._eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def abort(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

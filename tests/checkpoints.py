@@ -1,0 +1,109 @@
+"""Tiny random Hugging Face checkpoints, built offline, for tests.
+
+Each is saved exactly as a downloaded model would be (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with a chat template, generation_config.json), so the engine loads it through the same
+code path as a real Llama.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching keeps the accelerator busy while requests come and go.",
+    "Ünïcödé têxt, emoji 🙂🚀 and 漢字 must round-trip through byte-level BPE.",
+    "def main():\n    print('hello')\n",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ?",
+]
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a few sentences, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def _config(arch: str, vocab_size: int, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        rms_norm_eps=1e-6,
+        architectures=[arch],
+    )
+    if arch == "LlamaForCausalLM":  # Llama-3.1-style rope scaling that matters at these short positions
+        common["rope_scaling"] = {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        common["rope_theta"] = 500000.0
+        cls = LlamaConfig
+    elif arch == "MistralForCausalLM":
+        cls = MistralConfig
+        common["sliding_window"] = None
+    elif arch == "Qwen2ForCausalLM":
+        cls = Qwen2Config
+        common["tie_word_embeddings"] = True
+    elif arch == "Qwen3ForCausalLM":
+        cls = Qwen3Config
+        common["head_dim"] = 32  # Qwen3 decouples head_dim from hidden / heads
+    else:
+        raise ValueError(arch)
+    common.update(overrides)
+    return cls(**common)
+
+
+def build_checkpoint(folder: Path, arch: str = "LlamaForCausalLM", seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+    """Save a random model of `arch` and its tokenizer to folder; returns folder."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder)
+    config = _config(arch, len(tokenizer), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    with torch.no_grad():  # larger weights than the default init: peaked logits, so greedy ties are unlikely
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "bias" in name:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(str(folder))
+    GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(str(folder))
+    return folder
+
+
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
