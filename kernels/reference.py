@@ -101,26 +101,47 @@ def paged_attention(
     seq_lens: [B] tokens in context after this step, new ones included; block_tables: [B, max_blocks].
     Query row i of sequence b sits at position seq_len - q_len + i and sees keys 0..that position.
     Returns [T, num_heads, D] in q's dtype. Grouped-query attention: head h reads kv head h // (H / KVH).
+    Decode rows (one query each) are computed together in one padded batch; prefill rows one sequence at a time.
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    if decode:
+        rows = torch.tensor([starts[b] for b in decode], device=q.device)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, [lens[b] for b in decode], block_tables[decode], scale)
     for b, seq_len in enumerate(lens):
-        start, end = starts[b], starts[b + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        k = gather_kv(k_cache, block_tables[b], seq_len)  # [S, kvh, D]
-        v = gather_kv(v_cache, block_tables[b], seq_len)
-        qb = q[start:end].transpose(0, 1)  # [H, q_len, D]
-        kb = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)  # [H, S, D]
-        vb = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-        # Causal with an offset: query i (absolute position seq_len - q_len + i) sees keys <= that position.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        mask = k_pos <= q_pos  # [q_len, S]
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
-        out[start:end] = ob.transpose(0, 1)
+        if q_lens[b] > 1:
+            start, end = starts[b], starts[b + 1]
+            out[start:end] = _prefill_attention(q[start:end], k_cache, v_cache, seq_len, block_tables[b], scale)
     return out
+
+
+def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[..., S, KVH, D] -> [..., H, S, D], repeating each kv head for its group of query heads."""
+    return x.transpose(-3, -2).repeat_interleave(num_heads // x.shape[-2], dim=-3)
+
+
+def _prefill_attention(q, k_cache, v_cache, seq_len: int, block_table, scale: float) -> torch.Tensor:
+    """One sequence: q [q_len, H, D] over its first seq_len cached tokens, causal with an offset."""
+    q_len, num_heads = q.shape[0], q.shape[1]
+    k = _expand_kv(gather_kv(k_cache, block_table, seq_len), num_heads).to(q.dtype)  # [H, S, D]
+    v = _expand_kv(gather_kv(v_cache, block_table, seq_len), num_heads).to(q.dtype)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+    mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, S]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def _decode_attention(q, k_cache, v_cache, lens: list[int], block_tables, scale: float) -> torch.Tensor:
+    """Bd sequences with one query each: q [Bd, H, D]; keys padded to the longest and masked."""
+    num_heads, block_size = q.shape[1], k_cache.shape[1]
+    max_len = max(lens)
+    tables = block_tables[:, : -(-max_len // block_size)].long()  # [Bd, nb]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [Bd, L, KVH, D]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len]
+    k, v = _expand_kv(k, num_heads).to(q.dtype), _expand_kv(v, num_heads).to(q.dtype)  # [Bd, H, L, D]
+    valid = torch.arange(max_len, device=q.device) < torch.tensor(lens, device=q.device).unsqueeze(1)  # [Bd, L]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.squeeze(2)

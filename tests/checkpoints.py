@@ -94,7 +94,7 @@ def build_checkpoint(folder: Path, arch: str = "LlamaForCausalLM", seed: int = 0
     tokenizer = build_tokenizer(folder)
     config = _config(arch, len(tokenizer), **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # larger weights than the default init: peaked logits, so greedy ties are unlikely
         for name, p in model.named_parameters():
             if p.dim() == 2:
