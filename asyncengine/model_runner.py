@@ -62,7 +62,10 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
-        self._pin = self.device.type == "cuda"
+        self.graphs: Optional[DecodeGraphs] = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self)
+            self.graphs.capture()
 
     # -- KV cache sizing --------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -172,11 +175,16 @@ class ModelRunner:
         """Run the scheduled tokens through the model and sample; safe to call from a worker thread (it reads the
         requests but changes none of them)."""
         inputs = self.prepare(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        if not inputs.sampling_requests:
-            return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        batch = SamplingBatch.build(inputs.sampling_requests, logits.shape[1], self.device)
+        # Built before the forward is launched: its small host-to-device copies then never wait on the GPU.
+        batch = SamplingBatch.build(inputs.sampling_requests, self.model_config.vocab_size, self.device)
+        graph = self.graphs.batch_size_for(sched) if self.graphs is not None else None
+        if graph is not None:
+            logits = self.graphs.run(graph, inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            if not inputs.sampling_requests:
+                return StepResult({}, {})
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = self.sampler(logits, batch)
         return self._to_host(inputs.sampling_requests, out)
 
@@ -199,3 +207,83 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self._bytes_per_block()
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode step (one token per sequence) for padded batch sizes up to max_num_seqs.
+
+    Each graph reads static device buffers (ids, positions, slots, seq_lens, block tables) and writes logits
+    [G, vocab]; a step of B <= G decodes copies its inputs into the first B rows, pads the rest (slot -1, so the
+    pad rows write no KV; seq_len 1 over block 0, so they read finite values) and replays. Attention's split count
+    is sized from max_model_len, so the captured grid fits every context length. Graphs share one memory pool and
+    are captured largest first.
+    """
+
+    def __init__(self, runner: "ModelRunner"):
+        self.runner = runner
+        cfg = runner.config
+        self.sizes = sorted({1, 2, 4, 8} | set(range(16, cfg.max_num_seqs + 1, 16)) | {cfg.max_num_seqs})
+        self.sizes = [g for g in self.sizes if g <= cfg.max_num_seqs]
+        max_g, dev = self.sizes[-1], runner.device
+        max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(max_g, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_g, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_g,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(max_g, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(max_g, max_blocks, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(max_g + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _metadata(self, g: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: g + 1],
+            seq_lens=self.seq_lens[:g],
+            block_tables=self.block_tables[:g],
+            slot_mapping=self.slot_mapping[:g],
+            query_start_loc_cpu=torch.arange(g + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.ones(g, dtype=torch.int32),
+            max_query_len=1,
+            max_seq_len=self.runner.max_model_len,
+        )
+
+    def _forward(self, g: int) -> torch.Tensor:
+        model = self.runner.model
+        hidden = model(self.input_ids[:g], self.positions[:g], self.runner.kv_caches, self._metadata(g))
+        return model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for g in reversed(self.sizes):
+            self._forward(g)  # warm-up: Triton compilation and cuBLAS handles outside the capture
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[g] = self._forward(g)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[g] = graph
+        torch.cuda.synchronize(self.runner.device)
+
+    def batch_size_for(self, sched: SchedulerOutput) -> Optional[int]:
+        """The graph to replay for this step, or None when it is not a pure decode step that fits one."""
+        b = len(sched.scheduled)
+        if b > self.sizes[-1] or any(s.num_new_tokens != 1 or not s.samples for s in sched.scheduled):
+            return None
+        return next(g for g in self.sizes if g >= b)
+
+    def run(self, g: int, inputs: StepInputs) -> torch.Tensor:
+        """Copy the step's inputs into the static buffers, replay graph g, return logits of the real rows."""
+        b = inputs.input_ids.shape[0]
+        meta = inputs.metadata
+        self.input_ids[:b].copy_(inputs.input_ids)
+        self.positions[:b].copy_(inputs.positions)
+        self.slot_mapping[:b].copy_(meta.slot_mapping)
+        self.slot_mapping[b:g].fill_(-1)
+        self.seq_lens[:b].copy_(meta.seq_lens)
+        self.seq_lens[b:g].fill_(1)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:b, :width].copy_(meta.block_tables)
+        self.graphs[g].replay()
+        return self.logits[g][:b]

@@ -1,0 +1,291 @@
+"""Offline throughput and latency of the engine on one GPU, against transformers in the same run (issue 5).
+
+    python -m loadtest.bench_offline --out results/ [--quick]
+
+One process: measures the GPU's copy bandwidth and matmul rate, builds a Llama-3-8B-shape checkpoint with random
+bf16 weights, runs the transformers peers on W2 first (then frees them), then the engine on:
+  W1 ShareGPT-like: 1000 requests, seeded lognormal lengths (mean ~200 in, ~180 out), ignore_eos, all at once
+  W2 fixed: 1000 requests of 512 in, 128 out
+  W3 batch-1 decode at 1,000 tokens of context: ms per output token (and the roofline for it)
+  W4 prefill: 64 prompts of 2,048 tokens, max_tokens=1: tokens/s and model FLOP utilisation
+Prints one table and writes JSON. Each section is timed after a warm-up with the same shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LLAMA3_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    rope_theta=500000.0, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+)
+
+
+# -- the hardware's limits -------------------------------------------------------------------------------------
+def measure_copy_bandwidth(gib: float = 4.0) -> float:
+    """Device-to-device copy, bytes read plus written per second (median of 20)."""
+    n = int(gib * 2**30) // 2
+    src, dst = torch.randn(n // 2, device="cuda").to(torch.bfloat16).repeat(2), torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n * 2 / float(np.median(times[5:]))
+
+
+def measure_matmul_flops(n: int = 8192) -> float:
+    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for _ in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / float(np.median(times[3:]))
+
+
+# -- the checkpoint --------------------------------------------------------------------------------------------
+def build_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer covering every id of the model, so each generated token detokenizes to text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w0", eos_token="w1", unk_token="w2")
+    fast.save_pretrained(str(folder))
+
+
+def build_checkpoint(folder: Path, layers: int | None = None) -> Path:
+    """Random bf16 weights of the Llama-3-8B shape, drawn on the GPU, saved as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (folder / "config.json").exists():
+        return folder
+    cfg = dict(LLAMA3_8B)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    config = LlamaConfig(**cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.save_pretrained(str(folder))
+    build_tokenizer(folder, config.vocab_size)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return folder
+
+
+# -- workloads -------------------------------------------------------------------------------------------------
+def sharegpt_like(n: int, mean_in: int, mean_out: int, seed: int, vocab: int):
+    """Seeded lognormal lengths with the given means (sigma 0.8), clipped to [4, 1024] / [4, 1024]."""
+    rng = np.random.default_rng(seed)
+    sigma = 0.8
+
+    def lengths(mean):
+        mu = math.log(mean) - sigma**2 / 2
+        return np.clip(rng.lognormal(mu, sigma, n).round().astype(int), 4, 1024)
+
+    ins, outs = lengths(mean_in), lengths(mean_out)
+    prompts = [rng.integers(3, vocab, size=int(k)).tolist() for k in ins]
+    return prompts, [int(o) for o in outs]
+
+
+def fixed(n: int, n_in: int, n_out: int, seed: int, vocab: int):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n_in).tolist() for _ in range(n)], [n_out] * n
+
+
+def run_engine(llm, prompts, outs, temperature=1.0) -> dict:
+    from asyncengine import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True, seed=None) for o in outs]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    in_tokens = sum(len(p) for p in prompts)
+    assert out_tokens == sum(outs), "every request must produce exactly max_tokens (ignore_eos)"
+    return dict(seconds=elapsed, requests=len(prompts), req_per_s=len(prompts) / elapsed,
+                output_tok_per_s=out_tokens / elapsed, total_tok_per_s=(in_tokens + out_tokens) / elapsed,
+                preemptions=llm.engine.scheduler.num_preemptions)
+
+
+def batch1_decode_ms(llm, vocab: int, context: int = 1000, new_tokens: int = 200) -> float:
+    """Median milliseconds per output token of one sequence at ~context tokens."""
+    from asyncengine import SamplingParams
+
+    engine = llm.engine
+    prompt = np.random.default_rng(3).integers(3, vocab, size=context).tolist()
+    engine.add_request("w3", prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    stamps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        torch.cuda.synchronize()
+        stamps.append(time.perf_counter())
+    gaps = np.diff(stamps[1:])  # skip the prefill step
+    return float(np.median(gaps) * 1e3)
+
+
+def prefill_flops(n_params_linear: float, layers: int, heads: int, head_dim: int, seq: int) -> float:
+    """Model FLOPs of a prefill of one sequence: 2 * params per token plus causal attention (QK and PV)."""
+    linear = 2 * n_params_linear * seq
+    attention = 2 * 2 * layers * heads * head_dim * seq * seq / 2
+    return linear + attention
+
+
+def run_peers(folder: Path, prompts, n_out: int, batch: int, cb_requests: int) -> dict:
+    """transformers generate (static batch) and generate_batch (continuous batching) on W2-shaped requests."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, device_map="cuda")
+    model.eval()
+    res = {}
+    ids = torch.tensor(prompts[:batch], device="cuda")
+    mask = torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:, :64], attention_mask=mask[:, :64], max_new_tokens=8, do_sample=False, pad_token_id=0)
+        model.generate(ids, attention_mask=mask, **kwargs)  # warm-up with the timed shapes
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kwargs)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    made = (out.shape[1] - ids.shape[1]) * batch
+    res["hf_generate_static"] = dict(batch=batch, seconds=elapsed, output_tok_per_s=made / elapsed)
+    try:
+        gen_cfg = GenerationConfig(max_new_tokens=n_out, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        reqs = [p for p in prompts[:cb_requests]]
+        model.generate_batch(inputs=reqs[: min(32, len(reqs))], generation_config=gen_cfg)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = model.generate_batch(inputs=reqs, generation_config=gen_cfg)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        made = sum(len(o.generated_tokens) for o in outs.values())
+        res["hf_generate_batch"] = dict(requests=len(reqs), seconds=elapsed, output_tok_per_s=made / elapsed)
+    except Exception as exc:  # record why, keep the rest of the benchmark
+        res["hf_generate_batch"] = dict(error=repr(exc)[:500])
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--checkpoint", default="/tmp/llama3-8b-random")
+    parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    args = parser.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
+
+    def save():
+        (out_dir / "bench_offline.json").write_text(json.dumps(results, indent=2))
+
+    results["copy_bandwidth_GBps"] = measure_copy_bandwidth() / 1e9
+    results["matmul_TFLOPs"] = measure_matmul_flops() / 1e12
+    save()
+    t0 = time.perf_counter()
+    folder = build_checkpoint(Path(args.checkpoint))
+    results["build_checkpoint_s"] = time.perf_counter() - t0
+    vocab = LLAMA3_8B["vocab_size"]
+    n = 200 if args.quick else 1000
+    w2_prompts, w2_outs = fixed(n, 512, 128, seed=2, vocab=vocab)
+    if not args.skip_peers:
+        results["peers"] = run_peers(folder, w2_prompts, 128, batch=64, cb_requests=64 if args.quick else 256)
+        save()
+
+    from asyncengine import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(str(folder), dtype="bfloat16", max_model_len=4096, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.90)
+    results["engine_init_s"] = time.perf_counter() - t0
+    results["kv_blocks"] = llm.engine.runner.num_blocks
+    # Warm-up with the timed shapes (Triton compiles per shape family), then the workloads.
+    run_engine(llm, *fixed(64, 512, 16, seed=9, vocab=vocab))
+    run_engine(llm, *sharegpt_like(64, 200, 32, seed=8, vocab=vocab))
+    results["W1"] = run_engine(llm, *sharegpt_like(n, 200, 180, seed=1, vocab=vocab))
+    save()
+    results["W2"] = run_engine(llm, w2_prompts, w2_outs)
+    save()
+    results["W3_ms_per_token"] = batch1_decode_ms(llm, vocab)
+    save()
+    w4_prompts, w4_outs = fixed(16 if args.quick else 64, 2048, 1, seed=4, vocab=vocab)
+    run_engine(llm, w4_prompts[:8], w4_outs[:8])
+    w4 = run_engine(llm, w4_prompts, w4_outs)
+    mc = llm.engine.model_config
+    n_linear = sum(p.numel() for name, p in llm.engine.runner.model.named_parameters() if "embed" not in name)
+    flops = len(w4_prompts) * prefill_flops(n_linear, mc.num_layers, mc.num_heads, mc.head_dim, 2048)
+    w4["prefill_tok_per_s"] = len(w4_prompts) * 2048 / w4["seconds"]
+    w4["mfu_vs_measured_matmul"] = flops / w4["seconds"] / (results["matmul_TFLOPs"] * 1e12)
+    results["W4"] = w4
+    # Roofline for W3: every weight except the embedding table read once, plus the KV of 1,000 tokens.
+    weight_bytes = n_linear * 2
+    kv_bytes = 1100 * mc.kv_bytes_per_token(torch.bfloat16)
+    results["W3_bytes_per_step"] = weight_bytes + kv_bytes
+    results["W3_roofline_ms"] = (weight_bytes + kv_bytes) / (results["copy_bandwidth_GBps"] * 1e9) * 1e3
+    save()
+    print_table(results)
+    return 0
+
+
+def print_table(r: dict) -> None:
+    peers = r.get("peers", {})
+    cb = peers.get("hf_generate_batch", {}).get("output_tok_per_s")
+    static = peers.get("hf_generate_static", {}).get("output_tok_per_s")
+    w2 = r["W2"]["output_tok_per_s"]
+    rows = [
+        ("W1 sharegpt-like req/s", f"{r['W1']['req_per_s']:.1f}", "-", "-", ""),
+        ("W1 output tok/s", f"{r['W1']['output_tok_per_s']:.0f}", "-", "-", ""),
+        ("W2 output tok/s", f"{w2:.0f}", f"HF generate_batch {cb:.0f}" if cb else "HF generate_batch n/a",
+         f"{w2 / cb:.1f}x" if cb else "-", ""),
+        ("W2 output tok/s", f"{w2:.0f}", f"HF generate(64) {static:.0f}" if static else "-",
+         f"{w2 / static:.1f}x" if static else "-", ""),
+        ("W3 ms/token (bs1, 1k ctx)", f"{r['W3_ms_per_token']:.2f}", f"roofline {r['W3_roofline_ms']:.2f}",
+         "-", f"{r['W3_roofline_ms'] / r['W3_ms_per_token']:.0%} of roofline"),
+        ("W4 prefill tok/s", f"{r['W4']['prefill_tok_per_s']:.0f}", f"matmul {r['matmul_TFLOPs']:.0f} TFLOP/s", "-",
+         f"MFU {r['W4']['mfu_vs_measured_matmul']:.0%}"),
+    ]
+    print(f"\n{r['gpu']}  {r['date']}  copy {r['copy_bandwidth_GBps']:.0f} GB/s  matmul {r['matmul_TFLOPs']:.0f} TFLOP/s")
+    print(f"{'workload':28} {'engine':>10} {'peer':>30} {'ratio':>7} {'limit':>20}")
+    for row in rows:
+        print(f"{row[0]:28} {row[1]:>10} {row[2]:>30} {row[3]:>7} {row[4]:>20}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
