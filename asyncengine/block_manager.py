@@ -3,11 +3,13 @@
 Every layer's cache holds `num_blocks` blocks of `block_size` token slots; a request owns an ordered block table.
 
 Prefix cache. A *full* block whose KV has been computed is registered under a hash chained over every token
-before it: key_i = (hash_{i-1}, tokens of block i), hash_i = hash(key_i). A new request walks its own chain and
-reuses registered blocks while they match, confirming each hit by comparing the stored key (so a hash collision
-can never hand out the wrong KV). Shared blocks are never written: a request only writes slots past its computed
-tokens, which lie in blocks it allocated fresh, and hits are capped so at least one prompt token is recomputed
-(its logits are needed).
+before it: key_i = (hash_{i-1}, tokens of block i), hash_i = blake2b-128(key_i). A new request walks its own chain
+and reuses registered blocks while they match, confirming each hit by comparing the stored key (so a collision of
+block i's own hash can never hand out the wrong KV). The key names its parent only by hash, so a collision of an
+*earlier* block's hash could chain into a block computed after another prefix: hence a cryptographic hash, not
+Python's hash(), which is unseeded for ints and easy to collide on purpose (x and x + 2**61 - 1 hash alike).
+Shared blocks are never written: a request only writes slots past its computed tokens, which lie in blocks it
+allocated fresh, and hits are capped so at least one prompt token is recomputed (its logits are needed).
 
 Free list. Blocks with no reference sit in `free` in LRU order: allocation takes from the front. A freed block
 that holds registered KV goes to the back (kept as long as possible for reuse); an unregistered one goes to the
@@ -16,6 +18,8 @@ front. Taking a registered block from the free list for a new owner evicts it fr
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -23,6 +27,12 @@ from typing import Optional
 from asyncengine.request import Request
 
 BlockKey = tuple  # (parent hash, token ids of the block...)
+
+
+def chain_hash(parent: int, tokens: list[int]) -> int:
+    """128-bit blake2b of (parent hash, token ids): collisions cannot be crafted, unlike with hash()."""
+    data = parent.to_bytes(16, "little") + array("q", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
 
 
 @dataclass
@@ -63,8 +73,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(request.block_hashes), num_full_blocks):
             parent = request.block_hashes[i - 1] if i else 0
-            key = (parent, *request.token_ids[i * bs : (i + 1) * bs])
-            request.block_hashes.append(hash(key))
+            request.block_hashes.append(chain_hash(parent, request.token_ids[i * bs : (i + 1) * bs]))
 
     def _key(self, request: Request, i: int) -> BlockKey:
         parent = request.block_hashes[i - 1] if i else 0

@@ -93,12 +93,6 @@ class EngineConfig:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (layers are written for it)")
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                    f"max_model_len ({self.max_model_len})"
-                )
 
     def _check_positive(self, *names: str) -> None:
         for name in names:

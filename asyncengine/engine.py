@@ -78,6 +78,11 @@ class LLMEngine:
                 f"{self.runner.num_blocks * config.block_size} tokens, fewer than max_model_len ({self.max_model_len}): "
                 "give more KV memory (num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization) or lower max_model_len"
             )
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}), or a long prompt could never be scheduled"
+            )
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -244,8 +249,12 @@ class LLMEngine:
         if ended_by_token and not request.params.include_stop_str_in_output:
             return  # EOS / stop token: its text is not part of the output
         stop = detok.update(request.token_ids, final=request.finished)
-        if stop is not None and not request.finished:
-            request.stop_reason = stop
+        if stop is None:
+            return
+        request.stop_reason = stop
+        if request.finished:  # the last allowed token completed the stop string: it is still a stop
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _make_outputs(self, stats: StepStats, now: float) -> list[RequestOutput]:

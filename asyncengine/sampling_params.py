@@ -60,16 +60,54 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        self.stop = list(self.stop or []) if isinstance(self.stop, (list, tuple, type(None))) else self.stop
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = self._parse_logit_bias(self.logit_bias)
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
 
+    @staticmethod
+    def _parse_logit_bias(bias: dict) -> dict[int, float]:
+        """Keys may be ints or decimal strings (as JSON sends them); values numbers."""
+        parsed = {}
+        for key, value in bias.items():
+            try:
+                token_id = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}") from None
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool), "logit_bias",
+                   f"values must be numbers, got {value!r}")
+            parsed[token_id] = float(value)
+        return parsed
+
+    _INT_FIELDS = ("n", "top_k", "min_tokens")
+    _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+    def _check_types(self) -> None:
+        for name in self._INT_FIELDS:
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
+        for name in self._FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(
+                isinstance(value, (int, float)) and not isinstance(value, bool), name, f"must be a number, got {value!r}"
+            )
+        for name in ("max_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, int) and not isinstance(value, bool)),
+                name,
+                f"must be an integer or null, got {value!r}",
+            )
+        _check(isinstance(self.stop, (list, tuple)), "stop", f"must be a string or a list of strings, got {self.stop!r}")
+        _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias", "must be a mapping of token id to bias")
+
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", f"must be an integer in [1, 128], got {self.n!r}")
+        self._check_types()
+        _check(1 <= self.n <= 128, "n", f"must be an integer in [1, 128], got {self.n!r}")
         _check(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(

@@ -56,7 +56,9 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def update(self, token_ids: list[int], final: bool = False) -> Optional[str]:
         """Account for token_ids[-1] (token_ids = prompt + output so far). Returns the stop string matched, if
