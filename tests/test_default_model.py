@@ -98,3 +98,38 @@ def test_chat_template_applies(tokenizer):
     assert ids.count(eot) == 2
     with pytest.raises(Exception):
         tokenizer.apply_chat_template([{"role": "robot", "content": "hi"}], tokenize=False)
+
+
+@pytest.fixture(scope="module")
+def engine_llm():
+    from asyncengine import LLM
+
+    return LLM(max_model_len=512)  # no model named: the embedded default
+
+
+def test_engine_finds_default_model_and_matches_transformers_greedy(engine_llm, model, tokenizer):
+    from asyncengine import SamplingParams
+
+    assert Path(engine_llm.engine.config.model).resolve() == MODEL_DIR.resolve()
+    ours = engine_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    ref = model.generate(ids, max_new_tokens=48, min_new_tokens=48, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert ours[0].outputs[0].token_ids == ref
+
+
+def test_engine_text_is_mostly_real_words(engine_llm, vocabulary):
+    from asyncengine import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=7)
+    text = engine_llm.generate(["In the beginning"], params, use_tqdm=False)[0].outputs[0].text
+    words = [normalize_word(w) for w in text.split()]
+    words = [w for w in words if w]
+    assert len(words) >= 20
+    known = sum(w in vocabulary for w in words) / len(words)
+    assert known >= 0.7, (known, text)
+
+
+def test_a_named_model_wins_over_the_default(llama_dir):
+    from asyncengine import LLM
+
+    assert LLM(str(llama_dir), max_model_len=64).engine.config.model == str(llama_dir)
