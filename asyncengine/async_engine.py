@@ -4,10 +4,11 @@ The step task runs on the loop that first uses the engine:
 
     while requests remain:
         apply pending aborts                      (frees their KV blocks before the next step)
-        sched = engine.schedule()                 on the loop (cheap host work)
-        result = await device thread(execute)     forward pass + sampling off the loop: the loop stays free
-        outputs = engine.finish_step(...)         on the loop: tokens, stops, detokenization
-        stream.put(output) for each request       never blocks: a bounded, merging slot per request
+        step = engine.prepare_step()              on the loop (scheduling, input tensors)
+        result = await device thread(run)         forward pass + sampling off the loop: the loop stays free
+        got = engine.book(step)                   on the loop: tokens and token-decided stops
+        next step prepared and launched           so the device is busy while ...
+        engine.emit(got) -> stream.put(output)    ... the loop detokenizes; put never blocks (bounded, merging slot)
     then sleep on an event until a request arrives (no polling)
 
 Back-pressure: each request has one output slot. When its reader is slow, DELTA outputs merge into the slot
@@ -264,18 +265,20 @@ class AsyncLLMEngine:
             self._step_task = asyncio.get_running_loop().create_task(self._step_loop(), name="asyncengine-step-loop")
 
     async def _step_loop(self) -> None:
+        """Pipelined: while step N+1 runs on the device thread, step N's tokens are detokenized and delivered."""
         loop = asyncio.get_running_loop()
+        step, pending = None, None
         try:
             while True:
-                self._apply_aborts()
-                if not self.engine.has_unfinished_requests():
+                got = self.engine.book(step, await pending) if pending is not None else []
+                self._apply_aborts()  # before scheduling: aborted requests' blocks are free for the next step
+                step = self.engine.prepare_step() if self.engine.has_unfinished_requests() else None
+                pending = loop.run_in_executor(self._device_thread, self.engine.run, step) if step else None
+                for output in self.engine.emit(got):
+                    self._deliver(output)
+                if pending is None and not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
                     await self._wakeup.wait()
-                    continue
-                sched = self.engine.schedule()
-                result = await loop.run_in_executor(self._device_thread, self.engine.execute, sched)
-                for output in self.engine.finish_step(sched, result):
-                    self._deliver(output)
                 await asyncio.sleep(0)  # let readers and new requests run between steps
         except asyncio.CancelledError:
             raise

@@ -7,8 +7,9 @@ A request's life, top to bottom:
                    scheduler.update()         -> append tokens, token-decided stops, free finished blocks
                    _detokenize()              -> text deltas, stop strings (which finish requests too)
                    _make_outputs()            -> RequestOutput per user request, by its output kind
-`step()` is split into `schedule()`, `execute()` and `finish_step()` so the async engine can run the device work
-in a worker thread while the event loop stays free; calling `step()` does all three.
+`step()` is split into `prepare_step()` (host), `run()` (device work, thread-safe), `book()` (tokens and
+token-decided stops) and `emit()` (detokenization, outputs), so drivers can run the device work in a worker thread
+and overlap one step's emit() with the next step's device work (`run_pipelined`, and the async engine's loop).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 from asyncengine.block_manager import BlockManager
 from asyncengine.config import EngineConfig, load_model_config, resolve_max_model_len
-from asyncengine.model_runner import ModelRunner, StepResult
+from asyncengine.model_runner import ModelRunner, StepInputs, StepResult
 from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from asyncengine.request import Request, RequestStatus
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
@@ -31,6 +32,12 @@ from asyncengine.tokenizer import IncrementalDetokenizer, apply_chat_template, l
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list[int]]
+
+
+@dataclass
+class PreparedStep:
+    sched: SchedulerOutput
+    inputs: StepInputs
 
 
 @dataclass
@@ -94,6 +101,7 @@ class LLMEngine:
         self.user_requests: dict[str, _UserRequest] = {}
         self.children: dict[str, Request] = {}
         self.stats_listeners: list[Callable[[StepStats], None]] = []
+        self._stats = StepStats()  # observations since the last emit()
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
 
@@ -201,31 +209,55 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.schedule()
-        result = self.execute(sched)
-        return self.finish_step(sched, result)
+        """One whole step, serially: schedule, run the model, book the tokens, emit outputs."""
+        step = self.prepare_step()
+        if step is None:
+            return self.emit([])
+        return self.emit(self.book(step, self.run(step)))
 
-    def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
-
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """The device work of a step; touches no engine state, so it may run in another thread."""
+    def prepare_step(self) -> Optional[PreparedStep]:
+        """Schedule and build the step's inputs (host work, on the caller's thread); None if nothing to run."""
+        sched = self.scheduler.schedule()
         if sched.is_empty:
-            return StepResult({}, {})
-        return self.runner.execute(sched)
+            return None
+        return PreparedStep(sched, self.runner.prepare(sched))
 
-    def finish_step(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+    def run(self, step: PreparedStep) -> StepResult:
+        """The device work of a step; reads no engine state, so it may run in another thread."""
+        return self.runner.run(step.inputs)
+
+    def book(self, step: PreparedStep, result: StepResult) -> list[Request]:
+        """Account for a finished step: computed tokens, sampled tokens, token-decided stops (which free blocks).
+        Returns the requests that got a token, for emit(). Must run before the next prepare_step()."""
         now = time.monotonic()
-        stats = StepStats()
-        got_token = self.scheduler.update(sched, result.tokens)
+        got_token = self.scheduler.update(step.sched, result.tokens)
         for request in got_token:
-            self._record_token(request, result, now, stats)
-            self._detokenize(request)
-        stats.generation_tokens = len(got_token)
-        outputs = self._make_outputs(stats, now)
+            self._record_token(request, result, now, self._stats)
+        self._stats.generation_tokens += len(got_token)
+        return got_token
+
+    def emit(self, got_token: list[Request]) -> list[RequestOutput]:
+        """Detokenize the new tokens (stop strings may finish requests) and build outputs. May overlap the next
+        step's device work: a request a stop string ends here has its in-flight token ignored by book()."""
+        for request in got_token:
+            if request.parent_id in self.user_requests:
+                self._detokenize(request)
+        stats, self._stats = self._stats, StepStats()
+        outputs = self._make_outputs(stats, time.monotonic())
         for listener in self.stats_listeners:
             listener(stats)
         return outputs
+
+    def run_pipelined(self, executor) -> Iterator[list[RequestOutput]]:
+        """Steps until no request is left, overlapping each step's detokenization and outputs with the next
+        step's device work (run in `executor`, a single-thread concurrent.futures executor). Yields outputs."""
+        step = self.prepare_step()
+        pending = executor.submit(self.run, step) if step is not None else None
+        while pending is not None or self.has_unfinished_requests():
+            got = self.book(step, pending.result()) if pending is not None else []
+            step = self.prepare_step() if self.has_unfinished_requests() else None
+            pending = executor.submit(self.run, step) if step is not None else None
+            yield self.emit(got)
 
     def _record_token(self, request: Request, result: StepResult, now: float, stats: StepStats) -> None:
         if request.first_token_time is None:

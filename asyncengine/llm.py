@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -21,6 +22,8 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
+        # Device work runs here so that detokenizing one step overlaps the next step on the GPU.
+        self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-llm")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -88,8 +91,8 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
+            for outputs in self.engine.run_pipelined(self._device_thread):
+                for output in outputs:
                     if output.finished:
                         results[output.request_id] = output
                         bar.update(1)

@@ -29,11 +29,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepInputs:
+    """Everything one step's device work needs, built on the host beforehand (so the device work never reads
+    request state that the event loop may change meanwhile)."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_requests: list[Request]
+    sampling: Optional[SamplingBatch] = None
+    graph_size: Optional[int] = None  # the CUDA graph to replay, or None for an eager forward
+    logprobs_asked: dict[str, int] = None  # request id -> top-N, for the rows that asked
 
 
 @dataclass
@@ -168,40 +174,45 @@ class ModelRunner:
             metadata=metadata,
             logits_indices=self._to_device(logits_idx, torch.int64)[1],
             sampling_requests=sampling,
+            # Built before the forward is launched: its small host-to-device copies never wait on the GPU.
+            sampling=SamplingBatch.build(sampling, self.model_config.vocab_size, self.device),
+            graph_size=self.graphs.batch_size_for(sched) if self.graphs is not None else None,
+            logprobs_asked={r.request_id: r.params.logprobs for r in sampling if r.params.logprobs is not None},
         )
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Run the scheduled tokens through the model and sample; safe to call from a worker thread (it reads the
-        requests but changes none of them)."""
-        inputs = self.prepare(sched)
-        # Built before the forward is launched: its small host-to-device copies then never wait on the GPU.
-        batch = SamplingBatch.build(inputs.sampling_requests, self.model_config.vocab_size, self.device)
-        graph = self.graphs.batch_size_for(sched) if self.graphs is not None else None
-        if graph is not None:
-            logits = self.graphs.run(graph, inputs)
+        """prepare() then run(): one whole step."""
+        return self.run(self.prepare(sched))
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> StepResult:
+        """The device work of a prepared step: forward, logits, sampling, and the one host sync that reads the
+        sampled tokens. Touches no request, so it may run in a worker thread while the loop goes on."""
+        if inputs.graph_size is not None:
+            logits = self.graphs.run(inputs.graph_size, inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             if not inputs.sampling_requests:
                 return StepResult({}, {})
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        out = self.sampler(logits, batch)
-        return self._to_host(inputs.sampling_requests, out)
+        out = self.sampler(logits, inputs.sampling)
+        return self._to_host(inputs, out)
 
-    def _to_host(self, requests: list[Request], out) -> StepResult:
+    def _to_host(self, inputs: StepInputs, out) -> StepResult:
         token_list = out.token_ids.tolist()  # the step's one host sync
-        tokens = {r.request_id: t for r, t in zip(requests, token_list)}
+        ids_in_order = [r.request_id for r in inputs.sampling_requests]
+        tokens = dict(zip(ids_in_order, token_list))
         logprobs: dict[str, dict[int, Logprob]] = {}
         if out.logprobs is not None:
             values, ids, ranks = out.logprobs.tolist(), out.logprob_ids.tolist(), out.ranks.tolist()
-            for row, request in enumerate(requests):
-                n = request.params.logprobs
+            for row, request_id in enumerate(ids_in_order):
+                n = inputs.logprobs_asked.get(request_id)
                 if n is None:
                     continue
                 entry = {ids[row][0]: Logprob(values[row][0], ranks[row])}
                 for j in range(1, n + 1):
                     entry.setdefault(ids[row][j], Logprob(values[row][j], j))
-                logprobs[request.request_id] = entry
+                logprobs[request_id] = entry
         return StepResult(tokens, logprobs)
 
     @property

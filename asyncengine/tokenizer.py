@@ -3,12 +3,18 @@
 Incremental detokenization does constant work per token: it decodes only a short window of recent tokens
 (`prefix_offset:`) and subtracts the text of the window's already-emitted part (`prefix_offset:read_offset`).
 If the window's text ends in U+FFFD, a multi-byte UTF-8 character is split across tokens and the text is held
-back until the next token completes it. Stop strings are searched for only in the tail of the text that a new
+back until the next token completes it.
+
+Byte-level BPE tokenizers (GPT-2, Llama-3, Qwen, the default model) take a faster path: every token id maps to a
+fixed byte string, so a token costs one table lookup and one step of an incremental UTF-8 decoder, which holds
+incomplete characters back by itself. Stop strings are searched for only in the tail of the text that a new
 piece could have completed, so a stop string split across tokens is still found.
 """
 
 from __future__ import annotations
 
+import codecs
+import json
 from typing import Any, Optional
 
 from asyncengine.sampling_params import SamplingParams
@@ -42,6 +48,58 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generatio
         raise ValueError(f"chat template failed on these messages: {exc}") from exc
 
 
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of byte-level BPE's byte -> printable character map (bytes 0-255 made visible)."""
+    visible = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in visible:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+ByteTable = tuple[list[Optional[bytes]], set[int], set[int]]  # (bytes per id, added ids, special ids)
+
+
+def byte_level_table(tokenizer) -> Optional[ByteTable]:
+    """(bytes of every token id, ids of added tokens, ids of special tokens) for a byte-level BPE tokenizer;
+    None for any other kind.
+
+    Built once per tokenizer and cached on it. Added tokens map to their literal text."""
+    cached = getattr(tokenizer, "_asyncengine_byte_table", False)
+    if cached is not False:
+        return cached
+    table = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        if (spec.get("decoder") or {}).get("type") == "ByteLevel" and not spec.get("normalizer"):
+            table = _build_byte_table(tokenizer)
+    tokenizer._asyncengine_byte_table = table
+    return table
+
+
+def _build_byte_table(tokenizer) -> Optional[ByteTable]:
+    decoder = _byte_decoder()
+    added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
+    size = max(len(tokenizer), max(added, default=0) + 1)
+    pieces: list[Optional[bytes]] = []
+    for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(size)))):
+        if token_id in added:
+            pieces.append(added[token_id].content.encode())
+        elif token is None:
+            pieces.append(None)
+        elif all(c in decoder for c in token):
+            pieces.append(bytes(decoder[c] for c in token))
+        else:
+            return None  # not a pure byte-level vocabulary: use the generic path
+    special = {i for i, t in added.items() if t.special}
+    return pieces, set(added), special
+
+
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas; finds stop strings. One per generated sequence."""
 
@@ -54,6 +112,8 @@ class IncrementalDetokenizer:
         self.include_stop = params.include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""
+        self._table = byte_level_table(tokenizer)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(
@@ -63,16 +123,40 @@ class IncrementalDetokenizer:
     def update(self, token_ids: list[int], final: bool = False) -> Optional[str]:
         """Account for token_ids[-1] (token_ids = prompt + output so far). Returns the stop string matched, if
         any; the text is then cut at it (or just after it with include_stop_str_in_output)."""
+        new_text = self._update_bytes(token_ids, final) if self._table is not None else self._update_window(token_ids, final)
+        if not new_text:
+            return None
+        start = len(self.text)
+        self.text += new_text
+        return self._find_stop(start)
+
+    def _update_bytes(self, token_ids: list[int], final: bool) -> str:
+        """Byte-level path: the new tokens' bytes through the incremental UTF-8 decoder. Added tokens are
+        literal text decoded on their own (as transformers does), so pending bytes are flushed before them."""
+        pieces, added, special = self._table
+        out = []
+        for token_id in token_ids[self.read_offset :]:
+            piece = pieces[token_id] if token_id < len(pieces) else None
+            if piece is None or (token_id in special and self.skip_special_tokens):
+                continue
+            if token_id in added:
+                out.append(self._utf8.decode(b"", final=True) + piece.decode())
+            else:
+                out.append(self._utf8.decode(piece))
+        if final:
+            out.append(self._utf8.decode(b"", final=True))
+        self.read_offset = len(token_ids)
+        return "".join(out)
+
+    def _update_window(self, token_ids: list[int], final: bool) -> str:
+        """Generic path: decode a short window and subtract the part already emitted."""
         window = token_ids[self.prefix_offset :]
         before = self._decode(token_ids[self.prefix_offset : self.read_offset])
         after = self._decode(window)
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
-            return None  # nothing new yet, or a character still split across tokens
-        new_text = after[len(before) :]
+            return ""  # nothing new yet, or a character still split across tokens
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
-        start = len(self.text)
-        self.text += new_text
-        return self._find_stop(start)
+        return after[len(before) :]
 
     def _find_stop(self, new_start: int) -> Optional[str]:
         if not self.stop:

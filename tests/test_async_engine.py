@@ -206,15 +206,15 @@ def test_queue_full_is_refused_at_once(llama_dir):
 def test_step_failure_kills_engine_and_reaches_every_reader(llama_dir):
     engine = AsyncLLMEngine(EngineConfig(model=str(llama_dir), max_model_len=64))
     calls = {"n": 0}
-    real_execute = engine.engine.execute
+    real_run = engine.engine.run
 
-    def failing_execute(sched):
+    def failing_run(step):
         calls["n"] += 1
         if calls["n"] > 3:
             raise RuntimeError("injected device fault")
-        return real_execute(sched)
+        return real_run(step)
 
-    engine.engine.execute = failing_execute
+    engine.engine.run = failing_run
 
     async def main():
         params = SamplingParams(max_tokens=50, output_kind=RequestOutputKind.DELTA, **GREEDY)

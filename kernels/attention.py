@@ -1,0 +1,568 @@
+"""Paged attention over the KV cache for a flat batch of sequences: one launcher, two kernel paths.
+
+Shapes (T = query tokens, B = sequences, H = query heads, KVH = kv heads, G = H / KVH, D = head dim):
+    q, out: [T, H, D]              k_cache, v_cache: [NB, BS, KVH, D]     block_tables: [B, MAXB]
+    query_start_loc: [B + 1]       seq_lens: [B] (context after this step, new tokens included)
+
+Query row i of sequence b sits at absolute position seq_len - q_len + i and attends to keys 0..that position.
+
+Paths:
+  * 2D (prefill, chunked prefill, mixed batches): one program per (tile of query rows of one sequence, kv head).
+    A tile holds BLOCK_Q query tokens times the G heads of the kv group (rows = token-major, head-minor), so the
+    group shares every K/V load. Tiles are numbered without a host sync: sequence b owns the tile ids from
+    query_start_loc[b] // BLOCK_Q + b on, and a program finds its sequence by binary search. The KV loop runs in
+    two phases: tiles every row may see (no mask), then the diagonal tiles (causal mask).
+  * split-KV decode (every q_len <= 1): one program per (sequence, kv head, KV segment) writes a partial
+    (max, sum, unnormalised acc) to a float32 workspace; a reduction kernel merges the segments. The number of
+    segments is a host-side function of B, KVH and an upper bound of the context length (max_seq_len, else the
+    width of block_tables), never of device values, so the launch can be captured in a CUDA graph.
+
+Scores use exp2 with log2(e) folded into the scale. Products run in the input dtype with float32 accumulation;
+under Triton's interpreter (whose bf16 arithmetic is wrong) operands are upcast to float32 first.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Initial running max: finite, so a row that has seen no visible key yet never computes inf - inf.
+NEG_BIG = tl.constexpr(-1.0e30)
+
+# Fixed tile heuristics, from a sweep on an H100 at Llama-3-8B shapes (bf16, D = 128; loadtest/bench_kernels.py
+# --sweep) and checked against ptxas on sm_90 (no spills; shared memory under 100 KB for 16-bit inputs).
+PREFILL_BLOCK_M = 64  # query rows (tokens x group heads) per 2D tile for head_dim <= 128 and 16-bit inputs
+PREFILL_BLOCK_N = 64  # keys per KV step in the 2D kernel, 16-bit inputs
+DECODE_BLOCK_N = 64  # keys per KV step in the split-KV kernel
+DECODE_MIN_SEGMENT = 64  # fewest keys worth a segment of their own
+DECODE_MAX_SPLITS = 32
+DECODE_PROGRAMS_PER_SM = 2  # split until about this many programs per multiprocessor
+
+
+# --------------------------------------------------------------------------------------------------------------
+# JIT helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_offsets(
+    block_table_ptr,  # [MAXB] of one sequence
+    keys,  # [BLOCK_N] absolute key positions
+    key_mask,  # [BLOCK_N] keys inside the context
+    kv_head,
+    stride_b,
+    stride_s,
+    stride_h,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Element offsets [BLOCK_N] (int64) of (page of key, offset in page, kv_head, 0) in a paged cache."""
+    page = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+    return page * stride_b + (keys % BLOCK_SIZE) * stride_s + kv_head * stride_h
+
+
+@triton.jit
+def _load_kv_tile(
+    ptrs,  # [BLOCK_N, HEAD_DIM_PAD] pointers into a paged cache
+    key_mask,  # [BLOCK_N] keys inside the context
+    dims,  # [HEAD_DIM_PAD]
+    MASK_KEYS: tl.constexpr,  # False when every key is known to be inside the context
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """A [BLOCK_N, HEAD_DIM_PAD] K or V tile, zeros where masked; masks only what may be out of range."""
+    if MASK_KEYS:
+        if HEAD_DIM == HEAD_DIM_PAD:
+            tile = tl.load(ptrs, mask=key_mask[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=key_mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == HEAD_DIM_PAD:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _attend_block(
+    acc,  # [ROWS, HEAD_DIM_PAD] float32, unnormalised output
+    m_i,  # [ROWS] float32, running max of scaled scores (log2 domain)
+    l_i,  # [ROWS] float32, running sum of exp2(score - m_i)
+    q,  # [ROWS, HEAD_DIM_PAD] in the dot dtype
+    q_pos,  # [ROWS] absolute position of each query row
+    start,  # first key of this block
+    seq_len,
+    k_cache_ptr,  # [NB, BS, KVH, D]
+    v_cache_ptr,  # [NB, BS, KVH, D]
+    block_table_ptr,  # [MAXB] of this sequence
+    kv_head,
+    qk_scale,  # softmax scale * log2(e)
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    MASKED: tl.constexpr,  # False when every key of the block is visible to every row
+    DOT_F32: tl.constexpr,  # upcast K/V and P to float32 before the products
+    PRECISION: tl.constexpr,  # input_precision of float32 products: "ieee" or "tf32x3" (about fp32 accuracy)
+):
+    """One online-softmax step over keys [start, start + BLOCK_N); returns the updated (acc, m_i, l_i)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    key_mask = keys < seq_len
+    k_off = _kv_offsets(block_table_ptr, keys, key_mask, kv_head, stride_kb, stride_ks, stride_kh, BLOCK_SIZE)
+    v_off = _kv_offsets(block_table_ptr, keys, key_mask, kv_head, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
+    k = _load_kv_tile(k_cache_ptr + k_off[:, None] + dims[None, :], key_mask, dims, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    v = _load_kv_tile(v_cache_ptr + v_off[:, None] + dims[None, :], key_mask, dims, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale  # [ROWS, BLOCK_N]
+    if MASKED:
+        visible = (keys[None, :] <= q_pos[:, None]) & key_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        pv = tl.dot(p, v, input_precision=PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The largest b in [0, num_seqs) whose first tile id, query_start_loc[b] // BLOCK_Q + b, is <= tile."""
+    lo = tile * 0  # int32 tensors from the start (num_seqs == 1 may arrive as a constant)
+    hi = lo + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        ok = first_tile <= tile
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2D kernel: prefill, chunked prefill and mixed batches
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr,  # [T, H, D]
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [NB, BS, KVH, D]
+    v_cache_ptr,  # [NB, BS, KVH, D]
+    query_start_loc_ptr,  # [B + 1]
+    seq_lens_ptr,  # [B]
+    block_tables_ptr,  # [B, MAXB]
+    qk_scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
+    BLOCK_Q: tl.constexpr,  # query tokens per tile
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache page
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Last tiles first: they have the most keys under the causal mask, so the grid ends on short work.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first_token = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # within the sequence's queries
+    if (first_token < 0) | (first_token >= q_len):
+        return  # spare tile of the upper-bound grid
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # keys cached before this step's queries
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    token = first_token + rows // GROUP_PAD  # [ROWS] query index within the sequence
+    head = kv_head * GROUP + rows % GROUP_PAD  # [ROWS]
+    row_mask = (token < q_len) & (rows % GROUP_PAD < GROUP)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    io_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    q_rows = (q_start + token).to(tl.int64)
+    q_off = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]  # [ROWS, HEAD_DIM_PAD]
+    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_pos = context + token  # [ROWS]; padded rows see at least key 0, so no row is fully masked
+
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Keys <= context + first_token are visible to every row of the tile: no mask for whole blocks of them.
+    unmasked_end = (context + first_token + 1) // BLOCK_N * BLOCK_N
+    tile_end = context + tl.minimum(first_token + BLOCK_Q, q_len)  # one past the last key any row sees
+    for start in range(0, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, False, DOT_F32, PRECISION,
+        )  # fmt: skip
+    for start in range(unmasked_end, tile_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION,
+        )  # fmt: skip
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Split-KV decode: partial kernel + reduction kernel
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_partial_kernel(
+    part_acc_ptr,  # [B, H, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalised
+    part_max_ptr,  # [B, H, NUM_SPLITS] float32 (log2 domain)
+    part_sum_ptr,  # [B, H, NUM_SPLITS] float32
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [NB, BS, KVH, D]
+    v_cache_ptr,  # [NB, BS, KVH, D]
+    query_start_loc_ptr,  # [B + 1], every q_len <= 1
+    seq_lens_ptr,  # [B]
+    block_tables_ptr,  # [B, MAXB]
+    qk_scale,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # >= GROUP and >= 16 (the smallest dot)
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == q_start:
+        return  # no query for this sequence
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Segments are whole KV blocks, sized from this sequence's own length; trailing ones may be empty.
+    segment = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    seg_start = split * segment
+    seg_end = tl.minimum(seg_start + segment, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + rows  # [BLOCK_H]
+    row_mask = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    q_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    q_off = q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # [BLOCK_H, HEAD_DIM_PAD]
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_pos = tl.full([BLOCK_H], 0, dtype=tl.int32) + (seq_len - 1)
+
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(seg_start, seg_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION,
+        )  # fmt: skip
+
+    # Every (row, split) is written, empty segments included (max NEG_BIG, sum 0, acc 0): the reduction reads all.
+    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split  # [BLOCK_H]
+    tl.store(part_max_ptr + part, m_i, mask=row_mask)
+    tl.store(part_sum_ptr + part, l_i, mask=row_mask)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,  # [T, H, D]
+    part_acc_ptr,  # [B, H, NUM_SPLITS, HEAD_DIM_PAD] float32
+    part_max_ptr,  # [B, H, NUM_SPLITS] float32
+    part_sum_ptr,  # [B, H, NUM_SPLITS] float32
+    query_start_loc_ptr,  # [B + 1]
+    num_heads,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == q_start:
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    split_mask = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits  # [SPLITS_PAD]
+    m = tl.load(part_max_ptr + part, mask=split_mask, other=NEG_BIG)
+    l = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=split_mask[:, None], other=0.0)
+    weight = tl.math.exp2(m - tl.max(m, axis=0))  # [SPLITS_PAD]
+    total = tl.sum(weight * l, axis=0)
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM_PAD]
+    out_off = q_start.to(tl.int64) * stride_ot + head * stride_oh + dims
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device (a small stand-in under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, kv_len_bound: int, num_sms: int) -> int:
+    """KV segments per (sequence, kv head) for the decode path; a function of host ints only.
+
+    Splits until about DECODE_PROGRAMS_PER_SM programs per multiprocessor, keeping every segment at least
+    DECODE_MIN_SEGMENT keys long for the longest possible context, and at most DECODE_MAX_SPLITS.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, programs)
+    useful = triton.cdiv(max(1, kv_len_bound), DECODE_MIN_SEGMENT)
+    return max(1, min(wanted, useful, DECODE_MAX_SPLITS))
+
+
+def _dot_f32(q: torch.Tensor) -> bool:
+    """Products in float32: under the interpreter (bf16 arithmetic is wrong there) or for float32 inputs."""
+    return _interpreting() or q.dtype == torch.float32
+
+
+def _precision() -> str:
+    """Float32 products: exact under the interpreter; three tf32 passes (about float32 accuracy) on a GPU."""
+    return "ieee" if _interpreting() else "tf32x3"
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("q must be [T, H, D]; k_cache and v_cache the same [NB, BS, KVH, D]")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"head dims differ or H={num_heads} is not a multiple of KVH={num_kv_heads}")
+    if block_size & (block_size - 1) or block_size < 1:
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q, k_cache, v_cache and block_tables must be contiguous in their last dim")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"KV cache dtype {k_cache.dtype} must equal q dtype {q.dtype}")
+
+
+def prefill_tiles(group_pad: int, head_dim_pad: int, max_query_len: int | None, fp32: bool):
+    """(rows, block_n, num_warps, num_stages) of the 2D kernel; rows = BLOCK_Q * group_pad.
+
+    Short queries (decodes inside a mixed batch) take smaller row tiles so that less of each tile is padding.
+    Wide heads and float32 inputs (tests; tf32x3 products) take smaller tiles to stay within shared memory.
+    """
+    if fp32:
+        rows, block_n, stages = max(16, 4096 // head_dim_pad), PREFILL_BLOCK_N // 2, 2
+    elif head_dim_pad <= 128:
+        rows, block_n, stages = PREFILL_BLOCK_M, PREFILL_BLOCK_N, 3
+    else:
+        rows, block_n, stages = PREFILL_BLOCK_M // 2, PREFILL_BLOCK_N, 2
+    if max_query_len is not None:
+        rows = min(rows, triton.next_power_of_2(max(1, max_query_len) * group_pad))
+    rows = max(rows, group_pad, 16)
+    if rows * head_dim_pad >= 128 * 128:  # big tiles (many-head groups): more warps, one stage fewer
+        return rows, block_n, 8, 2
+    return rows, block_n, 8 if head_dim_pad > 128 else 4, stages
+
+
+def decode_tiles(fp32: bool) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) of the split-KV kernel."""
+    return (DECODE_BLOCK_N // 2, 4, 2) if fp32 else (DECODE_BLOCK_N, 4, 3)
+
+
+def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out):
+    """The 2D kernel over a grid sized from host values only: cdiv(T, BLOCK_Q) + B tiles per kv head."""
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    rows, block_n, num_warps, num_stages = prefill_tiles(group_pad, head_dim_pad, max_query_len, _dot_f32(q))
+    block_q = rows // group_pad
+    grid = (triton.cdiv(q.shape[0], block_q) + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+        scale * LOG2E, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, DOT_F32=_dot_f32(q),
+        PRECISION=_precision(), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+
+
+def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out):
+    """Split-KV partial kernel on a (B, KVH, num_splits) grid, then the reduction on (B, H)."""
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    block_n, num_warps, num_stages = decode_tiles(_dot_f32(q))
+    # One float32 workspace (one allocation): [acc (D_PAD) | max | sum] per (sequence, head, split).
+    parts = num_seqs * num_heads * num_splits
+    workspace = torch.empty(parts * (head_dim_pad + 2), dtype=torch.float32, device=q.device)
+    part_acc = workspace[: parts * head_dim_pad]
+    part_max = workspace[parts * head_dim_pad : parts * (head_dim_pad + 1)]
+    part_sum = workspace[parts * (head_dim_pad + 1) :]
+    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+        part_acc, part_max, part_sum, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+        scale * LOG2E, num_heads,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        NUM_SPLITS=num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        DOT_F32=_dot_f32(q), PRECISION=_precision(), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        out, part_acc, part_max, part_sum, query_start_loc, num_heads, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
+    )  # fmt: skip
+
+
+def _is_decode(q: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int | None) -> bool:
+    """Every q_len <= 1? Known from max_query_len; else T > B rules it out, and only T <= B costs a host sync."""
+    if max_query_len is not None:
+        return max_query_len <= 1
+    if q.shape[0] > query_start_loc.shape[0] - 1:
+        return False
+    return bool((query_start_loc[1:] - query_start_loc[:-1]).max() <= 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a mixed batch over the paged KV cache; the semantics of `reference.paged_attention`.
+
+    q: [T, H, D] (token and head strides free, last dim contiguous); k_cache, v_cache: [NB, BS, KVH, D] in q's
+    dtype, BS a power of two; query_start_loc: [B + 1], seq_lens: [B], block_tables: [B, MAXB], all int32 or
+    int64 on q's device. max_query_len / max_seq_len: host upper bounds; with max_query_len given, no host sync
+    happens and, for decode (max_query_len == 1), the launch is CUDA-graph capturable: the split count depends
+    only on B, KVH, max_seq_len (else block_tables' width), so a captured graph must be replayed with the same
+    max_seq_len it was captured with (pass the model's max length, or None). out: optional [T, H, D] buffer.
+    Rows of out that belong to no sequence (T > query_start_loc[B]) are left unwritten. A sequence with
+    seq_len 0 and a query gets zeros instead of the reference's NaN.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = seq_lens.shape[0]
+    if q.shape[0] == 0 or num_seqs == 0:
+        return out
+    if _is_decode(q, query_start_loc, max_query_len):
+        kv_bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * k_cache.shape[1]
+        splits = decode_num_splits(num_seqs, k_cache.shape[2], kv_bound, _num_sms(q.device))
+        _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, splits, out)
+    else:
+        _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out)
+    return out
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The split-KV decode path with an explicit split count (tests and benchmarks); every q_len must be <= 1."""
+    _check_inputs(q, k_cache, v_cache, block_tables)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] and seq_lens.shape[0]:
+        _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out)
+    return out
+
+
+__all__ = ["paged_attention", "paged_attention_decode", "decode_num_splits"]

@@ -1,0 +1,204 @@
+"""Benchmark of the Triton kernels at Llama-3-8B sizes (bf16) against the torch reference and dense SDPA.
+
+    python loadtest/bench_kernels.py
+
+Cases: paged_attention decode (batch 1 and 64 at 1k context; eager and replayed from a CUDA graph), prefill
+(4 x 2048), and the row-wise kernels. Times are do_bench medians (CUDA events). Decode is memory bound, so it
+reports GB/s of K/V read; prefill is compute bound, so it reports TFLOP/s of the causal half of QK^T and PV.
+The last column is the reference's time over this row's time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from asyncengine.kernels import activation, attention, norm, reference
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+SCALE = HEAD_DIM**-0.5
+
+
+def median_ms(fn) -> float:
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def graph_ms(fn) -> float:
+    """Median time of fn replayed from a CUDA graph (launch overhead removed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
+def paged_batch(q_lens: list[int], seq_lens: list[int]):
+    """Random bf16 q and paged K/V with a shuffled block table: (q, k_cache, v_cache, qsl, seq_lens, tables)."""
+    blocks = [triton.cdiv(s, BLOCK_SIZE) for s in seq_lens]
+    order = torch.randperm(sum(blocks), device="cuda").int()
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device="cuda")
+    used = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = order[used : used + n]
+        used += n
+    shape = (sum(blocks), BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    starts = torch.tensor([0] + q_lens, device="cuda").cumsum(0).int()
+    q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return q, k_cache, v_cache, starts, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), tables
+
+
+def decode_rows(batch: int, context: int) -> list[tuple]:
+    q, kc, vc, qsl, lens, tables = paged_batch([1] * batch, [context] * batch)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * kc.element_size()
+    out = torch.empty_like(q)
+
+    def triton_fn():
+        attention.paged_attention(q, kc, vc, qsl, lens, tables, SCALE, max_query_len=1, max_seq_len=context, out=out)
+
+    ref_ms = median_ms(lambda: reference.paged_attention(q, kc, vc, qsl, lens, tables, SCALE))
+    # Dense SDPA on contiguous K/V (no paging): what a fused library kernel does with the same bytes.
+    k = kc[tables.long()].reshape(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).contiguous()
+    v = vc[tables.long()].reshape(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).contiguous()
+    qd = q.view(batch, 1, HEADS, HEAD_DIM).transpose(1, 2)
+    sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(qd, k, v, scale=SCALE, enable_gqa=True))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = attention.decode_num_splits(batch, KV_HEADS, context, sms)
+    name = f"decode B={batch} ctx={context} ({splits} splits)"
+    rows = []
+    for impl, ms in (("reference", ref_ms), ("sdpa dense", sdpa_ms), ("triton", median_ms(triton_fn)),
+                     ("triton graph", graph_ms(triton_fn))):  # fmt: skip
+        rows.append((name, impl, ms, f"{kv_bytes / ms / 1e6:8.0f} GB/s", ref_ms / ms))
+    return rows
+
+
+def prefill_rows(batch: int, length: int) -> list[tuple]:
+    q, kc, vc, qsl, lens, tables = paged_batch([length] * batch, [length] * batch)
+    flops = 4 * batch * HEADS * length * length * HEAD_DIM / 2  # causal half of two matmuls
+
+    def triton_fn():
+        attention.paged_attention(q, kc, vc, qsl, lens, tables, SCALE, max_query_len=length, max_seq_len=length)
+
+    ref_ms = median_ms(lambda: reference.paged_attention(q, kc, vc, qsl, lens, tables, SCALE))
+    qd = q.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2)
+    k = kc[tables.long()].reshape(batch, length, KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    v = vc[tables.long()].reshape(batch, length, KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    sdpa_ms = median_ms(
+        lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True, scale=SCALE, enable_gqa=True)
+    )
+    name = f"prefill {batch}x{length}"
+    timed = (("reference", ref_ms), ("sdpa dense", sdpa_ms), ("triton", median_ms(triton_fn)))
+    return [(name, impl, ms, f"{flops / ms / 1e9:8.1f} TFLOP/s", ref_ms / ms) for impl, ms in timed]
+
+
+def rowwise_rows(tokens: int = 4096) -> list[tuple]:
+    x = torch.randn(tokens, 4096, dtype=DTYPE, device="cuda")
+    w = torch.randn(4096, dtype=DTYPE, device="cuda")
+    gate_up = torch.randn(tokens, 2 * 14336, dtype=DTYPE, device="cuda")
+    cases = [
+        ("rms_norm 4096x4096", 2 * x.numel() * 2,
+         lambda: reference.rms_norm(x, w, 1e-5), lambda: norm.rms_norm(x, w, 1e-5)),
+        ("silu_and_mul 4096x14336", 3 * gate_up.numel() // 2 * 2,
+         lambda: reference.silu_and_mul(gate_up), lambda: activation.silu_and_mul(gate_up)),
+    ]  # fmt: skip
+    rows = []
+    for name, nbytes, ref_fn, fn in cases:
+        ref_ms, ms = median_ms(ref_fn), median_ms(fn)
+        rows += [(name, "reference", ref_ms, f"{nbytes / ref_ms / 1e6:8.0f} GB/s", 1.0),
+                 (name, "triton", ms, f"{nbytes / ms / 1e6:8.0f} GB/s", ref_ms / ms)]  # fmt: skip
+    return rows
+
+
+def _patched(name: str, value):
+    """Context manager that replaces attention.<name> by a function returning `value` (tile sweeps)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def patch():
+        real = getattr(attention, name)
+        setattr(attention, name, lambda *args, **kwargs: value)
+        try:
+            yield
+        finally:
+            setattr(attention, name, real)
+
+    return patch()
+
+
+def _fp32_reference(batch) -> torch.Tensor:
+    q, kc, vc, qsl, lens, tables = batch
+    return reference.paged_attention(q.float(), kc.float(), vc.float(), qsl, lens, tables, SCALE)
+
+
+def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def sweep_prefill(batch: int = 4, length: int = 2048) -> list[tuple]:
+    """Time the 2D kernel under other (rows, block_n, num_warps, num_stages) tiles; error vs float32 reference."""
+    data = paged_batch([length] * batch, [length] * batch)
+    ref = _fp32_reference(data)
+    flops = 4 * batch * HEADS * length * length * HEAD_DIM / 2
+    rows = []
+    for tiles in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2),
+                  (64, 64, 4, 2)]:  # fmt: skip
+        with _patched("prefill_tiles", tiles):
+            fn = lambda: attention.paged_attention(*data, SCALE, max_query_len=length, max_seq_len=length)  # noqa: E731
+            name = f"prefill {batch}x{length} tiles={tiles}"
+            try:
+                err, ms = _rel_error(fn(), ref), median_ms(fn)
+            except Exception as exc:  # a tile that does not fit: report and go on
+                rows.append((name, type(exc).__name__, float("nan"), "", 0.0))
+                continue
+        rows.append((name, f"err {err:.1e}", ms, f"{flops / ms / 1e9:8.1f} TFLOP/s", 0.0))
+    return rows
+
+
+def sweep_decode() -> list[tuple]:
+    """Time the split-KV path (CUDA-graph replays) under other tiles and split counts; error vs float32 reference."""
+    rows = []
+    for batch, context, split_options in ((1, 1024, (4, 8, 16)), (64, 1024, (1, 2, 4)), (8, 4096, (4, 8, 16))):
+        data = paged_batch([1] * batch, [context] * batch)
+        ref = _fp32_reference(data)
+        kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+        out = torch.empty_like(data[0])
+        for tiles in [(64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 4)]:
+            for splits in split_options:
+                with _patched("decode_tiles", tiles):
+                    fn = lambda: attention.paged_attention_decode(*data, SCALE, splits, out=out)  # noqa: E731
+                    err, ms = _rel_error(fn(), ref), graph_ms(fn)
+                name = f"decode B={batch} ctx={context} tiles={tiles} splits={splits}"
+                rows.append((name, f"err {err:.1e}", ms, f"{kv_bytes / ms / 1e6:8.0f} GB/s", 0.0))
+    return rows
+
+
+def print_table(rows: list[tuple]) -> None:
+    width = max(len(r[0]) for r in rows) + 1
+    print(f"{'case':{width}} {'impl':13} {'median us':>10} {'rate':>16} {'vs ref':>7}")
+    for name, impl, ms, rate, ratio in rows:
+        print(f"{name:{width}} {impl:13} {ms * 1e3:10.1f} {rate:>16} {ratio:6.1f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Default: the comparison table. --sweep: tile and split variants of the attention kernels."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if "--sweep" in args:
+        print_table(sweep_prefill() + sweep_decode())
+        return
+    print_table(decode_rows(1, 1024) + decode_rows(64, 1024) + prefill_rows(4, 2048) + rowwise_rows())
+
+
+if __name__ == "__main__":
+    main()

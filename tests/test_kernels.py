@@ -1,0 +1,383 @@
+"""Triton kernels against their torch references (`asyncengine.kernels.reference`).
+
+Without CUDA the kernels run in Triton's interpreter at small sizes (TRITON_INTERPRET must be set before Triton
+is imported, hence the top of this file); with CUDA the same tests run natively, and the `gpu` tests add real
+Llama-3-8B sizes and CUDA-graph capture of the decode path.
+
+Every test draws fresh random inputs and poisons outputs with NaN (torch.empty itself is patched to fill NaN),
+so an element a kernel forgets to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (atol, rtol) per dtype. The interpreter rounds float32 -> bf16 toward zero (one ulp off torch's rounding).
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+ATTENTION_TOLERANCE = {torch.float32: (2e-4, 2e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+FLOAT_DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def nan_poisoned_empty(monkeypatch):
+    """Make every floating torch.empty return NaNs, so unwritten outputs (and workspaces) show up."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        if tensor.is_floating_point():
+            tensor.fill_(float("nan"))
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    """A different seed per test run: the kernels must be right on any valid input."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    return seed
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, tolerance=TOLERANCE) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any(), "kernel left NaN (unwritten elements?)"
+    atol, rtol = tolerance[ref.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Elementwise and row-wise kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rms_norm_matches_reference_on_strided_rows(dtype):
+    from asyncengine.kernels import norm, reference
+
+    wide = torch.randn(7, 300, dtype=dtype, device=DEVICE)
+    x = wide[:, :200]  # rows strided, H not a power of two
+    weight = torch.randn(200, dtype=dtype, device=DEVICE)
+    assert_matches(norm.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_fused_add_rms_norm_updates_residual_in_place(dtype):
+    from asyncengine.kernels import norm, reference
+
+    x = torch.randn(5, 256, dtype=dtype, device=DEVICE)
+    residual = torch.randn(5, 256, dtype=dtype, device=DEVICE)
+    weight = torch.randn(256, dtype=dtype, device=DEVICE)
+    ref_out, ref_residual = reference.fused_add_rms_norm(x, residual.clone(), weight, 1e-5)
+    out, new_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert new_residual.data_ptr() == residual.data_ptr()
+    assert_matches(new_residual, ref_residual)
+    assert_matches(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_silu_and_mul_matches_reference_across_column_blocks(dtype):
+    from asyncengine.kernels import activation, reference
+
+    x = torch.randn(3, 2 * 1500, dtype=dtype, device=DEVICE)  # I > one column block
+    assert_matches(activation.silu_and_mul(x), reference.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rotary_embedding_in_place_on_strided_qkv_views(dtype):
+    from asyncengine.kernels import reference, rotary
+
+    tokens, heads, kv_heads, head_dim, max_pos = 6, 4, 2, 64, 128
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+    q, k = qkv[:, : heads * head_dim], qkv[:, heads * head_dim : (heads + kv_heads) * head_dim]
+    cos_sin = torch.randn(max_pos, head_dim, device=DEVICE)
+    positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    ref_q, ref_k = reference.rotary_embedding(positions, q.clone(), k.clone(), cos_sin, head_dim)
+    out_q, out_k = rotary.rotary_embedding(positions, q, k, cos_sin, head_dim)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    assert_matches(q, ref_q)
+    assert_matches(k, ref_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before), "v part of qkv was touched"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
+    from asyncengine.kernels import cache, reference
+
+    tokens, kv_heads, head_dim, num_blocks, block_size = 9, 2, 64, 6, 16
+    kv = torch.randn(tokens, 2, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    key, value = kv[:, 0], kv[:, 1]  # strided views, as split from a fused projection
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[[2, 5]] = -1  # padding tokens
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    written = slots[slots >= 0]
+    for c in (k_cache, v_cache):  # the slots to be written start as NaN
+        c.view(-1, kv_heads, head_dim)[written] = float("nan")
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.reshape_and_cache(key, value, ref_k, ref_v, slots)
+    cache.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Paged attention
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def make_batch(q_lens, seq_lens, *, heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+               spare_blocks=3, device=DEVICE):  # fmt: skip
+    """Random q and paged K/V for sequences (q_len, seq_len), with shuffled, non-contiguous block tables.
+
+    Returns (q [T, H, D], k_cache, v_cache, query_start_loc [B+1] int32, seq_lens [B] int32, block_tables
+    [B, max_blocks + 1] int32 whose unused entries point at random (valid) blocks).
+    """
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    order = torch.randperm(num_blocks)
+    block_tables = torch.randint(0, num_blocks, (len(seq_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_tables[b, :n] = order[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], heads, head_dim, dtype=dtype, device=device)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, query_start_loc, lens, block_tables.to(device)
+
+
+def check_attention(batch, scale, **kwargs):
+    from asyncengine.kernels import attention, reference
+
+    q, k_cache, v_cache, qsl, seq_lens, block_tables = batch
+    out = attention.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, **kwargs)
+    ref = reference.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale)
+    assert_matches(out, ref, ATTENTION_TOLERANCE)
+    return out
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("give_max_lens", [True, False])
+def test_attention_mixed_batch_prefill_chunked_prefill_and_decodes(dtype, give_max_lens):
+    # A fresh prefill, a chunked prefill over a cached prefix, and two decodes; lengths off block boundaries.
+    q_lens, seq_lens = [13, 21, 1, 1], [13, 70, 33, 17]
+    batch = make_batch(q_lens, seq_lens, dtype=dtype)
+    hints = dict(max_query_len=max(q_lens), max_seq_len=max(seq_lens)) if give_max_lens else {}
+    check_attention(batch, 0.125, **hints)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, block_size",
+    [(4, 2, 64, 8), (6, 2, 32, 32), (8, 1, 128, 16), (2, 2, 48, 16)],
+    ids=["gqa2-bs8", "group3-bs32", "mqa-d128", "mha-d48"],
+)
+def test_attention_prefill_spans_several_query_tiles(heads, kv_heads, head_dim, block_size):
+    # 150 queries over 2-3 tiles of one sequence, behind a 37-token cached prefix, plus a short prefill.
+    batch = make_batch([150, 3], [187, 3], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                       block_size=block_size)  # fmt: skip
+    check_attention(batch, head_dim**-0.5)
+
+
+def test_attention_skips_sequences_without_queries():
+    batch = make_batch([4, 0, 5], [20, 9, 5])
+    check_attention(batch, 0.1)
+
+
+def test_attention_accepts_strided_q_and_out_buffer():
+    from asyncengine.kernels import attention, reference
+
+    q, k_cache, v_cache, qsl, seq_lens, block_tables = make_batch([7, 1], [30, 12], dtype=torch.bfloat16)
+    qkv = torch.randn(q.shape[0], 8, 64, dtype=q.dtype, device=DEVICE)
+    q = qkv[:, :4]  # token stride 8 * 64, as q.view() of a fused qkv slice
+    out = torch.full((q.shape[0], 4, 64), float("nan"), dtype=q.dtype, device=DEVICE)
+    got = attention.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.125, out=out)
+    assert got is out
+    assert_matches(out, reference.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.125),
+                   ATTENTION_TOLERANCE)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_attention_decode_split_kv_matches_reference(dtype, num_splits):
+    from asyncengine.kernels import attention, reference
+
+    # Long-ish contexts, one much shorter than the split count needs (so some segments are empty).
+    q, k_cache, v_cache, qsl, seq_lens, block_tables = make_batch([1, 1, 1], [700, 5, 257], dtype=dtype)
+    out = attention.paged_attention_decode(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.125, num_splits)
+    ref = reference.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.125)
+    assert_matches(out, ref, ATTENTION_TOLERANCE)
+
+
+@pytest.mark.parametrize("give_max_lens", [True, False])
+def test_attention_launcher_takes_decode_path_for_single_token_queries(give_max_lens, monkeypatch):
+    from asyncengine.kernels import attention
+
+    taken = []
+    real = attention._launch_decode
+    monkeypatch.setattr(attention, "_launch_decode", lambda *a: taken.append(a[-2]) or real(*a))
+    batch = make_batch([1, 1], [600, 130], heads=8, kv_heads=2)
+    hints = dict(max_query_len=1, max_seq_len=600) if give_max_lens else {}
+    check_attention(batch, 0.125, **hints)
+    assert taken and taken[0] >= 1
+
+
+def test_decode_num_splits_depends_on_host_bounds_only():
+    from asyncengine.kernels.attention import DECODE_MAX_SPLITS, decode_num_splits
+
+    assert decode_num_splits(1, 8, 60, 132) == 1  # too short to split
+    assert 1 < decode_num_splits(1, 8, 4096, 132) <= DECODE_MAX_SPLITS  # few long sequences fill the GPU
+    assert decode_num_splits(256, 8, 4096, 132) == 1  # enough programs already
+    assert decode_num_splits(0, 8, 0, 132) == 1
+
+
+def test_cache_write_then_attention_over_it():
+    """The layer's order: write this step's K/V with reshape_and_cache, then attend over the paged cache."""
+    from asyncengine.kernels import cache, reference
+
+    q_lens, seq_lens, block_size = [5, 1, 3], [5, 40, 19], 16
+    q, k_cache, v_cache, qsl, lens, block_tables = make_batch(q_lens, seq_lens, dtype=torch.bfloat16)
+    slots = []
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(block_tables[b, pos // block_size]) * block_size + pos % block_size)
+    slot_mapping = torch.tensor(slots + [-1], device=DEVICE)  # one padding token at the end
+    new_k = torch.randn(len(slots) + 1, 2, 64, dtype=q.dtype, device=DEVICE)
+    new_v = torch.randn_like(new_k)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.reshape_and_cache(new_k, new_v, ref_k, ref_v, slot_mapping)
+    cache.reshape_and_cache(new_k, new_v, k_cache, v_cache, slot_mapping)
+    check_attention((q, k_cache, v_cache, qsl, lens, block_tables), 0.125, max_query_len=5, max_seq_len=40)
+
+
+def test_available_reports_true_here():
+    from asyncengine import kernels
+
+    assert kernels.available()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: Llama-3-8B sizes (32 heads, 8 kv heads, D = 128, hidden 4096, intermediate 14336), bf16
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_norm_activation_rotary_cache_at_llama_sizes():
+    from asyncengine.kernels import activation, cache, norm, reference, rotary
+
+    dtype, tokens = torch.bfloat16, 512
+    x = torch.randn(tokens, 4096, dtype=dtype, device="cuda")
+    residual = torch.randn_like(x)
+    weight = torch.randn(4096, dtype=dtype, device="cuda")
+    assert_matches(norm.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    ref_out, ref_res = reference.fused_add_rms_norm(x, residual.clone(), weight, 1e-5)
+    out, res = norm.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert_matches(out, ref_out)
+    assert_matches(res, ref_res)
+
+    gate_up = torch.randn(tokens, 2 * 14336, dtype=dtype, device="cuda")
+    assert_matches(activation.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+
+    qkv = torch.randn(tokens, (32 + 16) * 128, dtype=dtype, device="cuda")
+    q, k = qkv[:, : 32 * 128], qkv[:, 32 * 128 : 40 * 128]
+    cos_sin = torch.randn(8192, 128, device="cuda")
+    positions = torch.randint(0, 8192, (tokens,), device="cuda")
+    ref_q, ref_k = reference.rotary_embedding(positions, q.clone(), k.clone(), cos_sin, 128)
+    rotary.rotary_embedding(positions, q, k, cos_sin, 128)
+    assert_matches(q, ref_q)
+    assert_matches(k, ref_k)
+
+    k_cache = torch.randn(2048, 16, 8, 128, dtype=dtype, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(2048 * 16, device="cuda")[:tokens]
+    slots[::7] = -1
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    new_k, new_v = qkv[:, 32 * 128 : 40 * 128].view(tokens, 8, 128), qkv[:, 40 * 128 :].view(tokens, 8, 128)
+    reference.reshape_and_cache(new_k, new_v, ref_k, ref_v, slots)
+    cache.reshape_and_cache(new_k, new_v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def attention_error_vs_fp32_reference(batch, **hints) -> float:
+    """Relative error of the bf16 kernel against the reference run on float32 copies of the same inputs."""
+    from asyncengine.kernels import attention, reference
+
+    q, k_cache, v_cache, qsl, seq_lens, block_tables = batch
+    out = attention.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, 128**-0.5, **hints)
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), qsl, seq_lens, block_tables,
+                                    128**-0.5)  # fmt: skip
+    assert not out.isnan().any()
+    return rel_error(out, ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_attention_mixed_batch_at_llama_sizes():
+    q_lens, seq_lens = [2048, 512, 1, 1, 1, 1], [2048, 2048, 3000, 1, 777, 4096]
+    batch = make_batch(q_lens, seq_lens, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    assert attention_error_vs_fp32_reference(batch, max_query_len=2048, max_seq_len=4096) < 1e-2
+    assert attention_error_vs_fp32_reference(batch) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_attention_decode_batch_at_llama_sizes():
+    seq_lens = torch.randint(1, 4000, (64,)).tolist()
+    batch = make_batch([1] * 64, seq_lens, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    assert attention_error_vs_fp32_reference(batch, max_query_len=1, max_seq_len=4096) < 1e-2
+    one = make_batch([1], [3500], heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    assert attention_error_vs_fp32_reference(one, max_query_len=1, max_seq_len=4096) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_attention_decode_is_cuda_graph_capturable():
+    from asyncengine.kernels import attention, reference
+
+    batch = make_batch([1] * 8, [1000] * 8, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    q, k_cache, v_cache, qsl, seq_lens, block_tables = batch
+    out = torch.empty_like(q)
+
+    def step():
+        attention.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.1, max_query_len=1,
+                                  max_seq_len=block_tables.shape[1] * 16, out=out)  # fmt: skip
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # New inputs in the same buffers: shorter contexts and new queries, then replay.
+    seq_lens.copy_(torch.randint(1, 1000, (8,), device="cuda", dtype=seq_lens.dtype))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.1)
+    assert_matches(out, ref, ATTENTION_TOLERANCE)
