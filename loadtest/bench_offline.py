@@ -122,36 +122,112 @@ def fixed(n: int, n_in: int, n_out: int, seed: int, vocab: int):
     return [rng.integers(3, vocab, size=n_in).tolist() for _ in range(n)], [n_out] * n
 
 
-def run_engine(llm, prompts, outs, temperature=1.0) -> dict:
+class PhaseTimer:
+    """Wraps the engine's step phases to attribute wall time (host) and GPU time of graph replays (events)."""
+
+    def __init__(self, llm):
+        self.engine, self.runner = llm.engine, llm.engine.runner
+        self.host = {"prepare_step": 0.0, "run (device thread)": 0.0, "book": 0.0, "emit": 0.0}
+        self.steps = {"graph": 0, "eager": 0}
+        self.events: list = []
+        self._originals = {}
+
+    def _wrap(self, obj, name, key):
+        original = getattr(obj, name)
+        self._originals[(obj, name)] = original
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.host[key] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+    def __enter__(self):
+        for name in ("prepare_step", "book", "emit"):
+            self._wrap(self.engine, name, name)
+        self._wrap(self.engine, "run", "run (device thread)")
+        graphs = self.runner.graphs
+        if graphs is not None:
+            original_run = graphs.run
+            self._originals[(graphs, "run")] = original_run
+
+            def graph_run(g, inputs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = original_run(g, inputs)
+                end.record()
+                self.events.append((start, end))
+                return out
+
+            graphs.run = graph_run
+        return self
+
+    def __exit__(self, *exc):
+        for (obj, name), original in self._originals.items():
+            setattr(obj, name, original)
+        torch.cuda.synchronize()
+        self.graph_gpu_s = sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+        self.steps["graph"] = len(self.events)
+
+    def summary(self, total_steps: int) -> dict:
+        n = max(total_steps, 1)
+        out = {f"{k}_ms_per_step": v / n * 1e3 for k, v in self.host.items()}
+        out["graph_steps"] = self.steps["graph"]
+        out["steps"] = total_steps
+        out["graph_replay_gpu_ms_mean"] = self.graph_gpu_s / max(self.steps["graph"], 1) * 1e3
+        return out
+
+
+def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False) -> dict:
     from asyncengine import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True, seed=None) for o in outs]
     torch.cuda.synchronize()
+    counter = {"steps": 0}
+    original_prepare = llm.engine.prepare_step
+
+    def counting_prepare():
+        counter["steps"] += 1
+        return original_prepare()
+
+    llm.engine.prepare_step = counting_prepare
+    timer = PhaseTimer(llm) if profile else None
     start = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
+    if timer is not None:
+        with timer:
+            results = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    llm.engine.prepare_step = original_prepare
     out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
     in_tokens = sum(len(p) for p in prompts)
     assert out_tokens == sum(outs), "every request must produce exactly max_tokens (ignore_eos)"
-    return dict(seconds=elapsed, requests=len(prompts), req_per_s=len(prompts) / elapsed,
-                output_tok_per_s=out_tokens / elapsed, total_tok_per_s=(in_tokens + out_tokens) / elapsed,
-                preemptions=llm.engine.scheduler.num_preemptions)
+    res = dict(seconds=elapsed, requests=len(prompts), req_per_s=len(prompts) / elapsed,
+               output_tok_per_s=out_tokens / elapsed, total_tok_per_s=(in_tokens + out_tokens) / elapsed,
+               preemptions=llm.engine.scheduler.num_preemptions, steps=counter["steps"])
+    if timer is not None:
+        res["profile"] = timer.summary(counter["steps"])
+    return res
 
 
-def batch1_decode_ms(llm, vocab: int, context: int = 1000, new_tokens: int = 200) -> float:
-    """Median milliseconds per output token of one sequence at ~context tokens."""
+def batch1_decode_ms(llm, vocab: int, context: int = 1000, new_tokens: int = 200) -> dict:
+    """Median milliseconds per output token of one sequence at ~context tokens, through the pipelined step
+    loop that LLM.generate uses; also the GPU time of one decode graph replay (CUDA events)."""
     from asyncengine import SamplingParams
 
     engine = llm.engine
     prompt = np.random.default_rng(3).integers(3, vocab, size=context).tolist()
     engine.add_request("w3", prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     stamps = []
-    while engine.has_unfinished_requests():
-        engine.step()
-        torch.cuda.synchronize()
-        stamps.append(time.perf_counter())
-    gaps = np.diff(stamps[1:])  # skip the prefill step
-    return float(np.median(gaps) * 1e3)
+    with PhaseTimer(llm) as timer:
+        for _ in engine.run_pipelined(llm._device_thread):
+            stamps.append(time.perf_counter())
+    gaps = np.diff(stamps[2:])  # skip the prefill step
+    return {"ms_per_token": float(np.median(gaps) * 1e3), "graph_replay_gpu_ms": timer.graph_gpu_s / max(len(timer.events), 1) * 1e3}
 
 
 def prefill_flops(n_params_linear: float, layers: int, heads: int, head_dim: int, seq: int) -> float:
@@ -239,11 +315,13 @@ def main(argv=None) -> int:
     # Warm-up with the timed shapes (Triton compiles per shape family), then the workloads.
     run_engine(llm, *fixed(64, 512, 16, seed=9, vocab=vocab))
     run_engine(llm, *sharegpt_like(64, 200, 32, seed=8, vocab=vocab))
-    results["W1"] = run_engine(llm, *sharegpt_like(n, 200, 180, seed=1, vocab=vocab))
+    results["W1"] = run_engine(llm, *sharegpt_like(n, 200, 180, seed=1, vocab=vocab), profile=True)
     save()
-    results["W2"] = run_engine(llm, w2_prompts, w2_outs)
+    results["W2"] = run_engine(llm, w2_prompts, w2_outs, profile=True)
     save()
-    results["W3_ms_per_token"] = batch1_decode_ms(llm, vocab)
+    w3 = batch1_decode_ms(llm, vocab)
+    results["W3_ms_per_token"] = w3["ms_per_token"]
+    results["W3_graph_replay_gpu_ms"] = w3["graph_replay_gpu_ms"]
     save()
     w4_prompts, w4_outs = fixed(16 if args.quick else 64, 2048, 1, seed=4, vocab=vocab)
     run_engine(llm, w4_prompts[:8], w4_outs[:8])

@@ -1,0 +1,166 @@
+"""`asyncengine serve [MODEL]`: the OpenAI-compatible server on hypercorn + uvloop.
+
+Flags follow vLLM's spelling. Startup prints `asyncengine serving on http://HOST:PORT` (the bound port, so
+`--port 0` works). Shutdown: the CLI, never the engine, installs SIGTERM / SIGINT handlers. The first signal stops
+accepting (new requests get 503), lets in-flight requests finish for up to --shutdown-timeout seconds, aborts the
+rest (their streams end with finish_reason "abort"), then stops hypercorn and the engine and exits 0. A second
+signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import Optional, Sequence
+
+from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, create_app
+
+logger = logging.getLogger("asyncengine.api")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncengine", description="asyncengine: LLM inference and serving")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP / WebSocket API")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="local Hugging Face checkpoint folder (default: the model shipped with the package)")
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    server.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (all but /health)")
+    server.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use")
+    server.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests may run on after SIGTERM before they are aborted")
+    server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body (and WebSocket message)")
+    server.add_argument("--ping-interval", type=float, default=DEFAULT_PING_INTERVAL,
+                        help="seconds of silence before an SSE ': ping' comment (0: never)")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    engine = serve.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
+    engine.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--num-kv-blocks", type=int, default=None)
+    engine.add_argument("--max-queue-len", type=int, default=None, help="waiting requests beyond this get 429")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    return parser
+
+
+def engine_config(args: argparse.Namespace):
+    from asyncengine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_queue_len=args.max_queue_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (bound now, so the real port is known before serving)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def hypercorn_config(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """Hypercorn settings for serving on `sock`, which is handed over (detached) to hypercorn."""
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"fd://{sock.detach()}"]
+    config.backlog = 2048
+    config.graceful_timeout = 5.0
+    config.websocket_max_message_size = max_body_bytes
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # through the application's logging, not a 2nd handler
+    return config
+
+
+async def serve_app(app, sock: socket.socket, stop: asyncio.Event, *, shutdown_timeout: float = 10.0,
+                    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """Serve `app` (from create_app) on `sock` until `stop` is set; then drain the app
+    (`app.state.server.shutdown`) and only then let hypercorn stop, so streams end with their last chunks."""
+    from hypercorn.asyncio import serve
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        logger.info("shutting down: draining in-flight requests for up to %.1f s", shutdown_timeout)
+        await app.state.server.shutdown(shutdown_timeout)
+        logger.info("in-flight requests ended; stopping the HTTP server")
+
+    await serve(app, hypercorn_config(sock, max_body_bytes=max_body_bytes), shutdown_trigger=shutdown_trigger)
+
+
+async def _serve_until_signal(app, engine, sock: socket.socket, args: argparse.Namespace) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():  # second signal: stop waiting for in-flight requests
+            loop.create_task(app.state.server.shutdown(0.0))
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await serve_app(app, sock, stop, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await engine.shutdown()
+        logger.info("stopped")
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+    except ImportError:  # e.g. Windows
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from asyncengine.async_engine import AsyncLLMEngine
+
+    try:
+        engine = AsyncLLMEngine(engine_config(args))
+        sock = bind_socket(args.host, args.port)
+    except (ValueError, OSError) as exc:
+        print(f"asyncengine: error: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
+                     max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None)
+    print(f"asyncengine serving on {url_of(sock)}", flush=True)
+    _run(_serve_until_signal(app, engine, sock, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

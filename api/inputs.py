@@ -1,0 +1,172 @@
+"""Turning a decoded request into what the engine takes: prompts (token ids) and SamplingParams.
+
+Contract: every function here either returns engine inputs or raises APIError(400) naming the offending field;
+nothing is added to the engine yet. SamplingParams' own ValueErrors name their field first ("top_k must be ..."),
+which becomes the error's `param`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from asyncengine.api.errors import APIError, bad_request, from_engine_error
+from asyncengine.api.protocol import ChatCompletionRequest, ChatMessageParam, CompletionRequest
+from asyncengine.async_engine import AsyncLLMEngine
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+
+MAX_BATCH_PROMPTS = 1024  # prompts in one /v1/completions request
+MAX_TOP_LOGPROBS = 20
+
+# SamplingParams fields; a ValueError starting with one of these names it as the error's `param`.
+PARAM_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "logit_bias", "prompt",
+)
+CHAT_RENAMES = {"logprobs": "top_logprobs", "prompt": "messages"}
+# chat_template_kwargs may not override how the template is called, only feed it variables.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
+})
+
+
+@dataclass
+class EnginePrompt:
+    token_ids: list[int]
+    text: Optional[str]  # the prompt as text (for echo); None when given as ids and not needed
+
+
+def sampling_params(request: Union[CompletionRequest, ChatCompletionRequest], *, max_tokens: Optional[int],
+                    logprobs: Optional[int], renames: Optional[dict] = None) -> SamplingParams:
+    """SamplingParams with output_kind DELTA (the server streams deltas; slow readers merge them)."""
+    try:
+        return SamplingParams(
+            n=request.n,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k is None else request.top_k,
+            min_p=0.0 if request.min_p is None else request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            logit_bias=_logit_bias(request.logit_bias),
+            skip_special_tokens=request.skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA,
+        )
+    except ValueError as exc:
+        raise from_engine_error(exc, PARAM_FIELDS, renames) from exc
+
+
+def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (integers as strings), got {key[:40]!r}",
+                              "logit_bias") from None
+    return out
+
+
+# -- completions ----------------------------------------------------------------------------------------------
+def completion_params(request: CompletionRequest) -> SamplingParams:
+    if request.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+    if request.echo and request.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    return sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs)
+
+
+async def completion_prompts(engine: AsyncLLMEngine, request: CompletionRequest) -> list[EnginePrompt]:
+    """The request's prompts as token ids: a string, a batch of strings, token ids, or a batch of token ids."""
+    raw = request.prompt
+    if isinstance(raw, str):
+        items: list = [raw]
+    elif raw and all(isinstance(t, int) for t in raw):
+        items = [list(raw)]
+    elif raw and (all(isinstance(p, str) for p in raw) or all(isinstance(p, list) for p in raw)):
+        items = list(raw)
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of such lists, "
+                          "not empty and not mixed", "prompt")
+    if len(items) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(items)}", "prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            prompts.append(EnginePrompt(await engine.encode(item), item))
+        else:
+            prompts.append(EnginePrompt(item, None))  # text decoded later, for echo, once the ids are validated
+    return prompts
+
+
+# -- chat -----------------------------------------------------------------------------------------------------
+def chat_params(request: ChatCompletionRequest) -> SamplingParams:
+    top = request.top_logprobs
+    if top is not None and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    max_tokens, renames = request.max_tokens, dict(CHAT_RENAMES)
+    if request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+        renames["max_tokens"] = "max_completion_tokens"
+    logprobs = (top or 0) if request.logprobs else None
+    return sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, renames=renames)
+
+
+def chat_messages(messages: list[ChatMessageParam]) -> list[dict]:
+    """Messages as the chat template wants them; content parts must be text (joined by newlines)."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type[:40]!r}",
+                                      "messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+def template_kwargs(kwargs: Optional[dict]) -> dict:
+    bad = sorted(set(kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", "chat_template_kwargs")
+    return dict(kwargs or {})
+
+
+async def chat_prompt(engine: AsyncLLMEngine, messages: list[ChatMessageParam], add_generation_prompt: bool = True,
+                      kwargs: Optional[dict] = None, add_special_tokens: bool = False) -> EnginePrompt:
+    """Render the chat template and tokenize it (the template adds BOS itself: by default no special tokens
+    are added)."""
+    try:
+        text = await engine.apply_chat_template(chat_messages(messages), add_generation_prompt,
+                                                **template_kwargs(kwargs))
+    except APIError:
+        raise
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
+    return EnginePrompt(await engine.encode(text, add_special_tokens=add_special_tokens), text)

@@ -1,0 +1,209 @@
+"""Running completions and chat requests on the engine, for both HTTP (SSE or JSON) and WebSocket.
+
+`OpenAIServing.completion()` / `.chat()` validate a decoded request, add it to the engine and return a
+`Generation`, or raise APIError *before anything is sent* (400 bad input, 404 unknown model, 429 queue full, 503
+engine dead). A Generation is then read exactly once, as stream chunks (`chunks()`) or as one response
+(`collect()`); `aclose()` (idempotent) aborts whatever is still running. Leaving `chunks()` early (the reader
+disconnected, its task was cancelled) aborts the engine requests too: the engine's `iterate()` does it when closed.
+
+A batch of prompts is one engine request per prompt; their outputs are merged as they come (one pending read per
+prompt, so memory stays bounded: a slow reader only makes the engine merge deltas in each request's slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator, Optional, Sequence
+
+from asyncengine.api.errors import APIError, from_engine_error
+from asyncengine.api.formatting import ChatFormatter, Chunk, CompletionFormatter, Formatter, RequestInfo
+from asyncengine.api.inputs import (
+    CHAT_RENAMES,
+    PARAM_FIELDS,
+    EnginePrompt,
+    chat_params,
+    chat_prompt,
+    completion_params,
+    completion_prompts,
+)
+from asyncengine.api.protocol import ChatCompletionRequest, CompletionRequest
+from asyncengine.async_engine import AsyncLLMEngine, RequestStream
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import SamplingParams
+
+
+class Generation:
+    """One accepted API request: its engine requests (one per prompt) and the formatter of its answer."""
+
+    def __init__(self, engine: AsyncLLMEngine, streams: list[RequestStream], formatter: Formatter):
+        self.engine = engine
+        self.streams = streams
+        self.formatter = formatter
+        self.request_ids = [s.request_id for s in streams]
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, DELTA output) until every prompt's request has finished."""
+        if len(self.streams) == 1:
+            async with aclosing(self.engine.iterate(self.streams[0])) as outputs:
+                async for output in outputs:
+                    yield 0, output
+            return
+        async with aclosing(_merge([self.engine.iterate(s) for s in self.streams])) as merged:
+            async for item in merged:
+                yield item
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Every stream chunk of the answer, the usage chunk (if asked for) last. Raises APIError if the engine
+        fails midway (the caller turns it into an error event)."""
+        fmt = self.formatter
+        for chunk in fmt.first_chunks():
+            yield chunk
+        try:
+            async with aclosing(self.outputs()) as outputs:
+                async for index, output in outputs:
+                    for chunk in fmt.delta_chunks(index, output):
+                        yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine died under us: report it in-band
+            raise from_engine_error(exc) from exc
+        if fmt.info.include_usage:
+            yield fmt.usage_chunk()
+
+    async def collect(self):
+        """The whole non-streamed response (CompletionResponse or ChatCompletionResponse)."""
+        try:
+            async with aclosing(self.outputs()) as outputs:
+                async for index, output in outputs:
+                    self.formatter.absorb(index, output)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise from_engine_error(exc) from exc
+        return self.formatter.response()
+
+    async def abort(self) -> None:
+        """End every unfinished request with finish_reason "abort"; its reader still gets the final chunks."""
+        for request_id in self.request_ids:
+            await self.engine.abort(request_id)
+
+    async def aclose(self) -> None:
+        """Abort what is still running. Idempotent, and safe in cleanup code: the engine's abort only marks the
+        request (applied before the next step) and does not suspend."""
+        await self.abort()
+
+
+async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Merge async iterators as their items arrive, yielding (iterator index, item).
+
+    One read is pending per live iterator at all times (re-armed before yielding), so when this generator is
+    closed or cancelled every remaining iterator is inside a pending read: cancelling those reads runs the
+    iterators' cleanup (which aborts the engine requests)."""
+    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(_next(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                exhausted, item = task.result()
+                if exhausted:
+                    continue
+                pending[asyncio.ensure_future(_next(iterators[i]))] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _next(iterator: AsyncIterator) -> tuple[bool, object]:
+    try:
+        return False, await iterator.__anext__()
+    except StopAsyncIteration:
+        return True, None
+
+
+class OpenAIServing:
+    """Validates requests and starts Generations on one engine, under the served model names."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str]):
+        self.engine = engine
+        self.model_names = list(model_names)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: Optional[str]) -> str:
+        """The model name to answer with; 404 when `name` is not served."""
+        if name is None or name == "":
+            return self.model_name
+        if name not in self.model_names:
+            raise APIError(404, f"The model `{name[:200]}` does not exist.", param="model", code="model_not_found")
+        return name
+
+    async def completion(self, request: CompletionRequest, response_id: Optional[str] = None,
+                         stream: Optional[bool] = None) -> Generation:
+        model = self.check_model(request.model)
+        params = completion_params(request)
+        prompts = await completion_prompts(self.engine, request)
+        self._validate(prompts, params, {})
+        echo = [p.text if p.text is not None else self.engine.tokenizer.decode(p.token_ids) for p in prompts] \
+            if request.echo else None
+        info = self._info(response_id or f"cmpl-{uuid.uuid4().hex}", model, params, prompts, request, stream)
+        info.echo_texts = echo
+        streams = await self._add(info.response_id, prompts, params, {})
+        return Generation(self.engine, streams, CompletionFormatter(info, self.engine.tokenizer))
+
+    async def chat(self, request: ChatCompletionRequest, response_id: Optional[str] = None,
+                   stream: Optional[bool] = None) -> Generation:
+        model = self.check_model(request.model)
+        params = chat_params(request)
+        prompt = await chat_prompt(self.engine, request.messages, request.add_generation_prompt,
+                                   request.chat_template_kwargs)
+        renames = dict(CHAT_RENAMES)
+        if request.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        self._validate([prompt], params, renames)
+        info = self._info(response_id or f"chatcmpl-{uuid.uuid4().hex}", model, params, [prompt], request, stream)
+        streams = await self._add(info.response_id, [prompt], params, renames)
+        return Generation(self.engine, streams, ChatFormatter(info, self.engine.tokenizer))
+
+    def _info(self, response_id, model, params: SamplingParams, prompts: list[EnginePrompt], request,
+              stream: Optional[bool]) -> RequestInfo:
+        streaming = request.stream if stream is None else stream
+        options = request.stream_options
+        return RequestInfo(
+            response_id=response_id,
+            created=int(time.time()),
+            model=model,
+            n=params.n,
+            num_prompts=len(prompts),
+            prompt_tokens=sum(len(p.token_ids) for p in prompts),
+            logprobs=params.logprobs,
+            include_usage=bool(streaming and options is not None and options.include_usage),
+        )
+
+    def _validate(self, prompts: list[EnginePrompt], params: SamplingParams, renames: dict) -> None:
+        """400 (with the numbers) for an empty prompt, bad token ids, or prompt + max_tokens > max_model_len."""
+        for prompt in prompts:
+            try:
+                self.engine.validate(prompt.token_ids, params)
+            except ValueError as exc:
+                raise from_engine_error(exc, PARAM_FIELDS, renames) from exc
+
+    async def _add(self, response_id: str, prompts: list[EnginePrompt], params: SamplingParams,
+                   renames: dict) -> list[RequestStream]:
+        """Add one engine request per prompt, all or none (429 / 503 / 400 from the engine)."""
+        streams: list[RequestStream] = []
+        base = f"{str(response_id)[:64]}-{uuid.uuid4().hex[:8]}"
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(prompt.token_ids, params, f"{base}-{i}"))
+        except Exception as exc:
+            for stream in streams:
+                await self.engine.abort(stream.request_id)
+            raise from_engine_error(exc, PARAM_FIELDS, renames) from exc
+        return streams
