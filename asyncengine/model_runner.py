@@ -10,10 +10,12 @@ step is reading the sampled tokens back.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from asyncengine.config import EngineConfig, ModelConfig
@@ -133,46 +135,56 @@ class ModelRunner:
         generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
         return generator
 
-    def _to_device(self, values, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        host = torch.tensor(values, dtype=dtype)
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a device tensor; on CUDA through pinned memory without blocking."""
+        host = torch.from_numpy(array)
         if self.device.type == "cpu":
-            return host, host
-        return host, host.pin_memory().to(self.device, non_blocking=True)
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        bs = self.block_size
-        input_ids, positions, slots, qsl, seq_lens, logits_idx, sampling = [], [], [], [0], [], [], []
-        for item in sched.scheduled:
-            request, start = item.request, item.request.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids += request.token_ids[start:end]
-            positions += range(start, end)
-            table = request.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            qsl.append(qsl[-1] + item.num_new_tokens)
-            seq_lens.append(end)
-            if item.samples:
-                logits_idx.append(qsl[-1] - 1)
-                sampling.append(request)
-        max_blocks = max(len(s.request.block_table) for s in sched.scheduled)
-        tables = [s.request.block_table + [0] * (max_blocks - len(s.request.block_table)) for s in sched.scheduled]
-        qsl_cpu, qsl_dev = self._to_device(qsl, torch.int32)
-        lens_cpu, lens_dev = self._to_device(seq_lens, torch.int32)
+        """Flat batch tensors for the scheduled requests (numpy on the host, then one copy each)."""
+        items = sched.scheduled
+        num_seqs, bs = len(items), self.block_size
+        num_new = np.fromiter((s.num_new_tokens for s in items), np.int64, num_seqs)
+        starts = np.fromiter((s.request.num_computed_tokens for s in items), np.int64, num_seqs)
+        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(num_new, out=qsl[1:])
+        seq_lens = (starts + num_new).astype(np.int32)
+        num_tokens = int(qsl[-1])
+        # positions: start_b + i for the i-th new token of sequence b
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], num_new)
+        tables = np.zeros((num_seqs, max(len(s.request.block_table) for s in items)), dtype=np.int32)
+        for row, item in enumerate(items):
+            table = item.request.block_table
+            tables[row, : len(table)] = table
+        rows = np.repeat(np.arange(num_seqs), num_new)
+        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        input_ids = np.fromiter(
+            itertools.chain.from_iterable(
+                s.request.token_ids[st : st + n] for s, st, n in zip(items, starts.tolist(), num_new.tolist())
+            ),
+            np.int64,
+            num_tokens,
+        )
+        sampling = [s.request for s in items if s.samples]
+        logits_idx = np.array([qsl[i + 1] - 1 for i, s in enumerate(items) if s.samples], dtype=np.int64)
+        qsl_cpu, lens_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_lens)
         metadata = AttentionMetadata(
-            query_start_loc=qsl_dev,
-            seq_lens=lens_dev,
-            block_tables=self._to_device(tables, torch.int32)[1],
-            slot_mapping=self._to_device(slots, torch.int64)[1],
+            query_start_loc=self._to_device(qsl),
+            seq_lens=self._to_device(seq_lens),
+            block_tables=self._to_device(tables),
+            slot_mapping=self._to_device(slots),
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=lens_cpu,
-            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
-            max_seq_len=max(seq_lens),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
         )
         return StepInputs(
-            input_ids=self._to_device(input_ids, torch.int64)[1],
-            positions=self._to_device(positions, torch.int64)[1],
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
             metadata=metadata,
-            logits_indices=self._to_device(logits_idx, torch.int64)[1],
+            logits_indices=self._to_device(logits_idx),
             sampling_requests=sampling,
             # Built before the forward is launched: its small host-to-device copies never wait on the GPU.
             sampling=SamplingBatch.build(sampling, self.model_config.vocab_size, self.device),

@@ -92,6 +92,8 @@ def build_checkpoint(folder: Path, layers: int | None = None) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
+            elif name == "lm_head.weight":  # peaked logits, like a trained model's: top-1 is well defined
+                p.normal_(0.0, 0.25, generator=gen)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     model.save_pretrained(str(folder))

@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
-# One device call: install, GPU tests, offline benchmark. Logs under $OUT (or ./gpu_out).
-# Usage: bash scripts/gpu_run.sh [tests|bench|all] [extra bench args]
+# One device call: install, GPU tests, offline benchmark, served benchmark. Logs under $OUT (or ./gpu_out).
+# Usage: bash scripts/gpu_run.sh [tests|bench|served|all] [extra bench_offline args]
+# The served benchmark needs the server's wheels: run ../shared/tools/device-wheels.sh first and carry .whl.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 rc=0
 if [[ $what == tests || $what == all ]]; then
-  timeout 400 python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_model.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 400 python3 -m pytest -q -s -m gpu tests/test_kernels.py tests/test_gpu_model.py -p no:cacheprovider 2>&1 \
+    | grep -v "rope_parameters\|Loading weights\|Writing model" | tee "$OUT/gpu_tests.log" | tail -12
   rc=${PIPESTATUS[0]}
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 -m loadtest.bench_offline --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30
+  python3 -m loadtest.bench_offline --out "$OUT" "$@" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" \
+    | tee "$OUT/bench.log" | tail -12
+fi
+if [[ $what == served || $what == all ]]; then
+  python3 -m loadtest.bench_served --out "$OUT" --prompts-per-rate 200 2>&1 | tee "$OUT/served.log" | tail -10
 fi
 exit $rc

@@ -86,8 +86,12 @@ def _config(arch: str, vocab_size: int, **overrides):
     return cls(**common)
 
 
-def build_checkpoint(folder: Path, arch: str = "LlamaForCausalLM", seed: int = 0, dtype=torch.float32, **overrides) -> Path:
-    """Save a random model of `arch` and its tokenizer to folder; returns folder."""
+def build_checkpoint(
+    folder: Path, arch: str = "LlamaForCausalLM", seed: int = 0, dtype=torch.float32, lm_head_std: float = 0.08,
+    **overrides,
+) -> Path:
+    """Save a random model of `arch` and its tokenizer to folder; returns folder. A larger lm_head_std makes the
+    logits peaked like a trained model's (so top-1 comparisons are not decided by rounding noise)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -97,7 +101,9 @@ def build_checkpoint(folder: Path, arch: str = "LlamaForCausalLM", seed: int = 0
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # larger weights than the default init: peaked logits, so greedy ties are unlikely
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if name == "lm_head.weight":
+                p.normal_(0.0, lm_head_std)
+            elif p.dim() == 2:
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
