@@ -71,9 +71,11 @@ class ModelRunner:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.graphs: Optional[DecodeGraphs] = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self)
-            self.graphs.capture()
+        if self.device.type == "cuda":
+            self._warm_up_kernels()
+            if not config.enforce_eager:
+                self.graphs = DecodeGraphs(self)
+                self.graphs.capture()
 
     # -- KV cache sizing --------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -104,6 +106,14 @@ class ModelRunner:
         if free_budget <= 0:
             raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f})")
         return free_budget
+
+    def _warm_up_kernels(self) -> None:
+        """Compile every tile variant of the prefill kernel now (its tile size follows the longest query of a
+        step, in power-of-two buckets), so no request meets a Triton compilation while serving."""
+        for num_tokens in (1, 2, 4, 8, 16, 32, 64, 128):
+            if num_tokens <= min(self.max_model_len, self.config.max_num_batched_tokens):
+                self._dummy_forward(num_tokens)
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _dummy_forward(self, num_tokens: int) -> None:

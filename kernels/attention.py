@@ -165,7 +165,8 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 # --------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# num_seqs changes every step: specializing on it (== 1, divisible by 16) would compile new variants mid-serving.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     out_ptr,  # [T, H, D]
     q_ptr,  # [T, H, D]
