@@ -43,12 +43,11 @@ class EngineCollector:
         yield _gauge("vllm:num_requests_waiting", "Requests waiting to run.", engine.num_waiting, labels)
         yield _gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
                      engine.kv_cache_usage, labels)
-        core = engine.engine  # read-only running totals, the only state read below the AsyncLLMEngine interface
-        yield _counter("vllm:num_preemptions", "Preemptions since start.", core.scheduler.num_preemptions, labels)
+        yield _counter("vllm:num_preemptions", "Preemptions since start.", engine.num_preemptions, labels)
         yield _counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                       core.block_manager.prefix_queries, labels)
+                       engine.prefix_cache_queries, labels)
         yield _counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                       core.block_manager.prefix_hits, labels)
+                       engine.prefix_cache_hits, labels)
 
 
 def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:

@@ -155,6 +155,25 @@ class AsyncLLMEngine:
     def kv_cache_usage(self) -> float:
         return self.engine.kv_cache_usage
 
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since start (running total)."""
+        return self.engine.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache since start."""
+        return self.engine.block_manager.prefix_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens found in the prefix cache since start."""
+        return self.engine.block_manager.prefix_hits
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
     def add_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
         self.engine.stats_listeners.append(listener)
 
@@ -232,7 +251,8 @@ class AsyncLLMEngine:
                 self._request_abort(stream.request_id)
 
     async def abort(self, request_id: str) -> None:
-        """End the request with finish_reason "abort"; its reader gets a final output. Unknown ids are ignored."""
+        """End the request with finish_reason "abort"; its reader gets a final output. Unknown ids are ignored.
+        Never suspends: the abort is queued for the step loop, which applies it before its next step."""
         if request_id in self._streams:
             self._request_abort(request_id, keep_stream=True)
 
