@@ -60,8 +60,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rotary
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
-        out = self.attn(q, k, v.contiguous(), kv_cache, metadata)
+        # q, k, v stay strided views of qkv (rows qkv_size apart): the kernels take row strides, so no copies.
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, metadata)
         return self.o_proj(out)
 
 
