@@ -165,8 +165,9 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 # --------------------------------------------------------------------------------------------------------------
 
 
-# num_seqs changes every step: specializing on it (== 1, divisible by 16) would compile new variants mid-serving.
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs and the block-table width (stride_bt) change every step: specializing on them (== 1, divisible by 16)
+# would compile new variants in the middle of serving, stalling every request for about a second.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     out_ptr,  # [T, H, D]
     q_ptr,  # [T, H, D]
