@@ -23,6 +23,9 @@ _DTYPES = {
 }
 
 
+DEFAULT_MODEL_NAME = "asyncengine-default"  # the name the server gives the embedded model
+
+
 def default_model_path() -> str:
     """The checkpoint shipped inside the package (used when no model is named)."""
     return str(Path(__file__).parent / "default_model")
@@ -75,6 +78,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
+            self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
         self.model = str(self.model)
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
