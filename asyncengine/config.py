@@ -149,7 +149,9 @@ def load_model_config(config: EngineConfig, device: torch.device) -> ModelConfig
     from transformers import AutoConfig
 
     from asyncengine.models import supported_architectures
+    from asyncengine.plugins import load_plugins
 
+    load_plugins()  # out-of-tree model families register their architectures here
     folder = Path(config.model)
     if not folder.is_dir():
         raise ValueError(f"model {config.model!r} is not a local folder (no hub access: give a path to a checkpoint)")
