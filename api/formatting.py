@@ -35,6 +35,7 @@ from asyncengine.api.protocol import (
     UsageInfo,
 )
 from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput
+from asyncengine.tokenizer import byte_level_table
 
 Chunk = Union[CompletionResponse, ChatCompletionChunk]
 LogprobEntries = list[tuple[int, dict[int, Logprob]]]  # (chosen token id, {token id: Logprob}) per position
@@ -69,46 +70,17 @@ class RequestInfo:
 
 
 class TokenBytes:
-    """A token's UTF-8 bytes (OpenAI's `bytes`), exact for byte-level BPE tokenizers, else of its decoded text."""
+    """A token's UTF-8 bytes (OpenAI's `bytes`): exact for byte-level BPE tokenizers (the engine's id -> bytes
+    table, built once per tokenizer), else the bytes of its decoded text."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._cache: dict[int, list[int]] = {}
-        self._byte_of = _byte_level_table() if _is_byte_level(tokenizer) else None
+        table = byte_level_table(tokenizer)
+        self._pieces = table[0] if table is not None else None
 
     def __call__(self, token_id: int, decoded: str) -> list[int]:
-        cached = self._cache.get(token_id)
-        if cached is None:
-            cached = self._lookup(token_id, decoded)
-            if len(self._cache) < 1 << 16:
-                self._cache[token_id] = cached
-        return cached
-
-    def _lookup(self, token_id: int, decoded: str) -> list[int]:
-        if self._byte_of is not None:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(piece, str) and piece and all(ch in self._byte_of for ch in piece):
-                return [self._byte_of[ch] for ch in piece]
+        if self._pieces is not None and 0 <= token_id < len(self._pieces) and self._pieces[token_id] is not None:
+            return list(self._pieces[token_id])
         return list(decoded.encode("utf-8"))
-
-
-def _is_byte_level(tokenizer) -> bool:
-    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    return type(decoder).__name__ == "ByteLevel"
-
-
-def _byte_level_table() -> dict[str, int]:
-    """Byte-level BPE spells each byte as one printable character: printable Latin-1 bytes as themselves, the
-    others as the code points from 256 upwards, in byte order. Returns character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[chr(byte)] = byte
-        else:
-            table[chr(256 + extra)] = byte
-            extra += 1
-    return table
 
 
 def _decoded(tokenizer, token_id: int, logprob: Logprob) -> str:
