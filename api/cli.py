@@ -5,6 +5,15 @@ Flags follow vLLM's spelling. Startup prints `asyncengine serving on http://HOST
 accepting (new requests get 503), lets in-flight requests finish for up to --shutdown-timeout seconds, aborts the
 rest (their streams end with finish_reason "abort"), then stops hypercorn and the engine and exits 0. A second
 signal skips the wait.
+
+Engine failure: when a step fails the engine is dead for good. In-flight streams get an `data: {"error": ...}`
+event and `[DONE]`, /health and new requests get 503 at once; the CLI notices within ENGINE_WATCH_INTERVAL,
+keeps answering 503 for ENGINE_DEAD_LINGER seconds (probes and load balancers see the state), drains the
+in-flight requests (which end at once: they already have their error) and exits with status 1, so that a
+supervisor restarts the server rather than keeping a process that can never serve.
+
+Test hook (not a user setting): the environment variable ASYNCENGINE_FAULT_AFTER_STEPS=N, read only here, makes
+the engine's device step raise after N successful steps, to test the failure path above in a real process.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -20,6 +30,12 @@ from typing import Optional, Sequence
 from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, create_app
 
 logger = logging.getLogger("asyncengine.api")
+
+ENGINE_WATCH_INTERVAL = 0.1  # seconds between checks of the engine's health
+ENGINE_DEAD_LINGER = 1.0  # seconds of 503s after the engine died, before the server shuts down
+ENGINE_DEAD_DRAIN = 2.0  # then at most this long for in-flight responses to finish sending their error
+EXIT_ENGINE_DEAD = 1
+FAULT_ENV = "ASYNCENGINE_FAULT_AFTER_STEPS"  # test hook, see the module docstring
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,9 +131,49 @@ async def serve_app(app, sock: socket.socket, stop: asyncio.Event, *, shutdown_t
     await serve(app, hypercorn_config(sock, max_body_bytes=max_body_bytes), shutdown_trigger=shutdown_trigger)
 
 
-async def _serve_until_signal(app, engine, sock: socket.socket, args: argparse.Namespace) -> None:
+def install_fault_hook(engine, after_steps: int) -> None:
+    """Test hook: make the engine's device step raise RuntimeError once `after_steps` steps have run."""
+    core = engine.engine
+    run = core.run
+    calls = 0
+
+    def faulty_run(step):
+        nonlocal calls
+        calls += 1
+        if calls > after_steps:
+            raise RuntimeError(f"injected engine fault after {after_steps} steps ({FAULT_ENV})")
+        return run(step)
+
+    core.run = faulty_run
+
+
+def _fault_after_steps() -> Optional[int]:
+    value = os.environ.get(FAULT_ENV)
+    if not value:
+        return None
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"{FAULT_ENV} must be an integer, got {value!r}") from None
+
+
+async def _watch_engine(engine, app, stop: asyncio.Event, died: asyncio.Event) -> None:
+    """Once the engine is dead: set `died`, linger, then stop the server with a short drain (the in-flight
+    requests already hold their error; only a client that does not read could keep them open)."""
+    while not engine.errored:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL)
+    died.set()
+    logger.error("the engine died; answering 503 for %.1f s, then shutting down with exit status %d",
+                 ENGINE_DEAD_LINGER, EXIT_ENGINE_DEAD)
+    await asyncio.sleep(ENGINE_DEAD_LINGER)
+    stop.set()
+    await app.state.server.shutdown(ENGINE_DEAD_DRAIN)
+
+
+async def _serve_until_signal(app, engine, sock: socket.socket, args: argparse.Namespace) -> int:
+    """Serve until a signal (returns 0) or the engine's death (returns EXIT_ENGINE_DEAD)."""
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, died = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:
         if stop.is_set():  # second signal: stop waiting for in-flight requests
@@ -126,22 +182,25 @@ async def _serve_until_signal(app, engine, sock: socket.socket, args: argparse.N
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    watcher = loop.create_task(_watch_engine(engine, app, stop, died), name="asyncengine-engine-watch")
     try:
         await serve_app(app, sock, stop, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
         await engine.shutdown()
         logger.info("stopped")
+    return EXIT_ENGINE_DEAD if died.is_set() else 0
 
 
-def _run(coro) -> None:
+def _run(coro):
     try:
         import uvloop
     except ImportError:  # e.g. Windows
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -150,16 +209,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from asyncengine.async_engine import AsyncLLMEngine
 
     try:
+        fault_after = _fault_after_steps()
         engine = AsyncLLMEngine(engine_config(args))
         sock = bind_socket(args.host, args.port)
     except (ValueError, OSError) as exc:
         print(f"asyncengine: error: {exc}", file=sys.stderr)
         return 2
+    if fault_after is not None:
+        logger.warning("test hook %s=%d: the engine will fail after %d steps", FAULT_ENV, fault_after, fault_after)
+        install_fault_hook(engine, fault_after)
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None)
     print(f"asyncengine serving on {url_of(sock)}", flush=True)
-    _run(_serve_until_signal(app, engine, sock, args))
-    return 0
+    return _run(_serve_until_signal(app, engine, sock, args))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ class SamplingBatch:
             requests=requests,
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=optional([p.top_k if p.top_k > 0 else vocab_size for p in params], vocab_size, torch.int64),
+            top_k=optional([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], vocab_size,
+                           torch.int64),  # any top_k beyond the vocabulary means "all tokens"
             top_p=optional([p.top_p for p in params], 1.0, torch.float32),
             min_p=optional([p.min_p for p in params], 0.0, torch.float32),
             all_greedy=all(greedy),

@@ -1,0 +1,255 @@
+"""What serving costs on CPU: offline `LLM.generate` against the same prompts served over HTTP (issue 6).
+
+    python -m loadtest.bench_cpu_serving [--out results/bench_cpu_serving.json] [--repeats 2]
+
+With the default model (the one shipped in the package) on CPU:
+  offline  `LLM.generate` of N prompts (greedy, ignore_eos, max_tokens M) in one call: output tokens / wall time
+  served   the same engine settings behind `create_app` + hypercorn, started in this process (its own thread and
+           event loop), driven by `loadtest.run_benchmark` with N concurrent streaming clients sending the same
+           prompts as token-id lists: output tokens / (first send -> last stream end)
+The ratio served / offline is the share of the engine's throughput that the HTTP + SSE layer keeps (target
+>= 0.9). Both sides are warmed up with the same shapes, then timed back to back --trials times. `--client subprocess` runs the load generator in
+its own process (`python -m loadtest`), so that its Python work does not share this process's GIL with the server.
+Prints one table; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from loadtest.config import BenchmarkConfig
+from loadtest.datasets import WORDS
+from loadtest.runner import run_benchmark
+
+
+def make_prompts(n: int, input_words: int, seed: int) -> list[list[int]]:
+    """`n` seeded text prompts of `input_words` common words, as the default model's token ids."""
+    from asyncengine.config import default_model_path
+    from asyncengine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    rng = np.random.default_rng(seed)
+    texts = [" ".join(rng.choice(WORDS, size=input_words).tolist()) for _ in range(n)]
+    return [tokenizer(t).input_ids for t in texts]
+
+
+# -- offline -----------------------------------------------------------------------------------------------------
+class Offline:
+    """An LLM with the benchmark's engine settings, warmed up; `trial()` times one generate of all prompts."""
+
+    def __init__(self, prompts: list[list[int]], max_tokens: int, engine_kwargs: dict):
+        from asyncengine import LLM, SamplingParams
+
+        self.prompts = prompts
+        self.llm = LLM(**engine_kwargs)
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.llm.generate(prompts[: max(1, len(prompts) // 4)], self.params, use_tqdm=False)  # warm-up
+        self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+
+    def trial(self) -> dict:
+        start = time.perf_counter()
+        outputs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return {"output_tokens": tokens, "seconds": elapsed, "output_tok_s": tokens / elapsed}
+
+
+# -- served ------------------------------------------------------------------------------------------------------
+class InProcessServer:
+    """create_app(AsyncLLMEngine) under hypercorn on 127.0.0.1:ephemeral, in a thread with its own loop."""
+
+    def __init__(self, engine_kwargs: dict):
+        from asyncengine.api import create_app
+        from asyncengine.api.cli import bind_socket, url_of
+        from asyncengine.async_engine import AsyncLLMEngine
+        from asyncengine.config import EngineConfig
+
+        self.engine = AsyncLLMEngine(EngineConfig(**engine_kwargs))
+        self.app = create_app(self.engine, served_model_name="default")
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.url = url_of(self.sock)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._stop: Optional[asyncio.Event] = None
+        self._thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+
+    def __enter__(self) -> "InProcessServer":
+        from asyncengine.api.cli import _run, serve_app
+
+        ready = threading.Event()
+
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            ready.set()
+            try:
+                await serve_app(self.app, self.sock, self._stop, shutdown_timeout=5.0)
+            finally:
+                await self.engine.shutdown()
+
+        def run() -> None:
+            try:
+                _run(main())
+            except BaseException as exc:  # noqa: BLE001 - reported on exit
+                self.error = exc
+
+        self._thread = threading.Thread(target=run, name="bench-server", daemon=True)
+        self._thread.start()
+        if not ready.wait(30):
+            raise RuntimeError("the server's loop did not start")
+        import httpx
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not become healthy within 30 s")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        if self._thread.is_alive():
+            raise RuntimeError("the server thread did not stop within 30 s")
+        if self.error is not None:
+            raise RuntimeError(f"the server failed: {self.error!r}")
+
+
+def _bench_config(url: str, dataset: str, num: int, max_tokens: int) -> BenchmarkConfig:
+    return BenchmarkConfig(base_url=url, model="default", dataset="jsonl", dataset_path=dataset, num_prompts=num,
+                           output_len=max_tokens, max_concurrency=num, temperature=0.0, ignore_eos=True,
+                           timeout=300.0, progress=False)
+
+
+def _metrics_of(metrics: dict) -> dict:
+    return {"output_tokens": metrics["total_output_tokens"], "seconds": metrics["duration_s"],
+            "output_tok_s": metrics["output_throughput"], "completed": metrics["completed"],
+            "failed": metrics["failed"], "ttft_ms_median": metrics["latency"]["ttft"]["percentiles"]["p50"],
+            "itl_ms_median": metrics["latency"]["itl"]["percentiles"]["p50"]}
+
+
+def served_trial(url: str, dataset: str, num: int, max_tokens: int, client: str) -> dict:
+    """One run of `num` concurrent streams through loadtest (in this process or as `python -m loadtest`)."""
+    if client == "inprocess":
+        metrics = asyncio.run(run_benchmark(_bench_config(url, dataset, num, max_tokens))).metrics.to_dict()
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "run.json"
+            cmd = [sys.executable, "-m", "loadtest", "--base-url", url, "--model", "default", "--dataset", "jsonl",
+                   "--dataset-path", dataset, "--num-prompts", str(num), "--output-len", str(max_tokens),
+                   "--max-concurrency", str(num), "--temperature", "0", "--no-progress", "--result-json", str(out)]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+            metrics = json.loads(out.read_text())["metrics"]
+    if metrics["failed"]:
+        raise RuntimeError(f"{metrics['failed']} requests failed in a served run")
+    return _metrics_of(metrics)
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict:
+    """Both sides stay loaded; each trial times offline then served back to back, so that both see the same
+    machine (a shared VM's speed drifts by tens of percent over a minute). The ratio is the median of the
+    trials' ratios."""
+    engine_kwargs = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
+    prompts = make_prompts(args.num_prompts, args.input_words, args.seed)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = str(Path(tmp) / "prompts.jsonl")
+        with open(dataset, "w") as f:
+            for ids in prompts:
+                f.write(json.dumps({"prompt": ids, "max_tokens": args.max_tokens}) + "\n")
+        offline = Offline(prompts, args.max_tokens, engine_kwargs)
+        with InProcessServer(engine_kwargs) as server:
+            served_trial(server.url, dataset, max(1, args.num_prompts // 4), args.max_tokens, args.client)  # warm-up
+            for trial in range(args.trials):
+                off = offline.trial()
+                served = served_trial(server.url, dataset, args.num_prompts, args.max_tokens, args.client)
+                rows.append({"trial": trial, "offline": off, "served": served,
+                             "ratio": served["output_tok_s"] / off["output_tok_s"]})
+                print(f"  trial {trial}: offline {off['output_tok_s']:.0f} tok/s, served "
+                      f"{served['output_tok_s']:.0f} tok/s, ratio {rows[-1]['ratio']:.3f}", flush=True)
+    import torch
+
+    return {
+        "benchmark": "bench_cpu_serving",
+        "config": {"num_prompts": args.num_prompts, "input_tokens_mean": float(np.mean([len(p) for p in prompts])),
+                   "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True, "client": args.client,
+                   "engine": engine_kwargs or "defaults", "seed": args.seed, "trials": args.trials},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "platform": platform.platform()},
+        "runs": rows,
+        "offline_tok_s_median": statistics.median(r["offline"]["output_tok_s"] for r in rows),
+        "served_tok_s_median": statistics.median(r["served"]["output_tok_s"] for r in rows),
+        "ratio_median": statistics.median(r["ratio"] for r in rows),
+    }
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    lines = [
+        "== asyncengine CPU serving vs offline " + "=" * 42,
+        f"{c['num_prompts']} prompts of ~{c['input_tokens_mean']:.0f} tokens, max_tokens {c['max_tokens']} "
+        f"(greedy, ignore_eos), default model on CPU ({report['machine']['cpus']} cores, "
+        f"{report['machine']['torch_threads']} torch threads), client {c['client']}",
+        f"{'trial':>5} {'offline tok/s':>14} {'served tok/s':>13} {'ratio':>7} {'served TTFT ms':>15} "
+        f"{'served ITL ms':>14}",
+    ]
+    for r in report["runs"]:
+        s = r["served"]
+        lines.append(f"{r['trial']:>5} {r['offline']['output_tok_s']:>14.1f} {s['output_tok_s']:>13.1f} "
+                     f"{r['ratio']:>7.3f} {s['ttft_ms_median']:>15.1f} {s['itl_ms_median']:>14.1f}")
+    lines.append(f"{'med.':>5} {report['offline_tok_s_median']:>14.1f} {report['served_tok_s_median']:>13.1f} "
+                 f"{report['ratio_median']:>7.3f}")
+    lines.append(f"ratio served / offline: {report['ratio_median']:.3f} (median of {len(report['runs'])} trials; "
+                 "target >= 0.9)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_cpu_serving",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-words", type=int, default=32, help="words per prompt (about one token each)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--trials", type=int, default=5, help="offline + served pairs, timed back to back")
+    parser.add_argument("--client", choices=["inprocess", "subprocess"], default="inprocess")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: the engine's (1 GiB on CPU)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads for both runs (default: torch's choice, one per core)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench_cpu_serving.json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    report = run(args)
+    print(format_table(report))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The soak test's CI version: `python -m loadtest.soak --minutes 1` against a server subprocess on the default
+model must pass: no meaningful RSS slope after the warm-up, no unexpected request failure, KV usage back to 0,
+a clean exit on SIGTERM. The 5-minute run is `python -m loadtest.soak --minutes 5` (see loadtest/soak.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_one_minute_soak_passes(tmp_path):
+    out = tmp_path / "soak"
+    cmd = [sys.executable, "-m", "loadtest.soak", "--minutes", "1", "--concurrency", "12",
+           "--num-kv-blocks", "1024", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    print(result.stdout)
+    report = json.loads((out / "soak.json").read_text())
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert report["passed"] and (out / "soak.png").stat().st_size > 10_000
+    assert report["requests"]["failed"] == 0 and report["requests"]["ok"] > 50
+    assert report["requests"]["cancelled"] > 0  # the load did leave at random points
+    assert report["kv_drained_after_s"] is not None and report["server_exit_code"] == 0
+    assert report["rss"]["fit_samples"] >= 30
+    kinds = {k.split(":")[0] for k in report["requests"]["by_kind"]}
+    assert {"chat-stream-short", "cmpl-stream-short", "chat-json-short", "cmpl-json-short"} <= kinds, kinds
