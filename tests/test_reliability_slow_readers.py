@@ -17,7 +17,7 @@ from test_reliability_common import MiB, default_model_server, http_pool, rss_by
 from test_server_harness import wait_until
 
 NUM_SLOW, NUM_FAST = 20, 16
-READ_SECONDS = 4  # each slow reader reads one chunk per second for this long, then leaves
+READ_SECONDS = 3  # each slow reader reads one chunk per second for this long, then leaves
 SLOW_BODY = {"prompt": "Now is the winter of our discontent", "max_tokens": 96, "ignore_eos": True, "stream": True}
 FAST_BODY = {"prompt": "And the LORD spake unto Moses", "max_tokens": 40, "ignore_eos": True, "stream": True}
 

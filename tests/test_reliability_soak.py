@@ -12,7 +12,7 @@ import sys
 def test_one_minute_soak_passes(tmp_path):
     out = tmp_path / "soak"
     cmd = [sys.executable, "-m", "loadtest.soak", "--minutes", "1", "--concurrency", "12",
-           "--num-kv-blocks", "1024", "--out", str(out)]
+           "--num-kv-blocks", "512", "--out", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     print(result.stdout)
     report = json.loads((out / "soak.json").read_text())
