@@ -5,11 +5,20 @@
     llm.generate(["ROMEO:"], SamplingParams(max_tokens=32))
 """
 
-from asyncengine.config import EngineConfig, default_model_path
-from asyncengine.engine import LLMEngine
-from asyncengine.llm import LLM
-from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput
-from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from pathlib import Path as _Path
+
+# kernels/, api/ and plugins/ are top-level folders that setuptools installs as asyncengine.kernels, .api and
+# .plugins. Run from a source checkout (e.g. `python -m asyncengine` in the repository after a plain `pip install .`,
+# where this folder shadows the installed package), find them beside this package too.
+_checkout = _Path(__file__).resolve().parent.parent
+if (_checkout / "pyproject.toml").is_file() and (_checkout / "kernels" / "__init__.py").is_file():
+    __path__.append(str(_checkout))
+
+from asyncengine.config import EngineConfig, default_model_path  # noqa: E402
+from asyncengine.engine import LLMEngine  # noqa: E402
+from asyncengine.llm import LLM  # noqa: E402
+from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
