@@ -8,14 +8,12 @@ steps (see asyncengine/api/cli.py)."""
 from __future__ import annotations
 
 import json
-import os
-import queue
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
+
+from test_server_cli import CLIServer
 
 from asyncengine.api.cli import ENGINE_DEAD_DRAIN, ENGINE_DEAD_LINGER, EXIT_ENGINE_DEAD, FAULT_ENV
 
@@ -23,33 +21,10 @@ FAULT_AFTER_STEPS = 40
 NUM_STREAMS = 6
 
 
-class FaultyServer:
-    """`python -m asyncengine.api serve` (default model) with the fault hook set; the URL from its first line."""
-
-    def __init__(self, log_path, fault_after: int):
-        env = {**os.environ, FAULT_ENV: str(fault_after), "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [sys.executable, "-m", "asyncengine.api", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--num-kv-blocks", "256", "--max-model-len", "512", "--log-level", "warning"]
-        self.log = open(log_path, "w+b")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env)
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: lines.put(self.proc.stdout.readline().decode()), daemon=True).start()
-        try:
-            line = lines.get(timeout=90)
-        except queue.Empty:
-            self.kill()
-            raise AssertionError("server printed no address within 90 s:\n" + self.logs())
-        assert line.startswith("asyncengine serving on http://127.0.0.1:"), line + self.logs()
-        self.url = line.split()[-1]
-
-    def logs(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-4000:]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+def FaultyServer(log_dir, fault_after: int) -> CLIServer:
+    """`python -m asyncengine.api serve` (default model) with the fault hook set."""
+    return CLIServer(None, "--max-model-len", "512", log_dir=log_dir, env={FAULT_ENV: str(fault_after)},
+                     num_kv_blocks=256)
 
 
 def read_stream(url: str, body: dict, out: dict, first: threading.Event) -> None:
@@ -72,7 +47,7 @@ def read_stream(url: str, body: dict, out: dict, first: threading.Event) -> None
 
 
 def test_engine_fault_ends_streams_with_an_error_turns_503_and_exits_1(tmp_path):
-    server = FaultyServer(tmp_path / "server.log", FAULT_AFTER_STEPS)
+    server = FaultyServer(tmp_path, FAULT_AFTER_STEPS)
     try:
         body = {"prompt": "Now is the winter", "max_tokens": 400, "ignore_eos": True, "stream": True}
         streams = []
@@ -120,7 +95,7 @@ def test_engine_fault_ends_streams_with_an_error_turns_503_and_exits_1(tmp_path)
 
 
 def test_fault_before_the_first_token_still_ends_the_stream_and_exits_1(tmp_path):
-    server = FaultyServer(tmp_path / "server.log", 0)  # the very first step fails: during prefill
+    server = FaultyServer(tmp_path, 0)  # the very first step fails: during prefill
     try:
         out, first = {}, threading.Event()
         read_stream(server.url, {"prompt": "Hello", "max_tokens": 8, "stream": True}, out, first)

@@ -29,11 +29,14 @@ def long_llama_dir(tmp_path_factory) -> Path:
 class CLIServer:
     """`python -m asyncengine.api serve ...` in a subprocess; reads the bound URL from its first stdout line."""
 
-    def __init__(self, model: Path, *args: str, log_dir: Path):
+    def __init__(self, model: Path | None, *args: str, log_dir: Path, env: dict | None = None,
+                 num_kv_blocks: int = 600):
+        """model None: the embedded default model. env: extra environment variables for the server."""
         self.log = open(log_dir / "server.log", "w+b")
-        cmd = [sys.executable, "-m", "asyncengine.api", "serve", str(model), "--host", "127.0.0.1", "--port", "0",
-               "--num-kv-blocks", "600", "--log-level", "warning", *args]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "asyncengine.api", "serve", *([str(model)] if model else []), "--host",
+               "127.0.0.1", "--port", "0", "--num-kv-blocks", str(num_kv_blocks), "--log-level", "warning", *args]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: lines.put(self.proc.stdout.readline().decode()), daemon=True).start()
