@@ -202,10 +202,6 @@ class ModelRunner:
             logprobs_asked={r.request_id: r.params.logprobs for r in sampling if r.params.logprobs is not None},
         )
 
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """prepare() then run(): one whole step."""
-        return self.run(self.prepare(sched))
-
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> StepResult:
         """The device work of a prepared step: forward, logits, sampling, and the one host sync that reads the
@@ -236,10 +232,6 @@ class ModelRunner:
                     entry.setdefault(ids[row][j], Logprob(values[row][j], j))
                 logprobs[request_id] = entry
         return StepResult(tokens, logprobs)
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.num_blocks * self._bytes_per_block()
 
 
 class DecodeGraphs:
