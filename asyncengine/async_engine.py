@@ -27,6 +27,7 @@ engine state runs on the loop, and aborts are applied between steps.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -110,6 +111,10 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.engine = LLMEngine(config)
+        # Loading a model leaves millions of long-lived objects; a full garbage collection over them stalls the
+        # loop for a few hundred ms. Move them out of the collector's sight (as vLLM does after start-up).
+        gc.collect()
+        gc.freeze()
         self._streams: dict[str, RequestStream] = {}
         self._pending_aborts: set[str] = set()
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-step")
