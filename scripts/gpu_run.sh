@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, offline benchmark, served benchmark. Logs under $OUT (or ./gpu_out).
-# Usage: bash scripts/gpu_run.sh [tests|bench|served|all] [extra bench_offline args]
+# Usage: bash scripts/gpu_run.sh [tests|bench|served|profile|all] [extra bench_offline args]
 # The served benchmark needs the server's wheels: run ../shared/tools/device-wheels.sh first and carry .whl.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -24,5 +24,9 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == served || $what == all ]]; then
   python3 -m loadtest.bench_served --out "$OUT" --prompts-per-rate 200 2>&1 | tee "$OUT/served.log" | tail -10
+fi
+if [[ $what == profile ]]; then
+  python3 -m loadtest.profile_steps --out "$OUT" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" \
+    | tee "$OUT/profile.log" | tail -60
 fi
 exit $rc

@@ -1,0 +1,177 @@
+"""Where a step's time goes on the GPU: kernel tables for batch-1 decode (W3) and for the W1 load (issue 5).
+
+    python -m loadtest.profile_steps --out results/ [--w1-requests 300]
+
+On the Llama-3-8B-shape random checkpoint of bench_offline:
+  1. W3 decode eagerly under torch.profiler: GPU time per kernel family per decoded token, and the sum, against
+     the graph replay's time (CUDA events) and the host's wall time per token;
+  2. a W1 subset with CUDA graphs on: for graph steps and eager (mixed) steps separately, the count, the mean host
+     time of `run`, the mean GPU time (CUDA events) and the mean tokens per step; then the kernel table of the
+     eager steps under torch.profiler.
+Prints the tables and writes profile_steps.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loadtest.bench_offline import LLAMA3_8B, build_checkpoint, fixed, sharegpt_like
+
+
+def kernel_family(name: str) -> str:
+    """Group a CUDA kernel's name into a family (cuBLAS GEMMs together, Triton kernels by their function)."""
+    lowered = name.lower()
+    if any(k in lowered for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "cublas")):
+        return "matmul (cuBLAS)"
+    match = re.match(r"^_?([a-z0-9_]+?)(_kernel)?(_\d+)?$", name)
+    if match and not name.startswith("void"):
+        return f"triton {match.group(1)}"
+    for key in ("elementwise", "reduce", "index", "copy", "fill", "argmax", "softmax", "cat", "sort", "scatter", "gather"):
+        if key in lowered:
+            return f"torch {key}"
+    return name[:60]
+
+
+def profile_kernels(fn, steps: int) -> dict[str, float]:
+    """GPU milliseconds per step for each kernel family while fn() runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            fam = kernel_family(evt.name)
+            totals[fam] += evt.device_time / 1e3  # microseconds -> ms
+            counts[fam] += 1
+    return {k: {"ms_per_step": v / steps, "kernels_per_step": counts[k] / steps} for k, v in
+            sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def print_kernels(title: str, table: dict) -> None:
+    total = sum(v["ms_per_step"] for v in table.values())
+    launches = sum(v["kernels_per_step"] for v in table.values())
+    print(f"\n{title}: {total:.3f} GPU ms per step in {launches:.0f} kernels")
+    for fam, v in list(table.items())[:14]:
+        print(f"  {fam:44} {v['ms_per_step']:8.3f} ms  {v['kernels_per_step']:6.1f} kernels")
+
+
+class StepTimer:
+    """Host wall time and GPU time (events) of each runner.run call, split into graph and eager steps."""
+
+    def __init__(self, runner):
+        self.runner, self.rows = runner, []
+
+    def __enter__(self):
+        self.original = self.runner.run
+
+        def timed(inputs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            out = self.original(inputs)
+            end.record()
+            self.rows.append((inputs.graph_size is not None, inputs.input_ids.shape[0], time.perf_counter() - t0,
+                              start, end))
+            return out
+
+        self.runner.run = timed
+        return self
+
+    def __exit__(self, *exc):
+        self.runner.run = self.original
+        torch.cuda.synchronize()
+
+    def summary(self) -> dict:
+        out = {}
+        for kind, is_graph in (("graph", True), ("eager", False)):
+            rows = [r for r in self.rows if r[0] == is_graph]
+            if not rows:
+                continue
+            gpu = [s.elapsed_time(e) for _, _, _, s, e in rows]
+            out[kind] = dict(steps=len(rows), tokens_mean=float(np.mean([r[1] for r in rows])),
+                             run_host_ms_mean=float(np.mean([r[2] for r in rows]) * 1e3),
+                             gpu_ms_mean=float(np.mean(gpu)), gpu_ms_total=float(np.sum(gpu)))
+        return out
+
+
+def generate(llm, prompts, outs, temperature=1.0):
+    from asyncengine import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for o in outs]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--checkpoint", default="/tmp/llama3-8b-random")
+    parser.add_argument("--w1-requests", type=int, default=300)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from asyncengine import LLM
+
+    folder = build_checkpoint(Path(args.checkpoint))
+    llm = LLM(str(folder), dtype="bfloat16", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192,
+              gpu_memory_utilization=0.90)
+    vocab = LLAMA3_8B["vocab_size"]
+    generate(llm, *sharegpt_like(64, 200, 32, seed=8, vocab=vocab))  # warm-up
+    results: dict = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+
+    # 1. W3: batch-1 decode at 1,000 tokens of context, graphs on (timed) and off (kernel table).
+    w3_prompt = fixed(1, 1000, 64, seed=3, vocab=vocab)
+    with StepTimer(llm.engine.runner) as timer:
+        t0 = time.perf_counter()
+        generate(llm, *w3_prompt, temperature=0)
+        wall = time.perf_counter() - t0
+    results["W3_graph"] = timer.summary()
+    results["W3_wall_ms_per_token"] = wall / 64 * 1e3
+    graphs, llm.engine.runner.graphs = llm.engine.runner.graphs, None
+    generate(llm, *w3_prompt, temperature=0)
+    results["W3_eager_kernels"] = profile_kernels(lambda: generate(llm, *w3_prompt, temperature=0), 64)
+    llm.engine.runner.graphs = graphs
+
+    # 2. A W1 subset: graph vs eager steps, then the eager steps' kernels.
+    w1 = sharegpt_like(args.w1_requests, 200, 180, seed=1, vocab=vocab)
+    with StepTimer(llm.engine.runner) as timer:
+        t0 = time.perf_counter()
+        generate(llm, *w1)
+        results["W1_subset_wall_s"] = time.perf_counter() - t0
+    results["W1_steps"] = timer.summary()
+    graphs, llm.engine.runner.graphs = llm.engine.runner.graphs, None  # every step eager: one kernel table
+    with StepTimer(llm.engine.runner) as timer:
+        kernels = profile_kernels(lambda: generate(llm, *w1), 1)
+    llm.engine.runner.graphs = graphs
+    steps = timer.summary()["eager"]["steps"]
+    results["W1_all_eager_kernels"] = {k: {kk: vv / steps for kk, vv in v.items()} for k, v in kernels.items()}
+    results["W1_all_eager_steps"] = timer.summary()
+    (out / "profile_steps.json").write_text(json.dumps(results, indent=2))
+
+    print(f"\n{results['gpu']}  {results['date']}")
+    g = results["W3_graph"].get("graph", {})
+    print(f"W3 graphs on: wall {results['W3_wall_ms_per_token']:.2f} ms/token; run() host {g.get('run_host_ms_mean', 0):.2f} ms, "
+          f"GPU {g.get('gpu_ms_mean', 0):.2f} ms per step")
+    print_kernels("W3 eager decode kernels (per token)", results["W3_eager_kernels"])
+    for kind, v in results["W1_steps"].items():
+        print(f"W1 subset ({args.w1_requests} req, {results['W1_subset_wall_s']:.1f} s) {kind:5}: {v['steps']} steps, "
+              f"{v['tokens_mean']:.0f} tokens, run() host {v['run_host_ms_mean']:.2f} ms, GPU {v['gpu_ms_mean']:.2f} ms, "
+              f"GPU total {v['gpu_ms_total'] / 1e3:.2f} s")
+    e = results["W1_all_eager_steps"]["eager"]
+    print(f"W1 subset all eager: {e['steps']} steps, run() host {e['run_host_ms_mean']:.2f} ms, GPU {e['gpu_ms_mean']:.2f} ms")
+    print_kernels("W1 subset all-eager kernels (per step)", results["W1_all_eager_kernels"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
