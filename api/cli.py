@@ -134,17 +134,17 @@ async def serve_app(app, sock: socket.socket, stop: asyncio.Event, *, shutdown_t
 def install_fault_hook(engine, after_steps: int) -> None:
     """Test hook: make the engine's device step raise RuntimeError once `after_steps` steps have run."""
     core = engine.engine
-    run = core.run
+    launch = core.launch  # every step is launched, in both pipeline modes
     calls = 0
 
-    def faulty_run(step):
+    def faulty_launch(step):
         nonlocal calls
         calls += 1
         if calls > after_steps:
             raise RuntimeError(f"injected engine fault after {after_steps} steps ({FAULT_ENV})")
-        return run(step)
+        return launch(step)
 
-    core.run = faulty_run
+    core.launch = faulty_launch
 
 
 def _fault_after_steps() -> Optional[int]:

@@ -4,11 +4,11 @@ The step task runs on the loop that first uses the engine:
 
     while requests remain:
         apply pending aborts                      (frees their KV blocks before the next step)
-        step = engine.prepare_step()              on the loop (scheduling, input tensors)
-        result = await device thread(run)         forward pass + sampling off the loop: the loop stays free
-        got = engine.book(step)                   on the loop: tokens and token-decided stops
-        next step prepared and launched           so the device is busy while ...
+        got = engine.book(last step)              on the loop: tokens and token-decided stops
+        next step prepared and launched           on the loop / in the device thread, so the device is busy while
         engine.emit(got) -> stream.put(output)    ... the loop detokenizes; put never blocks (bounded, merging slot)
+        await the device thread                   its call collects a step's tokens (engine.StepPipeline: on CUDA
+                                                  the step before the one it launched)
     then sleep on an event until a request arrives (no polling)
 
 Back-pressure: each request has one output slot. When its reader is slow, DELTA outputs merge into the slot
@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Optional
 
 from asyncengine.config import EngineConfig
-from asyncengine.engine import LLMEngine, PromptType, StepStats
+from asyncengine.engine import LLMEngine, PromptType, StepPipeline, StepStats
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -290,20 +290,23 @@ class AsyncLLMEngine:
             self._step_task = asyncio.get_running_loop().create_task(self._step_loop(), name="asyncengine-step-loop")
 
     async def _step_loop(self) -> None:
-        """Pipelined: while step N+1 runs on the device thread, step N's tokens are detokenized and delivered."""
+        """Pipelined (engine.StepPipeline): while the device thread runs the next step, the loop books, detokenizes
+        and delivers the last one."""
         loop = asyncio.get_running_loop()
-        step, pending = None, None
+        pipeline = StepPipeline(self.engine)
+        done = None
         try:
             while True:
-                got = self.engine.book(step, await pending) if pending is not None else []
+                got = pipeline.book(done)
                 self._apply_aborts()  # before scheduling: aborted requests' blocks are free for the next step
-                step = self.engine.prepare_step() if self.engine.has_unfinished_requests() else None
-                pending = loop.run_in_executor(self._device_thread, self.engine.run, step) if step else None
+                call = pipeline.next_call()
+                pending = loop.run_in_executor(self._device_thread, call) if call is not None else None
                 for output in self.engine.emit(got):
                     self._deliver(output)
                 if pending is None and not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
                     await self._wakeup.wait()
+                done = await pending if pending is not None else None
                 await asyncio.sleep(0)  # let readers and new requests run between steps
         except asyncio.CancelledError:
             raise

@@ -124,11 +124,14 @@ class BlockManager:
                 del self.cached[block.block_hash]
             block.block_hash = block.key = None
 
-    def register_full_blocks(self, request: Request) -> None:
-        """Publish the request's newly computed full blocks to the prefix cache."""
+    def register_full_blocks(self, request: Request, num_computed: Optional[int] = None) -> None:
+        """Publish the request's full blocks among its first num_computed tokens (default: all computed ones;
+        their token ids must be known) to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        num_full = min(num_computed // self.block_size, len(request.block_table), len(request.token_ids) // self.block_size)
         self._extend_hashes(request, num_full)
         for i in range(request.num_registered_blocks, num_full):
             block = self.blocks[request.block_table[i]]

@@ -71,6 +71,8 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0  # CPU only: memory given to the KV cache
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # disable CUDA graphs
+    # prepare and launch step N+1 before step N's tokens are read back (None: on CUDA only)
+    async_scheduling: Optional[bool] = None
     max_queue_len: Optional[int] = None  # waiting requests beyond this are refused (server answers 429)
     tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)

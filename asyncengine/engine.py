@@ -7,9 +7,15 @@ A request's life, top to bottom:
                    scheduler.update()         -> append tokens, token-decided stops, free finished blocks
                    _detokenize()              -> text deltas, stop strings (which finish requests too)
                    _make_outputs()            -> RequestOutput per user request, by its output kind
-`step()` is split into `prepare_step()` (host), `run()` (device work, thread-safe), `book()` (tokens and
-token-decided stops) and `emit()` (detokenization, outputs), so drivers can run the device work in a worker thread
-and overlap one step's emit() with the next step's device work (`run_pipelined`, and the async engine's loop).
+`step()` is split into `prepare_step()` (host), `launch()` + `collect()` (device work, thread-safe; `run()` does
+both), `book()` (tokens and token-decided stops) and `emit()` (detokenization, outputs). `StepPipeline` drives
+them with the device work in a worker thread, for `run_pipelined` and the async engine's loop alike:
+  - plain: step N+1 is prepared once step N is booked; N's emit() overlaps N+1's device work;
+  - lookahead (default on CUDA): step N+1 is prepared and launched before N's tokens are read back, its decode
+    inputs taken from N's sampled tokens on the device, so the host's work (book, emit, prepare) overlaps the
+    GPU's and the GPU does not wait for it. A request that an EOS or a stop string ends runs one step too many;
+    that token is discarded. Requests with penalties need their tokens on the host, so while one is live the
+    pipeline does not look ahead.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 from asyncengine.block_manager import BlockManager
 from asyncengine.config import EngineConfig, load_model_config, resolve_max_model_len
-from asyncengine.model_runner import ModelRunner, StepInputs, StepResult
+from asyncengine.model_runner import LaunchedStep, ModelRunner, StepInputs, StepResult
 from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from asyncengine.request import Request, RequestStatus
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
@@ -38,6 +44,7 @@ PromptType = Union[str, list[int]]
 class PreparedStep:
     sched: SchedulerOutput
     inputs: StepInputs
+    launched: Optional[LaunchedStep] = None
 
 
 @dataclass
@@ -103,6 +110,7 @@ class LLMEngine:
         self.stats_listeners: list[Callable[[StepStats], None]] = []
         self._stats = StepStats()  # observations since the last emit()
         self._ids = itertools.count()
+        self._num_penalized = 0  # live requests with penalties (they need their tokens on the host each step)
         logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
 
     @classmethod
@@ -166,6 +174,7 @@ class LLMEngine:
         children = [self._make_child(request_id, i, params, prompt_token_ids, max_tokens, text, arrival)
                     for i in range(params.n)]
         self.user_requests[request_id] = _UserRequest(request_id, text, prompt_token_ids, params.output_kind, children)
+        self._num_penalized += len(children) * params.needs_penalties
         for child in children:
             self.children[child.request_id] = child
             self.scheduler.add(child)
@@ -201,6 +210,7 @@ class LLMEngine:
 
     def _forget(self, user: _UserRequest) -> None:
         del self.user_requests[user.request_id]
+        self._num_penalized -= sum(c.params.needs_penalties for c in user.children)
         for child in user.children:
             self.children.pop(child.request_id, None)
 
@@ -223,8 +233,23 @@ class LLMEngine:
         return PreparedStep(sched, self.runner.prepare(sched))
 
     def run(self, step: PreparedStep) -> StepResult:
-        """The device work of a step; reads no engine state, so it may run in another thread."""
-        return self.runner.run(step.inputs)
+        """The device work of a step, launched and collected; reads no engine state, so it may run in another
+        thread."""
+        return self.collect(self.launch(step))
+
+    def launch(self, step: PreparedStep) -> PreparedStep:
+        """Queue the step's device work (thread-safe like run()). Steps are launched in the order prepared."""
+        step.launched = self.runner.launch(step.inputs)
+        return step
+
+    def collect(self, step: PreparedStep) -> StepResult:
+        """Wait for a launched step and read its tokens (thread-safe like run())."""
+        return self.runner.collect(step.launched)
+
+    def can_prepare_ahead(self) -> bool:
+        """True when the next step may be prepared while one is still in flight (no live request needs its
+        tokens on the host before it samples again: penalties do)."""
+        return self._num_penalized == 0
 
     def book(self, step: PreparedStep, result: StepResult) -> list[Request]:
         """Account for a finished step: computed tokens, sampled tokens, token-decided stops (which free blocks).
@@ -248,16 +273,19 @@ class LLMEngine:
             listener(stats)
         return outputs
 
-    def run_pipelined(self, executor) -> Iterator[list[RequestOutput]]:
-        """Steps until no request is left, overlapping each step's detokenization and outputs with the next
-        step's device work (run in `executor`, a single-thread concurrent.futures executor). Yields outputs."""
-        step = self.prepare_step()
-        pending = executor.submit(self.run, step) if step is not None else None
-        while pending is not None or self.has_unfinished_requests():
-            got = self.book(step, pending.result()) if pending is not None else []
-            step = self.prepare_step() if self.has_unfinished_requests() else None
-            pending = executor.submit(self.run, step) if step is not None else None
+    def run_pipelined(self, executor, lookahead: Optional[bool] = None) -> Iterator[list[RequestOutput]]:
+        """Steps until no request is left, with the device work in `executor` (a single-thread
+        concurrent.futures executor), overlapping host and device work as StepPipeline does. Yields outputs."""
+        pipeline = StepPipeline(self, lookahead)
+        done = None
+        while True:
+            got = pipeline.book(done)
+            call = pipeline.next_call()
+            pending = executor.submit(call) if call is not None else None
             yield self.emit(got)
+            if pending is None and not self.has_unfinished_requests():
+                return
+            done = pending.result() if pending is not None else None
 
     def _record_token(self, request: Request, result: StepResult, now: float, stats: StepStats) -> None:
         if request.first_token_time is None:
@@ -268,7 +296,7 @@ class LLMEngine:
             stats.inter_token_latency.append(now - request.last_token_time)
         request.last_token_time = now
         entry = result.logprobs.get(request.request_id)
-        if entry is not None:
+        if entry is not None:  # (token_ids[-1] is the token just booked: in-flight ones are not in token_ids)
             for token_id, logprob in entry.items():
                 logprob.decoded_token = self.tokenizer.decode([token_id])
             request.logprobs.append(entry)
@@ -354,3 +382,51 @@ class LLMEngine:
     @property
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage
+
+
+DeviceCall = Callable[[], Optional[tuple[PreparedStep, StepResult]]]
+
+
+class StepPipeline:
+    """Plans the device calls of a step loop. A driver repeats, on its own thread:
+
+        got = pipeline.book(done)         book the step the last device call collected (None: nothing)
+        call = pipeline.next_call()       prepare the next step, if any; None when there is no device work
+        done = <run call in the device thread>, meanwhile engine.emit(got)
+
+    plain mode: each call launches and collects the step just prepared.
+    lookahead mode: each call launches the step just prepared, then collects the one before it, so the device
+    always has the next step queued while the host books, emits and prepares. At most one step is in flight
+    between calls. Default: lookahead on CUDA, plain on CPU (where launching computes, and looking ahead would
+    only delay every token by a step).
+    """
+
+    def __init__(self, engine: LLMEngine, lookahead: Optional[bool] = None):
+        self.engine = engine
+        if lookahead is None:
+            lookahead = engine.config.async_scheduling
+        if lookahead is None:
+            lookahead = engine.runner.device.type == "cuda"
+        self.lookahead = lookahead
+        self.in_flight: Optional[PreparedStep] = None  # launched by the last call, not collected
+
+    def book(self, done: Optional[tuple[PreparedStep, StepResult]]) -> list[Request]:
+        return self.engine.book(*done) if done is not None else []
+
+    def next_call(self) -> Optional[DeviceCall]:
+        engine = self.engine
+        step = None
+        if engine.has_unfinished_requests() and (self.in_flight is None or engine.can_prepare_ahead()):
+            step = engine.prepare_step()
+        if not self.lookahead:
+            return (lambda: (step, engine.run(step))) if step is not None else None
+        previous, self.in_flight = self.in_flight, step
+        if step is None and previous is None:
+            return None
+
+        def launch_then_collect_previous():
+            if step is not None:
+                engine.launch(step)
+            return (previous, engine.collect(previous)) if previous is not None else None
+
+        return launch_then_collect_previous

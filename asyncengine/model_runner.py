@@ -4,8 +4,11 @@ and samples the next tokens.
 Batch layout of one step (T tokens over B scheduled requests, S of which sample):
     input_ids, positions, slot_mapping: [T]    query_start_loc: [B + 1]    seq_lens: [B]
     block_tables: [B, max_blocks]             logits_indices: [S] (last row of each sampling request)
-Host-side inputs are built as CPU tensors (pinned on CUDA) and copied without blocking; the only host sync of a
-step is reading the sampled tokens back.
+Host-side inputs are built as CPU tensors (pinned on CUDA) and copied without blocking. A step is `launch`ed
+(forward and sampling queued on the device, sampled tokens copied into pinned host memory behind a CUDA event)
+and later `collect`ed (waits on that event: the step's one host sync). Between the two the host may prepare and
+launch the next step: a decoding request whose last token is still in flight gets it from the previous step's
+sampled tokens on the device (`StepInputs.feedback`), so the GPU never waits for the host to read a token back.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from asyncengine.models.layers import AttentionMetadata
 from asyncengine.models.loader import load_model
 from asyncengine.outputs import Logprob
 from asyncengine.request import Request
-from asyncengine.sampler import Sampler, SamplingBatch
+from asyncengine.sampler import Sampler, SamplerOutput, SamplingBatch
 from asyncengine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -42,6 +45,18 @@ class StepInputs:
     sampling: Optional[SamplingBatch] = None
     graph_size: Optional[int] = None  # the CUDA graph to replay, or None for an eager forward
     logprobs_asked: dict[str, int] = None  # request id -> top-N, for the rows that asked
+    # input rows [F] whose token is in flight, and their rows [F] in the previous step's sampled tokens
+    feedback: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    step_index: int = 0  # the order of prepare() calls; a step with feedback must follow its source directly
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its sampled tokens (and logprobs) land in `host` once `event` completes."""
+
+    inputs: StepInputs
+    host: Optional["SamplerOutput"] = None  # None when no request samples
+    event: Optional[torch.cuda.Event] = None  # None on CPU, where launching computes everything
 
 
 @dataclass
@@ -70,6 +85,9 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self._num_prepared = 0
+        self._last_launched = -1  # step_index of the last launched step
+        self._last_sampled: Optional[torch.Tensor] = None  # [S] its sampled tokens, on the device
         self.graphs: Optional[DecodeGraphs] = None
         if self.device.type == "cuda":
             self._warm_up_kernels()
@@ -157,7 +175,7 @@ class ModelRunner:
         items = sched.scheduled
         num_seqs, bs = len(items), self.block_size
         num_new = np.fromiter((s.num_new_tokens for s in items), np.int64, num_seqs)
-        starts = np.fromiter((s.request.num_computed_tokens for s in items), np.int64, num_seqs)
+        starts = np.fromiter((s.start for s in items), np.int64, num_seqs)
         qsl = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(num_new, out=qsl[1:])
         seq_lens = (starts + num_new).astype(np.int32)
@@ -170,14 +188,10 @@ class ModelRunner:
             tables[row, : len(table)] = table
         rows = np.repeat(np.arange(num_seqs), num_new)
         slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        input_ids = np.fromiter(
-            itertools.chain.from_iterable(
-                s.request.token_ids[st : st + n] for s, st, n in zip(items, starts.tolist(), num_new.tolist())
-            ),
-            np.int64,
-            num_tokens,
-        )
+        input_ids, feedback = self._input_ids(items, qsl)
         sampling = [s.request for s in items if s.samples]
+        for row, request in enumerate(sampling):  # after _input_ids, which reads the previous step's rows
+            request.inflight_row = row
         logits_idx = np.array([qsl[i + 1] - 1 for i, s in enumerate(items) if s.samples], dtype=np.int64)
         qsl_cpu, lens_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_lens)
         metadata = AttentionMetadata(
@@ -190,6 +204,7 @@ class ModelRunner:
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
         )
+        self._num_prepared += 1
         return StepInputs(
             input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),
@@ -200,24 +215,77 @@ class ModelRunner:
             sampling=SamplingBatch.build(sampling, self.model_config.vocab_size, self.device),
             graph_size=self.graphs.batch_size_for(sched) if self.graphs is not None else None,
             logprobs_asked={r.request_id: r.params.logprobs for r in sampling if r.params.logprobs is not None},
+            feedback=tuple(self._to_device(np.array(a, dtype=np.int64)) for a in feedback) if feedback[0] else None,
+            step_index=self._num_prepared,
         )
 
-    @torch.inference_mode()
+    @staticmethod
+    def _input_ids(items, qsl: np.ndarray) -> tuple[np.ndarray, tuple[list[int], list[int]]]:
+        """The step's input token ids [T]; a request's last input may be in flight (sampled by the previous step,
+        not yet booked): it gets a 0 here and an entry in the feedback lists (input row, source row)."""
+        ids: list[int] = []
+        fb_rows: list[int] = []
+        fb_sources: list[int] = []
+        for i, item in enumerate(items):
+            known = item.request.token_ids[item.start : item.start + item.num_new_tokens]
+            ids.extend(known)
+            missing = item.num_new_tokens - len(known)
+            if missing:
+                if missing != 1:
+                    raise RuntimeError(f"{item.request!r}: {missing} input tokens in flight (at most 1 can be)")
+                ids.append(0)
+                fb_rows.append(int(qsl[i + 1]) - 1)
+                fb_sources.append(item.request.inflight_row)
+        return np.array(ids, dtype=np.int64), (fb_rows, fb_sources)
+
     def run(self, inputs: StepInputs) -> StepResult:
-        """The device work of a prepared step: forward, logits, sampling, and the one host sync that reads the
-        sampled tokens. Touches no request, so it may run in a worker thread while the loop goes on."""
+        """launch() then collect(): one whole step."""
+        return self.collect(self.launch(inputs))
+
+    @torch.inference_mode()
+    def launch(self, inputs: StepInputs) -> LaunchedStep:
+        """Queue the step's device work: in-flight input tokens, forward, logits, sampling, and the copy of the
+        sampled tokens to the host. Touches no request, so it may run in a worker thread while the loop goes on.
+        On CPU the work is done when this returns."""
+        if inputs.feedback is not None:
+            if inputs.step_index != self._last_launched + 1 or self._last_sampled is None:
+                raise RuntimeError("a step whose inputs are in flight must be launched right after the step that samples them")
+            rows, sources = inputs.feedback
+            inputs.input_ids[rows] = self._last_sampled[sources]
+        self._last_launched, self._last_sampled = inputs.step_index, None
         if inputs.graph_size is not None:
             logits = self.graphs.run(inputs.graph_size, inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             if not inputs.sampling_requests:
-                return StepResult({}, {})
+                return LaunchedStep(inputs)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = self.sampler(logits, inputs.sampling)
-        return self._to_host(inputs, out)
+        self._last_sampled = out.token_ids
+        if self.device.type == "cpu":
+            return LaunchedStep(inputs, out)
+        host = SamplerOutput(*(None if t is None else self._copy_to_pinned(t)
+                               for t in (out.token_ids, out.logprobs, out.logprob_ids, out.ranks)))
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(inputs, host, event)
 
-    def _to_host(self, inputs: StepInputs, out) -> StepResult:
-        token_list = out.token_ids.tolist()  # the step's one host sync
+    @staticmethod
+    def _copy_to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step (the step's one host sync) and read its sampled tokens and logprobs."""
+        if launched.host is None:
+            return StepResult({}, {})
+        if launched.event is not None:
+            launched.event.synchronize()
+        return self._to_host(launched.inputs, launched.host)
+
+    def _to_host(self, inputs: StepInputs, out: SamplerOutput) -> StepResult:
+        """Host-side result of the sampled tokens `out` (host tensors, or CPU-device ones)."""
+        token_list = out.token_ids.tolist()
         ids_in_order = [r.request_id for r in inputs.sampling_requests]
         tokens = dict(zip(ids_in_order, token_list))
         logprobs: dict[str, dict[int, Logprob]] = {}

@@ -9,9 +9,14 @@ Life of a request:
                  ^            |
                  +--preempt---+   (PREEMPTED: blocks freed, num_computed_tokens reset to 0, recomputed later)
 
-Invariant: `token_ids` = prompt + generated tokens; the KV of the first `num_computed_tokens` of them is in the
-cache, in the blocks of `block_table` (in order). A RUNNING request with num_computed_tokens == len(token_ids) - 1
-is decoding: its next step computes the last token and samples one more.
+Invariants:
+- `token_ids` = prompt + generated tokens whose values are known on the host. `num_inflight` more tokens (0, 1 or
+  2) are being sampled by steps that were scheduled but not yet booked; `num_tokens` counts them too.
+- `num_computed_tokens` counts the tokens whose KV is in the cache or is being written by a scheduled step (the
+  scheduler advances it when it schedules, not when the step ends), in the blocks of `block_table` (in order).
+- A RUNNING request with num_computed_tokens == num_tokens - 1 is decoding: its next step computes the last token
+  and samples one more. When that last token is still in flight, the step takes its value on the device from the
+  previous step's sampled tokens (row `inflight_row` there), so scheduling can run one step ahead (lookahead).
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_inflight = 0  # sampled tokens of scheduled, not yet booked steps
+        self.inflight_row = -1  # row of this request among the sampled tokens of the last prepared step
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first scheduling
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks, extended as they fill
@@ -79,7 +86,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus those in flight: what the scheduler plans with."""
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def num_output_tokens(self) -> int:

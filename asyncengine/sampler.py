@@ -66,7 +66,8 @@ class SamplingBatch:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
                 vals = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
                 batch.biases.append((row, ids, vals))
-            if request.num_output_tokens < p.min_tokens:
+            # tokens generated before the one this row samples: the booked ones and any earlier one in flight
+            if request.num_output_tokens + max(request.num_inflight - 1, 0) < p.min_tokens:
                 stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
                 if stop_ids:
                     batch.banned.append((row, torch.tensor(sorted(stop_ids), dtype=torch.int64, device=device)))

@@ -11,8 +11,16 @@ Each step, `schedule()` decides how many new tokens every request computes:
    strictly FIFO: if its head cannot get blocks, nothing behind it jumps ahead.
 
 Since decodes are scheduled before any prefill chunk, a long prompt never stalls running requests: it advances
-by the budget left over each step. `update()` then books the computed tokens and the sampled ones, and finishes
-requests whose stop condition a token alone decides (EOS, stop token ids, max_tokens, max_model_len).
+by the budget left over each step.
+
+`schedule()` books a step's effect on each request at once: `num_computed_tokens` advances, and a request that
+samples counts one more token in flight. So the next step can be scheduled before this one's tokens are known
+(lookahead): a decoding request's next input is then the in-flight token, which the model runner takes from the
+previous step's output on the device. A request whose in-flight tokens already reach max_tokens or max_model_len
+is not scheduled again. `update()` books the sampled tokens when the step is done, registers the blocks it
+filled with the prefix cache, and finishes requests whose stop condition a token alone decides (EOS, stop token
+ids, max_tokens, max_model_len). A request that an EOS ends has at most one more step in flight; its token is
+discarded (its KV lands in blocks that the GPU's stream order lets no later step see).
 """
 
 from __future__ import annotations
@@ -28,13 +36,20 @@ from asyncengine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + num_new_tokens) of it. `samples` is True when the
+    step reaches the request's last token, so its logits give the next token. Both default to the request's
+    state at construction (the scheduler builds items before it advances the request)."""
+
     request: Request
     num_new_tokens: int
+    start: int = -1
+    samples: Optional[bool] = None
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so its logits give the next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.request.num_computed_tokens
+        if self.samples is None:
+            self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -94,12 +109,23 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        for item in out.scheduled:  # the step's effect, booked now so the next step can be planned ahead
+            item.request.num_computed_tokens += item.num_new_tokens
+            item.request.num_inflight += item.samples
         return out
+
+    def _reaches_length_limit(self, request: Request) -> bool:
+        """True when the tokens known and in flight already end the request (max_tokens, max_model_len)."""
+        num_output = request.num_tokens - request.num_prompt_tokens
+        return num_output >= request.max_tokens or request.num_tokens >= self.max_model_len
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_inflight and self._reaches_length_limit(request):
+                i += 1  # its last token is in flight: nothing more to compute
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
                 victim = self.running[-1]
@@ -114,6 +140,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_inflight:  # preempted with a token in flight: readmit once it is booked
+                break
             cached = self.block_manager.find_cached_prefix(request)
             num_cached = len(cached) * self.block_manager.block_size
             remaining = request.num_tokens - num_cached
@@ -147,18 +175,22 @@ class Scheduler:
 
     # -- after the forward pass --------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Book computed tokens and append sampled ones (request_id -> token id); returns requests that got a
-        token. Finishes those whose new token ends them (EOS, stop_token_ids, max_tokens, max_model_len)."""
+        """Book a finished step: register the blocks it filled with the prefix cache and append the sampled
+        tokens (request_id -> token id); returns the requests that got a token. Finishes those whose new token
+        ends them (EOS, stop_token_ids, max_tokens, max_model_len). Steps are booked in the order scheduled."""
         got_token = []
         for item in out.scheduled:
             request = item.request
-            if request.finished:  # aborted while the step ran
+            if request.finished:  # aborted or stopped while the step ran: its token is discarded
                 continue
-            request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_full_blocks(request)
+            if request.status == RequestStatus.RUNNING:  # not preempted since
+                self.block_manager.register_full_blocks(request, item.start + item.num_new_tokens)
+            if not item.samples:
+                continue
             token = sampled.get(request.request_id)
             if token is None:
-                continue
+                raise RuntimeError(f"step produced no token for {request.request_id!r}, which samples")
+            request.num_inflight -= 1
             request.append_token(token)
             got_token.append(request)
             status = self._stop_status(request, token)
@@ -175,7 +207,7 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if request.num_output_tokens >= request.max_tokens or len(request.token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -129,7 +129,8 @@ class PhaseTimer:
 
     def __init__(self, llm):
         self.engine, self.runner = llm.engine, llm.engine.runner
-        self.host = {"prepare_step": 0.0, "run (device thread)": 0.0, "book": 0.0, "emit": 0.0}
+        self.host = {"prepare_step": 0.0, "launch (device thread)": 0.0, "collect (device thread)": 0.0, "book": 0.0,
+                     "emit": 0.0}
         self.steps = {"graph": 0, "eager": 0}
         self.events: list = []
         self._originals = {}
@@ -150,7 +151,8 @@ class PhaseTimer:
     def __enter__(self):
         for name in ("prepare_step", "book", "emit"):
             self._wrap(self.engine, name, name)
-        self._wrap(self.engine, "run", "run (device thread)")
+        self._wrap(self.engine, "launch", "launch (device thread)")
+        self._wrap(self.engine, "collect", "collect (device thread)")
         graphs = self.runner.graphs
         if graphs is not None:
             original_run = graphs.run

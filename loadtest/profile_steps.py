@@ -67,13 +67,14 @@ def print_kernels(title: str, table: dict) -> None:
 
 
 class StepTimer:
-    """Host wall time and GPU time (events) of each runner.run call, split into graph and eager steps."""
+    """Host wall time of each runner.launch call (the enqueue; on CPU the work) and the GPU time from its start
+    to the end of its work (events; idle gaps while the host enqueues count), split into graph and eager steps."""
 
     def __init__(self, runner):
         self.runner, self.rows = runner, []
 
     def __enter__(self):
-        self.original = self.runner.run
+        self.original = self.runner.launch
 
         def timed(inputs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -85,11 +86,11 @@ class StepTimer:
                               start, end))
             return out
 
-        self.runner.run = timed
+        self.runner.launch = timed
         return self
 
     def __exit__(self, *exc):
-        self.runner.run = self.original
+        self.runner.launch = self.original
         torch.cuda.synchronize()
 
     def summary(self) -> dict:
@@ -100,9 +101,64 @@ class StepTimer:
                 continue
             gpu = [s.elapsed_time(e) for _, _, _, s, e in rows]
             out[kind] = dict(steps=len(rows), tokens_mean=float(np.mean([r[1] for r in rows])),
-                             run_host_ms_mean=float(np.mean([r[2] for r in rows]) * 1e3),
+                             launch_host_ms_mean=float(np.mean([r[2] for r in rows]) * 1e3),
                              gpu_ms_mean=float(np.mean(gpu)), gpu_ms_total=float(np.sum(gpu)))
         return out
+
+
+def host_us_per_call(fn, calls: int = 300) -> float:
+    """Host microseconds per call of fn (no sync inside the loop): the launch cost when it exceeds the GPU's."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+@torch.inference_mode()
+def launch_costs(runner, tokens: int = 64, context: int = 256) -> dict[str, float]:
+    """Host cost per call of each piece of one decoder layer, on a decode batch of `tokens` sequences."""
+    from asyncengine import ops
+    from asyncengine.models.layers import AttentionMetadata
+
+    model, dev, bs = runner.model, runner.device, runner.block_size
+    layer, mc = model.layers[0], runner.model_config
+    attn = layer.self_attn
+    blocks = -(-context // bs)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(tokens + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((tokens,), context, dtype=torch.int32, device=dev),
+        block_tables=torch.arange(tokens * blocks, dtype=torch.int32, device=dev).view(tokens, blocks),
+        slot_mapping=torch.arange(tokens, dtype=torch.int64, device=dev) * context,
+        query_start_loc_cpu=torch.arange(tokens + 1, dtype=torch.int32),
+        seq_lens_cpu=torch.full((tokens,), context, dtype=torch.int32),
+        max_query_len=1, max_seq_len=context)
+    x = torch.randn(tokens, mc.hidden_size, dtype=mc.dtype, device=dev)
+    residual = torch.randn_like(x)
+    positions = torch.full((tokens,), context - 1, dtype=torch.int64, device=dev)
+    qkv = attn.qkv_proj(x)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    gate_up = layer.mlp.gate_up_proj(x)
+    kv = runner.kv_caches[0]
+    heads = (tokens, attn.num_heads, attn.head_dim)
+    kv_heads = (tokens, attn.num_kv_heads, attn.head_dim)
+    pieces = {
+        "torch add_ (baseline)": lambda: residual.add_(0),
+        "qkv matmul (cuBLAS)": lambda: attn.qkv_proj(x),
+        "rms_norm": lambda: layer.input_layernorm(x),
+        "fused_add_rms_norm": lambda: layer.input_layernorm(x, residual),
+        "rotary": lambda: attn.rotary_emb(positions, q, k),
+        "reshape_and_cache": lambda: ops.reshape_and_cache(k.view(kv_heads), v.view(kv_heads), kv[0], kv[1],
+                                                           meta.slot_mapping),
+        "paged_attention (decode)": lambda: ops.paged_attention(q.reshape(heads), kv[0], kv[1], meta, attn.attn.scale),
+        "silu_and_mul": lambda: ops.silu_and_mul(gate_up),
+        "whole decoder layer": lambda: layer(positions, x, residual, kv, meta),
+    }
+    return {name: host_us_per_call(fn) for name, fn in pieces.items()}
 
 
 def generate(llm, prompts, outs, temperature=1.0):
@@ -142,13 +198,16 @@ def main(argv=None) -> int:
     results["W3_eager_kernels"] = profile_kernels(lambda: generate(llm, *w3_prompt, temperature=0), 64)
     llm.engine.runner.graphs = graphs
 
-    # 2. A W1 subset: graph vs eager steps, then the eager steps' kernels.
-    w1 = sharegpt_like(args.w1_requests, 200, 180, seed=1, vocab=vocab)
+    # 2. Host cost of launching each piece of a layer (eager steps pay it 32 times).
+    results["launch_us"] = launch_costs(llm.engine.runner)
+
+    # 3. Full W1: graph vs eager steps; then a subset all eager, for the eager steps' kernels.
     with StepTimer(llm.engine.runner) as timer:
         t0 = time.perf_counter()
-        generate(llm, *w1)
-        results["W1_subset_wall_s"] = time.perf_counter() - t0
+        generate(llm, *sharegpt_like(1000, 200, 180, seed=1, vocab=vocab))
+        results["W1_wall_s"] = time.perf_counter() - t0
     results["W1_steps"] = timer.summary()
+    w1 = sharegpt_like(args.w1_requests, 200, 180, seed=1, vocab=vocab)
     graphs, llm.engine.runner.graphs = llm.engine.runner.graphs, None  # every step eager: one kernel table
     with StepTimer(llm.engine.runner) as timer:
         kernels = profile_kernels(lambda: generate(llm, *w1), 1)
@@ -160,15 +219,18 @@ def main(argv=None) -> int:
 
     print(f"\n{results['gpu']}  {results['date']}")
     g = results["W3_graph"].get("graph", {})
-    print(f"W3 graphs on: wall {results['W3_wall_ms_per_token']:.2f} ms/token; run() host {g.get('run_host_ms_mean', 0):.2f} ms, "
+    print(f"W3 graphs on: wall {results['W3_wall_ms_per_token']:.2f} ms/token; launch() host {g.get('launch_host_ms_mean', 0):.2f} ms, "
           f"GPU {g.get('gpu_ms_mean', 0):.2f} ms per step")
     print_kernels("W3 eager decode kernels (per token)", results["W3_eager_kernels"])
+    print("\nhost microseconds per call (64 decode sequences, 256 context):")
+    for name, us in results["launch_us"].items():
+        print(f"  {name:32} {us:8.1f}")
     for kind, v in results["W1_steps"].items():
-        print(f"W1 subset ({args.w1_requests} req, {results['W1_subset_wall_s']:.1f} s) {kind:5}: {v['steps']} steps, "
-              f"{v['tokens_mean']:.0f} tokens, run() host {v['run_host_ms_mean']:.2f} ms, GPU {v['gpu_ms_mean']:.2f} ms, "
+        print(f"W1 (1000 req, {results['W1_wall_s']:.1f} s) {kind:5}: {v['steps']} steps, "
+              f"{v['tokens_mean']:.0f} tokens, launch() host {v['launch_host_ms_mean']:.2f} ms, GPU {v['gpu_ms_mean']:.2f} ms, "
               f"GPU total {v['gpu_ms_total'] / 1e3:.2f} s")
     e = results["W1_all_eager_steps"]["eager"]
-    print(f"W1 subset all eager: {e['steps']} steps, run() host {e['run_host_ms_mean']:.2f} ms, GPU {e['gpu_ms_mean']:.2f} ms")
+    print(f"W1 subset all eager: {e['steps']} steps, launch() host {e['launch_host_ms_mean']:.2f} ms, GPU {e['gpu_ms_mean']:.2f} ms")
     print_kernels("W1 subset all-eager kernels (per step)", results["W1_all_eager_kernels"])
     return 0
 

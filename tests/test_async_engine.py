@@ -206,15 +206,15 @@ def test_queue_full_is_refused_at_once(llama_dir):
 def test_step_failure_kills_engine_and_reaches_every_reader(llama_dir):
     engine = AsyncLLMEngine(EngineConfig(model=str(llama_dir), max_model_len=64))
     calls = {"n": 0}
-    real_run = engine.engine.run
+    real_launch = engine.engine.launch
 
-    def failing_run(step):
+    def failing_launch(step):
         calls["n"] += 1
         if calls["n"] > 3:
             raise RuntimeError("injected device fault")
-        return real_run(step)
+        return real_launch(step)
 
-    engine.engine.run = failing_run
+    engine.engine.launch = failing_launch
 
     async def main():
         params = SamplingParams(max_tokens=50, output_kind=RequestOutputKind.DELTA, **GREEDY)

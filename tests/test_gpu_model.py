@@ -123,3 +123,31 @@ def test_generation_on_gpu_matches_across_batching(tmp_path):
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     agree = sum(a == b for a, b in zip(alone, together))
     assert agree >= 4, (alone, together)  # bf16 batch-shape rounding may flip a rare near-tie
+
+
+def test_lookahead_on_gpu_gives_the_plain_pipelines_tokens(tmp_path):
+    """On CUDA the pipeline looks ahead by default: decode steps take in-flight tokens from the previous step's
+    output on the device (through the CUDA graphs' input buffers). In float32 its greedy tokens equal those of
+    the plain pipeline, prompt by prompt, with EOS stops (forced by logit_bias after min_tokens) too."""
+    from asyncengine import LLM
+
+    folder = small_checkpoint(tmp_path)
+    prompts = [list(range(5, 5 + n)) for n in (7, 40, 130, 3, 90)]
+    runs = []
+    for lookahead in (False, None):  # None: the default, lookahead on CUDA
+        llm = LLM(str(folder), dtype="float32", max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64,
+                  gpu_memory_utilization=0.3, async_scheduling=lookahead)
+        runner, fed = llm.engine.runner, []
+        launch = runner.launch
+        runner.launch = lambda inputs: (fed.append((inputs.feedback is not None, inputs.graph_size)), launch(inputs))[1]
+        plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        eos = SamplingParams(temperature=0, max_tokens=24, min_tokens=5, logit_bias={1: 100.0})
+        outs = llm.generate(prompts + prompts[:2], [plain] * len(prompts) + [eos] * 2, use_tqdm=False)
+        runs.append(([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], fed))
+        del llm
+        torch.cuda.empty_cache()
+    (plain_out, plain_fed), (ahead_out, ahead_fed) = runs
+    assert not any(f for f, _ in plain_fed)
+    assert any(f and g is not None for f, g in ahead_fed), "no graph step took in-flight tokens"
+    assert ahead_out == plain_out
+    assert all(reason == "stop" and len(tokens) == 6 for tokens, reason in ahead_out[-2:])

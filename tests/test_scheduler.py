@@ -77,8 +77,9 @@ def test_token_budget_and_block_tables_hold_every_step_of_a_random_workload():
         for item in out.scheduled:  # every slot the forward pass writes lies in the request's own blocks
             request = item.request
             assert item.num_new_tokens >= 1
-            assert len(request.block_table) * BS >= request.num_computed_tokens + item.num_new_tokens
-            assert request.num_computed_tokens + item.num_new_tokens <= request.num_tokens
+            assert request.num_computed_tokens == item.start + item.num_new_tokens  # booked at scheduling
+            assert len(request.block_table) * BS >= item.start + item.num_new_tokens
+            assert item.start + item.num_new_tokens <= request.num_tokens
         check_blocks(sched)
         sched.update(out, {s.request.request_id: fake_token(s.request) for s in out.scheduled if s.samples})
         check_blocks(sched)
@@ -247,7 +248,7 @@ def test_request_aborted_during_a_step_gets_no_token():
     out = sched.schedule()
     sched.abort([r])
     assert sched.update(out, {"r": 42}) == []
-    assert r.num_output_tokens == 0 and r.num_computed_tokens == 0
+    assert r.num_output_tokens == 0 and r.block_table == []
     assert sched.block_manager.num_free_blocks == 64 and not sched.block_manager.cached
 
 
@@ -275,3 +276,65 @@ def test_update_finishes_on_eos_stop_token_and_length_but_not_before_min_tokens(
         out = sched.schedule()
         sched.update(out, {r.request.request_id: 5 for r in out.scheduled})
     assert long.finish_reason == "length" and long.num_tokens == 12
+
+
+# -- lookahead: scheduling step N+1 before step N is booked ----------------------------------------------------
+def position_token(item) -> int:
+    """The 'model' for lookahead tests: the sampled token depends only on the request and the token's position,
+    so it is the same whenever and in whatever batch the step runs."""
+    request = item.request
+    return (sum(request.prompt_token_ids) + item.start + item.num_new_tokens) % 300 + 10
+
+
+def run_random_workload(lookahead: bool) -> dict:
+    rng = random.Random(1)
+    sched = make_scheduler(num_blocks=24, budget=16, max_num_seqs=6, prefix_caching=True)
+    requests = []
+    for i in range(16):
+        request = make_request(f"r{i}", rng.randint(1, 40), rng.randint(1, 10))
+        if i % 3 == 0:
+            request.token_ids[:12] = [7] * min(12, request.num_prompt_tokens)
+        if i % 4 == 1:  # EOS at the third output token: under lookahead, a step is in flight when it is booked
+            request.params._eos_token_ids = [(sum(request.prompt_token_ids) + request.num_prompt_tokens + 2) % 300 + 10]
+        requests.append(request)
+    pending, in_flight = list(requests), None
+    for _ in range(1000):
+        if pending:
+            sched.add(pending.pop(0))
+        out = sched.schedule()
+        for item in out.scheduled:
+            request = item.request
+            assert item.start + item.num_new_tokens <= request.num_tokens
+            assert len(request.block_table) * BS >= item.start + item.num_new_tokens
+            assert request.num_inflight <= (2 if lookahead else 1)
+        check_blocks(sched)
+        booked, in_flight = (in_flight, out if not out.is_empty else None) if lookahead else (out, None)
+        if booked is not None:
+            sched.update(booked, {s.request.request_id: position_token(s) for s in booked.scheduled if s.samples})
+        if not sched.has_unfinished() and not pending and in_flight is None:
+            break
+    else:
+        raise AssertionError("workload did not finish")
+    assert sched.block_manager.num_free_blocks == 24
+    assert sched.num_preemptions > 0 and sched.block_manager.prefix_hits > 0  # the workload exercised both
+    return {r.request_id: (r.output_token_ids, r.status) for r in requests}
+
+
+def test_lookahead_scheduling_gives_the_same_tokens_and_stops_as_booking_each_step_first():
+    plain, ahead = run_random_workload(False), run_random_workload(True)
+    assert ahead == plain
+    assert any(status == RequestStatus.FINISHED_STOPPED for _, status in plain.values())
+    assert any(status == RequestStatus.FINISHED_LENGTH for _, status in plain.values())
+
+
+def test_lookahead_does_not_schedule_past_max_tokens():
+    sched = make_scheduler()
+    r = make_request("r", 3, max_tokens=2)
+    sched.add(r)
+    first = sched.schedule()  # prefill, samples output 1
+    second = sched.schedule()  # decodes the in-flight token, samples output 2 = max_tokens
+    assert new_tokens(second) == {"r": 1} and r.num_inflight == 2
+    assert sched.schedule().is_empty  # both remaining tokens are in flight: nothing more to compute
+    sched.update(first, {"r": 11})
+    sched.update(second, {"r": 12})
+    assert r.output_token_ids == [11, 12] and r.finish_reason == "length" and r.num_inflight == 0
