@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--num-kv-blocks", type=int, default=None)
     engine.add_argument("--max-queue-len", type=int, default=None, help="waiting requests beyond this get 429")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--min-prefill-batch", type=int, default=None,
+                        help="a nearly full batch admits waiting requests in groups of this many (default: "
+                             "max-num-seqs / 16; 1: as soon as a slot frees)")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="prepare and launch the next step before the last one's tokens are read back "
+                             "(default: on CUDA)")
     return parser
 
 
@@ -86,6 +92,8 @@ def engine_config(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks,
         max_queue_len=args.max_queue_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        min_prefill_batch=args.min_prefill_batch,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -74,6 +74,10 @@ class EngineConfig:
     # prepare and launch step N+1 before step N's tokens are read back (None: on CUDA only)
     async_scheduling: Optional[bool] = None
     max_queue_len: Optional[int] = None  # waiting requests beyond this are refused (server answers 429)
+    # While decodes run and the batch is nearly full, admit waiting requests only once this many slots are free
+    # (or the queue holds fewer), so admissions come in groups instead of one small prefill per step (the idea of
+    # TGI's waiting_served_ratio). None: max_num_seqs // 16; 1: admit whenever a slot is free.
+    min_prefill_batch: Optional[int] = None
     tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
 
@@ -95,6 +99,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if self.min_prefill_batch is None:
+            self.min_prefill_batch = max(1, self.max_num_seqs // 16)
+        self._check_positive("min_prefill_batch")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.tensor_parallel_size != 1:

@@ -104,6 +104,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.max_model_len,
             config.enable_chunked_prefill,
+            config.min_prefill_batch,
         )
         self.user_requests: dict[str, _UserRequest] = {}
         self.children: dict[str, Request] = {}

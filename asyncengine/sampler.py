@@ -22,6 +22,16 @@ import torch
 from asyncengine.request import Request
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`. On CUDA through pinned memory without blocking: a plain
+    torch.tensor(..., device="cuda") copies from pageable memory and waits for the whole stream, which would stall
+    a step prepared while the previous one runs."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingBatch:
     """Host-side description of the rows, built once per step; tensors live on the logits' device."""
@@ -47,12 +57,12 @@ class SamplingBatch:
         def optional(values, neutral, dtype):
             if all(v == neutral for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         batch = cls(
             requests=requests,
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=to_device(temps, torch.float32, device),
+            greedy=to_device(greedy, torch.bool, device),
             top_k=optional([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], vocab_size,
                            torch.int64),  # any top_k beyond the vocabulary means "all tokens"
             top_p=optional([p.top_p for p in params], 1.0, torch.float32),
@@ -63,14 +73,14 @@ class SamplingBatch:
         )
         for row, (request, p) in enumerate(zip(requests, params)):
             if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
-                vals = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
+                ids = to_device(list(p.logit_bias), torch.int64, device)
+                vals = to_device(list(p.logit_bias.values()), torch.float32, device)
                 batch.biases.append((row, ids, vals))
             # tokens generated before the one this row samples: the booked ones and any earlier one in flight
             if request.num_output_tokens + max(request.num_inflight - 1, 0) < p.min_tokens:
                 stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
                 if stop_ids:
-                    batch.banned.append((row, torch.tensor(sorted(stop_ids), dtype=torch.int64, device=device)))
+                    batch.banned.append((row, to_device(sorted(stop_ids), torch.int64, device)))
         return batch
 
 

@@ -8,7 +8,10 @@ Each step, `schedule()` decides how many new tokens every request computes:
    until they can: possibly the request itself.
 2. Then WAITING requests in arrival order while budget, sequence slots and blocks last. A waiting request first
    adopts the longest cached prefix of its tokens, then computes the rest, chunked to the budget. The queue is
-   strictly FIFO: if its head cannot get blocks, nothing behind it jumps ahead.
+   strictly FIFO: if its head cannot get blocks, nothing behind it jumps ahead. While requests are running,
+   admission waits until min_prefill_batch slots are free (or the whole queue fits), for at most
+   MAX_ADMISSION_DELAY_STEPS steps: a full batch otherwise admits one small prefill nearly every step as
+   requests finish, and every such mixed step runs eagerly instead of as a CUDA-graph decode step.
 
 Since decodes are scheduled before any prefill chunk, a long prompt never stalls running requests: it advances
 by the budget left over each step.
@@ -32,6 +35,8 @@ from typing import Iterable, Optional
 
 from asyncengine.block_manager import BlockManager
 from asyncengine.request import Request, RequestStatus
+
+MAX_ADMISSION_DELAY_STEPS = 16  # bounds the extra queueing min_prefill_batch may cause (~16 decode steps)
 
 
 @dataclass
@@ -74,12 +79,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        min_prefill_batch: int = 1,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.min_prefill_batch = min_prefill_batch
+        self._admission_delayed_steps = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -137,7 +145,20 @@ class Scheduler:
             i += 1
         return budget
 
+    def _admission_deferred(self) -> bool:
+        """True when this step admits nothing so that admissions come in groups (see the module docstring)."""
+        if not self.running or not self.waiting:
+            return False
+        wanted = min(self.min_prefill_batch, len(self.waiting))
+        if self.max_num_seqs - len(self.running) >= wanted or self._admission_delayed_steps >= MAX_ADMISSION_DELAY_STEPS:
+            self._admission_delayed_steps = 0
+            return False
+        self._admission_delayed_steps += 1
+        return True
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if self._admission_deferred():
+            return
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_inflight:  # preempted with a token in flight: readmit once it is booked

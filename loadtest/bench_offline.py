@@ -218,6 +218,22 @@ def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False) -> di
     return res
 
 
+def w1_ablations(llm, w1) -> dict:
+    """W1 again with each of the step loop's throughput features turned off, in the same process: what each buys."""
+    engine, out = llm.engine, {}
+    variants = {"admit_every_step": dict(min_prefill_batch=1), "no_lookahead": dict(async_scheduling=False),
+                "neither": dict(min_prefill_batch=1, async_scheduling=False)}
+    for name, change in variants.items():
+        saved = (engine.scheduler.min_prefill_batch, engine.config.async_scheduling)
+        engine.scheduler.min_prefill_batch = change.get("min_prefill_batch", saved[0])
+        engine.config.async_scheduling = change.get("async_scheduling", saved[1])
+        try:
+            out[name] = run_engine(llm, *w1)
+        finally:
+            engine.scheduler.min_prefill_batch, engine.config.async_scheduling = saved
+    return out
+
+
 def batch1_decode_ms(llm, vocab: int, context: int = 1000, new_tokens: int = 200) -> dict:
     """Median milliseconds per output token of one sequence at ~context tokens, through the pipelined step
     loop that LLM.generate uses; also the GPU time of one decode graph replay (CUDA events)."""
@@ -319,7 +335,10 @@ def main(argv=None) -> int:
     # Warm-up with the timed shapes (Triton compiles per shape family), then the workloads.
     run_engine(llm, *fixed(64, 512, 16, seed=9, vocab=vocab))
     run_engine(llm, *sharegpt_like(64, 200, 32, seed=8, vocab=vocab))
-    results["W1"] = run_engine(llm, *sharegpt_like(n, 200, 180, seed=1, vocab=vocab), profile=True)
+    w1 = sharegpt_like(n, 200, 180, seed=1, vocab=vocab)
+    results["W1"] = run_engine(llm, *w1, profile=True)
+    save()
+    results["W1_ablations"] = w1_ablations(llm, w1)
     save()
     results["W2"] = run_engine(llm, w2_prompts, w2_outs, profile=True)
     save()
@@ -367,6 +386,9 @@ def print_table(r: dict) -> None:
     print(f"{'workload':28} {'engine':>10} {'peer':>30} {'ratio':>7} {'limit':>20}")
     for row in rows:
         print(f"{row[0]:28} {row[1]:>10} {row[2]:>30} {row[3]:>7} {row[4]:>20}")
+    for name, res in r.get("W1_ablations", {}).items():
+        print(f"{'W1 req/s, ' + name:28} {res['req_per_s']:>10.1f} {'default':>30} "
+              f"{res['req_per_s'] / r['W1']['req_per_s']:>6.2f}x {res['steps']:>14} steps")
 
 
 if __name__ == "__main__":

@@ -338,3 +338,35 @@ def test_lookahead_does_not_schedule_past_max_tokens():
     sched.update(first, {"r": 11})
     sched.update(second, {"r": 12})
     assert r.output_token_ids == [11, 12] and r.finish_reason == "length" and r.num_inflight == 0
+
+
+def test_a_full_batch_admits_in_groups_of_min_prefill_batch_within_a_bounded_delay():
+    from asyncengine.scheduler import MAX_ADMISSION_DELAY_STEPS
+
+    bm = BlockManager(256, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256, min_prefill_batch=3)
+    running = [make_request(f"run{i}", 3, max_tokens=100) for i in range(8)]
+    for r in running:
+        sched.add(r)
+    step(sched)
+    queued = [make_request(f"wait{i}", 3, max_tokens=100) for i in range(6)]
+    for r in queued:
+        sched.add(r)
+    sched.abort(running[:2])  # 2 free slots < 3: the queue waits for a third
+    assert set(new_tokens(step(sched))) == {r.request_id for r in running[2:]}
+    sched.abort(running[2:3])
+    assert {"wait0", "wait1", "wait2"} <= set(new_tokens(step(sched)))  # admitted together
+    sched.abort(running[3:4])  # one slot free, 3 still waiting: deferred, but never for long
+    for _ in range(MAX_ADMISSION_DELAY_STEPS):
+        assert "wait3" not in new_tokens(step(sched))
+    assert "wait3" in new_tokens(step(sched))
+
+
+def test_an_idle_or_short_queue_is_admitted_at_once():
+    sched = Scheduler(BlockManager(256, BS), 8, 256, 256, min_prefill_batch=4)
+    first = make_request("a", 3, max_tokens=50)
+    sched.add(first)
+    step(sched)  # nothing running before: admitted at once
+    late = make_request("b", 3, max_tokens=5)
+    sched.add(late)
+    assert "b" in new_tokens(step(sched))  # 7 slots free >= min(4, 1 waiting)
