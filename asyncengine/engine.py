@@ -75,6 +75,8 @@ class _UserRequest:
 
     @property
     def finished(self) -> bool:
+        if len(self.children) == 1:  # the common case, asked for every request every step
+            return self.children[0].finished
         return all(c.finished for c in self.children)
 
 
@@ -325,7 +327,7 @@ class LLMEngine:
             finished = user.finished
             if user.kind == RequestOutputKind.FINAL_ONLY and not finished:
                 continue
-            outputs.append(self._output(user))
+            outputs.append(self._output(user, finished))
             if finished:
                 for child in user.children:
                     stats.e2e_latency.append(now - child.arrival_time)
@@ -333,7 +335,10 @@ class LLMEngine:
                 self._forget(user)
         return outputs
 
-    def _output(self, user: _UserRequest) -> RequestOutput:
+    def _output(self, user: _UserRequest, finished: Optional[bool] = None) -> RequestOutput:
+        """The user request's output now: for DELTA, only what was not reported before. Runs for every request
+        that got a token, every step: slices start where the last report ended, never copy whole sequences."""
+        finished = user.finished if finished is None else finished
         delta = user.kind == RequestOutputKind.DELTA
         completions = []
         for i, child in enumerate(user.children):
@@ -341,24 +346,25 @@ class LLMEngine:
             visible = detok.visible_len(child.finished)
             text_from = user.sent_text[i] if delta else 0
             tokens_from = user.sent_tokens[i] if delta else 0
-            out_ids = child.output_token_ids
+            num_out = child.num_output_tokens
+            wants_logprobs = child.params.logprobs is not None
             completions.append(CompletionOutput(
                 index=child.index,
                 text=detok.text[text_from:visible],
-                token_ids=out_ids[tokens_from:],
-                cumulative_logprob=child.cumulative_logprob if child.params.logprobs is not None else None,
-                logprobs=child.logprobs[tokens_from:] if child.params.logprobs is not None else None,
+                token_ids=child.token_ids[child.num_prompt_tokens + tokens_from :],
+                cumulative_logprob=child.cumulative_logprob if wants_logprobs else None,
+                logprobs=child.logprobs[tokens_from:] if wants_logprobs else None,
                 finish_reason=child.finish_reason,
                 stop_reason=child.stop_reason,
             ))
-            user.sent_text[i], user.sent_tokens[i] = max(visible, user.sent_text[i]), len(out_ids)
+            user.sent_text[i], user.sent_tokens[i] = max(visible, user.sent_text[i]), num_out
         first = user.children[0]
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,
             last_token_time=first.last_token_time,
-            finished_time=time.monotonic() if user.finished else None,
+            finished_time=time.monotonic() if finished else None,
             num_preemptions=sum(c.num_preemptions for c in user.children),
         )
         return RequestOutput(
@@ -366,7 +372,7 @@ class LLMEngine:
             prompt=user.prompt,
             prompt_token_ids=user.prompt_ids,
             outputs=completions,
-            finished=user.finished,
+            finished=finished,
             metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
         )

@@ -30,10 +30,14 @@ SERVE_ARGS = ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs"
               "--max-num-batched-tokens", "8192", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"]
 
 
-def start_server(checkpoint: Path, log_path: Path, timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """Start the server; return it and its base URL once it prints the address it serves on."""
+def start_server(checkpoint: Path, log_path: Path, timeout: float = 300.0, extra_args: tuple = (),
+                 profile_to: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """Start the server; return it and its base URL once it prints the address it serves on. With profile_to,
+    the server runs under cProfile (its main thread: the event loop) and writes the stats there on exit."""
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "asyncengine.api", "serve", str(checkpoint), *SERVE_ARGS],
+    profiler = ["-m", "cProfile", "-o", str(profile_to)] if profile_to is not None else []
+    proc = subprocess.Popen([sys.executable, "-u", *profiler, "-m", "asyncengine.api", "serve", str(checkpoint),
+                             *SERVE_ARGS, *extra_args],
                             stdout=subprocess.PIPE, stderr=log, text=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -76,13 +80,19 @@ def main(argv=None) -> int:
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--prompts-per-rate", type=int, default=None,
                         help="fewer requests at finite rates (each takes num/rate seconds)")
+    parser.add_argument("--serve-args", default="", help="extra `asyncengine serve` arguments, one string")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file's name")
+    parser.add_argument("--profile-server", action="store_true",
+                        help="run the server under cProfile and print where its event loop's time goes")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = build_checkpoint(Path(args.checkpoint))
     dataset = out / "w1.jsonl"
     write_dataset(dataset, args.num_prompts)
-    proc, url = start_server(checkpoint, out / "server.log")
+    profile_to = out / f"server{args.tag}.prof" if args.profile_server else None
+    proc, url = start_server(checkpoint, out / f"server{args.tag}.log", extra_args=tuple(args.serve_args.split()),
+                             profile_to=profile_to)
     rows = []
     try:
         run_rate(url, dataset, 32, math.inf)  # warm-up: compile and capture with real shapes
@@ -90,13 +100,19 @@ def main(argv=None) -> int:
             rate = float(rate_text)
             n = args.num_prompts if math.isinf(rate) or args.prompts_per_rate is None else args.prompts_per_rate
             rows.append(run_rate(url, dataset, n, rate))
-            (out / "bench_served.json").write_text(json.dumps(rows, indent=2))
+            (out / f"bench_served{args.tag}.json").write_text(json.dumps(rows, indent=2))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    if profile_to is not None and profile_to.exists():
+        import pstats
+
+        stats = pstats.Stats(str(profile_to))
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(40)
     offline = out / "bench_offline.json"
     offline_rps = json.loads(offline.read_text())["W1"]["req_per_s"] if offline.exists() else None
     print_table(rows, offline_rps)

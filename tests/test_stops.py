@@ -282,3 +282,20 @@ def test_detokenizer_finds_a_multibyte_stop_string_split_over_byte_tokens(tokeni
     assert detok.text == "abc 漢"
     detok, _, _ = stream(tokenizer, [0], output, SamplingParams(stop=["字 🙂"], include_stop_str_in_output=True))
     assert detok.text == "abc 漢字 🙂"
+
+
+def test_generic_path_of_a_fast_non_byte_level_tokenizer_matches_transformers_decode(tmp_path):
+    """A word-level fast tokenizer (no byte table) streams through its Rust backend's decode directly; the
+    deltas add up to transformers' decode, with and without special tokens."""
+    from loadtest.bench_offline import build_tokenizer
+
+    build_tokenizer(tmp_path, 50)
+    words = load_tokenizer(str(tmp_path))
+    output = [5, 17, 1, 42, 3, 3, 49]  # 1 is the EOS (special)
+    for skip in (True, False):
+        params = SamplingParams(skip_special_tokens=skip)
+        detok, deltas, _ = stream(words, [0, 7], output, params)
+        assert detok._table is None and detok._backend is not None
+        whole = words.decode([0, 7] + output, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        prompt = words.decode([0, 7], skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        assert "".join(deltas) == whole[len(prompt):]  # the text after the prompt's, joining space included
