@@ -3,7 +3,7 @@
 A request's life, top to bottom:
     add_request    validate, tokenize, fan out n children (Request), queue them in the scheduler
     step           scheduler.schedule()       -> which tokens each request computes now
-                   model_runner.run()         -> one forward pass + sampling (the only device work)
+                   model_runner.launch()      -> one forward pass + sampling (the only device work); collect()
                    scheduler.update()         -> append tokens, token-decided stops, free finished blocks
                    _detokenize()              -> text deltas, stop strings (which finish requests too)
                    _make_outputs()            -> RequestOutput per user request, by its output kind

@@ -238,10 +238,6 @@ class ModelRunner:
                 fb_sources.append(item.request.inflight_row)
         return np.array(ids, dtype=np.int64), (fb_rows, fb_sources)
 
-    def run(self, inputs: StepInputs) -> StepResult:
-        """launch() then collect(): one whole step."""
-        return self.collect(self.launch(inputs))
-
     @torch.inference_mode()
     def launch(self, inputs: StepInputs) -> LaunchedStep:
         """Queue the step's device work: in-flight input tokens, forward, logits, sampling, and the copy of the
