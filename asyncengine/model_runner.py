@@ -13,7 +13,6 @@ sampled tokens on the device (`StepInputs.feedback`), so the GPU never waits for
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -26,7 +25,7 @@ from asyncengine.models.layers import AttentionMetadata
 from asyncengine.models.loader import load_model
 from asyncengine.outputs import Logprob
 from asyncengine.request import Request
-from asyncengine.sampler import Sampler, SamplerOutput, SamplingBatch
+from asyncengine.sampler import Sampler, SamplerOutput, SamplingBatch, to_device
 from asyncengine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -163,13 +162,6 @@ class ModelRunner:
         generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
         return generator
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array as a device tensor; on CUDA through pinned memory without blocking."""
-        host = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
-
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """Flat batch tensors for the scheduled requests (numpy on the host, then one copy each)."""
         items = sched.scheduled
@@ -195,10 +187,10 @@ class ModelRunner:
         logits_idx = np.array([qsl[i + 1] - 1 for i, s in enumerate(items) if s.samples], dtype=np.int64)
         qsl_cpu, lens_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_lens)
         metadata = AttentionMetadata(
-            query_start_loc=self._to_device(qsl),
-            seq_lens=self._to_device(seq_lens),
-            block_tables=self._to_device(tables),
-            slot_mapping=self._to_device(slots),
+            query_start_loc=to_device(qsl, self.device),
+            seq_lens=to_device(seq_lens, self.device),
+            block_tables=to_device(tables, self.device),
+            slot_mapping=to_device(slots, self.device),
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=lens_cpu,
             max_query_len=int(num_new.max()),
@@ -206,16 +198,16 @@ class ModelRunner:
         )
         self._num_prepared += 1
         return StepInputs(
-            input_ids=self._to_device(input_ids),
-            positions=self._to_device(positions),
+            input_ids=to_device(input_ids, self.device),
+            positions=to_device(positions, self.device),
             metadata=metadata,
-            logits_indices=self._to_device(logits_idx),
+            logits_indices=to_device(logits_idx, self.device),
             sampling_requests=sampling,
             # Built before the forward is launched: its small host-to-device copies never wait on the GPU.
             sampling=SamplingBatch.build(sampling, self.model_config.vocab_size, self.device),
             graph_size=self.graphs.batch_size_for(sched) if self.graphs is not None else None,
             logprobs_asked={r.request_id: r.params.logprobs for r in sampling if r.params.logprobs is not None},
-            feedback=tuple(self._to_device(np.array(a, dtype=np.int64)) for a in feedback) if feedback[0] else None,
+            feedback=tuple(to_device(a, self.device, torch.int64) for a in feedback) if feedback[0] else None,
             step_index=self._num_prepared,
         )
 

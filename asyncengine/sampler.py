@@ -17,16 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from asyncengine.request import Request
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on `device`. On CUDA through pinned memory without blocking: a plain
-    torch.tensor(..., device="cuda") copies from pageable memory and waits for the whole stream, which would stall
-    a step prepared while the previous one runs."""
-    host = torch.tensor(values, dtype=dtype)
+def to_device(values, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A host list or numpy array as a tensor on `device`: the engine's one way to send step inputs. On CUDA it
+    goes through pinned memory without blocking: torch.tensor(..., device="cuda") copies from pageable memory and
+    waits for the whole stream, which would stall a step prepared while the previous one runs."""
+    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -57,12 +58,12 @@ class SamplingBatch:
         def optional(values, neutral, dtype):
             if all(v == neutral for v in values):
                 return None
-            return to_device(values, dtype, device)
+            return to_device(values, device, dtype)
 
         batch = cls(
             requests=requests,
-            temperature=to_device(temps, torch.float32, device),
-            greedy=to_device(greedy, torch.bool, device),
+            temperature=to_device(temps, device, torch.float32),
+            greedy=to_device(greedy, device, torch.bool),
             top_k=optional([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], vocab_size,
                            torch.int64),  # any top_k beyond the vocabulary means "all tokens"
             top_p=optional([p.top_p for p in params], 1.0, torch.float32),
@@ -73,14 +74,14 @@ class SamplingBatch:
         )
         for row, (request, p) in enumerate(zip(requests, params)):
             if p.logit_bias:
-                ids = to_device(list(p.logit_bias), torch.int64, device)
-                vals = to_device(list(p.logit_bias.values()), torch.float32, device)
+                ids = to_device(list(p.logit_bias), device, torch.int64)
+                vals = to_device(list(p.logit_bias.values()), device, torch.float32)
                 batch.biases.append((row, ids, vals))
             # tokens generated before the one this row samples: the booked ones and any earlier one in flight
             if request.num_output_tokens + max(request.num_inflight - 1, 0) < p.min_tokens:
                 stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
                 if stop_ids:
-                    batch.banned.append((row, to_device(sorted(stop_ids), torch.int64, device)))
+                    batch.banned.append((row, to_device(sorted(stop_ids), device, torch.int64)))
         return batch
 
 
