@@ -11,10 +11,10 @@ and /metrics (vllm:kv_cache_usage_perc, running, waiting).
 
 It fails (exit 1) when
   - the least-squares slope of RSS over the samples after the warm-up exceeds --max-slope (MiB/min) by more than
-    its noise: slope - 2 * (standard error of the slope) > max_slope. The line is fitted to each second's lowest
-    reading: a step's activations (tens of MiB for a long prefill) are live memory that comes and goes, and a
-    leak shows as a rising floor. A short run can only detect a steep slope (1 minute: about 3 MiB/min; 5
-    minutes: about 1.2); the report states the slope, its standard error and the smallest it could detect;
+    its noise: slope - 2 * (standard error of the slope, widened for autocorrelated residuals) > max_slope. The
+    line is fitted to each second's lowest reading: a step's activations (tens of MiB for a long prefill) are
+    live memory that comes and goes, and a leak shows as a rising floor. A short run can only detect a steep
+    slope (1 minute: about 3 MiB/min; 5 minutes: about 1.2); the report states the slope, its standard error and the smallest it could detect;
   - any request failed unexpectedly (a non-200 status, an error event, a stream without [DONE], a transport
     error, a timeout; the client-side cancellations it makes on purpose are not failures);
   - KV-cache usage does not return to 0 once the load stops, or the server does not exit 0 on SIGTERM.
@@ -333,7 +333,13 @@ class SlopeFit:
 
 
 def rss_slope(samples: list[Sample], warmup_s: float) -> SlopeFit:
-    """Least-squares line through (minutes, RSS floor MiB) of the samples after the warm-up."""
+    """Least-squares line through (minutes, RSS floor MiB) of the samples after the warm-up.
+
+    The standard error allows for autocorrelated residuals: a floor raised by a burst of long prompts stays up for
+    several one-second samples, so neighbouring residuals are not independent, and the textbook error (which
+    assumes they are) is too small, turning a transient bump near the end of a short run into a "slope". The
+    error is widened by the AR(1) factor sqrt((1 + r) / (1 - r)), r being the lag-1 autocorrelation of the
+    residuals (when positive); a steady leak still shows, since it moves the line and not only the residuals."""
     points = [(s.t / 60.0, s.rss_mib) for s in samples if s.t >= warmup_s]
     if len(points) < 3:
         raise ValueError(f"only {len(points)} samples after the warm-up of {warmup_s:g} s")
@@ -341,8 +347,20 @@ def rss_slope(samples: list[Sample], warmup_s: float) -> SlopeFit:
     slope, intercept = np.polyfit(t, rss, 1)
     residuals = rss - (slope * t + intercept)
     spread = float(np.sum((t - t.mean()) ** 2))
-    stderr = float(np.sqrt(np.sum(residuals**2) / (len(t) - 2) / spread)) if spread > 0 else float("inf")
+    if spread == 0:
+        return SlopeFit(float(slope), float(intercept), float("inf"), float(np.std(residuals)))
+    stderr = float(np.sqrt(np.sum(residuals**2) / (len(t) - 2) / spread))
+    stderr *= float(np.sqrt((1 + lag1) / (1 - lag1))) if (lag1 := lag1_autocorrelation(residuals)) > 0 else 1.0
     return SlopeFit(float(slope), float(intercept), stderr, float(np.std(residuals)))
+
+
+def lag1_autocorrelation(values: np.ndarray, cap: float = 0.9) -> float:
+    """Correlation of each value with the next, capped below 1 so the widening factor stays finite."""
+    centred = values - values.mean()
+    energy = float(np.sum(centred**2))
+    if len(values) < 3 or energy == 0:
+        return 0.0
+    return min(cap, float(np.sum(centred[1:] * centred[:-1]) / energy))
 
 
 def write_plot(path: Path, samples: list[Sample], config: SoakConfig, fit: SlopeFit) -> None:
