@@ -12,8 +12,8 @@ keeps answering 503 for ENGINE_DEAD_LINGER seconds (probes and load balancers se
 in-flight requests (which end at once: they already have their error) and exits with status 1, so that a
 supervisor restarts the server rather than keeping a process that can never serve.
 
-Test hook (not a user setting): the environment variable ASYNCENGINE_FAULT_AFTER_STEPS=N, read only here, makes
-the engine's device step raise after N successful steps, to test the failure path above in a real process.
+Test hook (not a user setting): the environment variable ASYNCENGINE_FAULT_AFTER_STEPS=N makes the engine's
+device step raise after N successful steps, to test the failure path above in a real process (asyncengine/faults.py).
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 import sys
 from typing import Optional, Sequence
 
 from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, create_app
+from asyncengine.engine_core import leave_a_core_for_the_event_loop
+from asyncengine.faults import fault_after_steps_from_env, install_fault_hook
 
 logger = logging.getLogger("asyncengine.api")
 
@@ -35,7 +36,6 @@ ENGINE_WATCH_INTERVAL = 0.1  # seconds between checks of the engine's health
 ENGINE_DEAD_LINGER = 1.0  # seconds of 503s after the engine died, before the server shuts down
 ENGINE_DEAD_DRAIN = 2.0  # then at most this long for in-flight responses to finish sending their error
 EXIT_ENGINE_DEAD = 1
-FAULT_ENV = "ASYNCENGINE_FAULT_AFTER_STEPS"  # test hook, see the module docstring
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,13 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="prepare and launch the next step before the last one's tokens are read back "
                              "(default: on CUDA)")
+    engine.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the engine in a process of its own, so HTTP framing and the engine's steps use "
+                             "two cores (default: on CUDA, where it serves 1.1-1.25x the requests/s of one "
+                             "process at unlimited rate: loadtest/RESULTS.md)")
     return parser
 
 
 def engine_config(args: argparse.Namespace):
     from asyncengine.config import EngineConfig
 
-    return EngineConfig(
+    config = EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         dtype=args.dtype,
@@ -94,7 +98,11 @@ def engine_config(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         min_prefill_batch=args.min_prefill_batch,
         async_scheduling=args.async_scheduling,
+        engine_process=bool(args.engine_process),
     )
+    if args.engine_process is None:
+        config.engine_process = config.torch_device().type == "cuda"
+    return config
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -137,32 +145,6 @@ async def serve_app(app, sock: socket.socket, stop: asyncio.Event, *, shutdown_t
         logger.info("in-flight requests ended; stopping the HTTP server")
 
     await serve(app, hypercorn_config(sock, max_body_bytes=max_body_bytes), shutdown_trigger=shutdown_trigger)
-
-
-def install_fault_hook(engine, after_steps: int) -> None:
-    """Test hook: make the engine's device step raise RuntimeError once `after_steps` steps have run."""
-    core = engine.engine
-    launch = core.launch  # every step is launched, in both pipeline modes
-    calls = 0
-
-    def faulty_launch(step):
-        nonlocal calls
-        calls += 1
-        if calls > after_steps:
-            raise RuntimeError(f"injected engine fault after {after_steps} steps ({FAULT_ENV})")
-        return launch(step)
-
-    core.launch = faulty_launch
-
-
-def _fault_after_steps() -> Optional[int]:
-    value = os.environ.get(FAULT_ENV)
-    if not value:
-        return None
-    try:
-        return max(0, int(value))
-    except ValueError:
-        raise ValueError(f"{FAULT_ENV} must be an integer, got {value!r}") from None
 
 
 async def _watch_engine(engine, app, stop: asyncio.Event, died: asyncio.Event) -> None:
@@ -211,33 +193,23 @@ def _run(coro):
     return uvloop.run(coro)
 
 
-def leave_a_core_for_the_event_loop(config) -> None:
-    """On CPU, torch's threads would take every core and the event loop (HTTP, SSE, detokenization) would wait
-    for them; one core fewer serves more tokens (measured: loadtest/RESULTS.md). OMP_NUM_THREADS still wins."""
-    import torch
-
-    cores = os.cpu_count() or 1
-    if config.torch_device().type == "cpu" and "OMP_NUM_THREADS" not in os.environ and cores > 1:
-        torch.set_num_threads(cores - 1)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from asyncengine.async_engine import AsyncLLMEngine
 
     try:
-        fault_after = _fault_after_steps()
+        fault_after = fault_after_steps_from_env()
         config = engine_config(args)
-        leave_a_core_for_the_event_loop(config)
+        if not config.engine_process:  # an engine process does this itself
+            leave_a_core_for_the_event_loop(config)
         engine = AsyncLLMEngine(config)
         sock = bind_socket(args.host, args.port)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: an engine process that died starting
         print(f"asyncengine: error: {exc}", file=sys.stderr)
         return 2
-    if fault_after is not None:
-        logger.warning("test hook %s=%d: the engine will fail after %d steps", FAULT_ENV, fault_after, fault_after)
-        install_fault_hook(engine, fault_after)
+    if fault_after is not None and not config.engine_process:  # an engine process installs it itself
+        install_fault_hook(engine.engine, fault_after)
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None)
     print(f"asyncengine serving on {url_of(sock)}", flush=True)

@@ -20,6 +20,9 @@ marked for abort and the step loop frees it before its next step. Errors: if a s
 request receives EngineDeadError, the engine reports itself dead, and new requests fail at once. The engine
 installs no signal handlers.
 
+With config.engine_process the engine runs in a child process instead (engine_core.py: the same step loop there,
+outputs back over a pipe that this loop reads); everything above holds, and the loop's time goes to the readers.
+
 Thread safety: the device thread only reads the scheduled requests of its own step; everything that changes
 engine state runs on the loop, and aborts are applied between steps.
 """
@@ -35,6 +38,7 @@ from typing import AsyncIterator, Callable, Optional
 
 from asyncengine.config import EngineConfig
 from asyncengine.engine import LLMEngine, PromptType, StepPipeline, StepStats
+from asyncengine.engine_core import EngineCoreClient
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -99,18 +103,23 @@ class RequestStream:
         self._ready.set()
 
     async def get(self) -> RequestOutput:
+        """The unread output, else the error (an output put before the error is read first)."""
         await self._ready.wait()
-        self._ready.clear()
         if self._slot is None and self._error is not None:
             raise self._error
         output, self._slot = self._slot, None
+        if self._error is None:  # an error stays ready for the next get
+            self._ready.clear()
         return output
 
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.engine = LLMEngine(config)
+        # config.engine_process: the engine runs in a child process (engine_core.py) and this loop only
+        # receives its outputs; the client answers to the same names as an LLMEngine.
+        self._remote = config.engine_process
+        self.engine = EngineCoreClient(config) if self._remote else LLMEngine(config)
         # Loading a model leaves millions of long-lived objects; a full garbage collection over them stalls the
         # loop for a few hundred ms. Move them out of the collector's sight (as vLLM does after start-up).
         gc.collect()
@@ -163,21 +172,21 @@ class AsyncLLMEngine:
     @property
     def num_preemptions(self) -> int:
         """Preemptions since start (running total)."""
-        return self.engine.scheduler.num_preemptions
+        return self.engine.num_preemptions
 
     @property
     def prefix_cache_queries(self) -> int:
         """Prompt tokens looked up in the prefix cache since start."""
-        return self.engine.block_manager.prefix_queries
+        return self.engine.prefix_cache_queries
 
     @property
     def prefix_cache_hits(self) -> int:
         """Prompt tokens found in the prefix cache since start."""
-        return self.engine.block_manager.prefix_hits
+        return self.engine.prefix_cache_hits
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
+        return self.engine.vocab_size
 
     def add_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
         self.engine.stats_listeners.append(listener)
@@ -240,7 +249,8 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, params.output_kind)
         self._streams[request_id] = stream
         self._ensure_step_task()
-        self._wakeup.set()
+        if self._wakeup is not None:
+            self._wakeup.set()
         return stream
 
     async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
@@ -265,7 +275,9 @@ class AsyncLLMEngine:
         if not keep_stream:
             self._streams.pop(request_id, None)
         self._pending_aborts.add(request_id)
-        if self._wakeup is not None:
+        if self._remote:  # the core applies it between its steps
+            self._apply_aborts()
+        elif self._wakeup is not None:
             self._wakeup.set()
 
     def _apply_aborts(self) -> None:
@@ -284,7 +296,14 @@ class AsyncLLMEngine:
             del self._streams[output.request_id]
 
     # -- the step loop ----------------------------------------------------------------------------------------
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._deliver(output)
+
     def _ensure_step_task(self) -> None:
+        if self._remote:  # no step task: the core's outputs arrive through a reader on this loop
+            self.engine.start(asyncio.get_running_loop(), self._deliver_all, self._fail_all)
+            return
         if self._step_task is None or self._step_task.done():
             self._wakeup = asyncio.Event()
             self._step_task = asyncio.get_running_loop().create_task(self._step_loop(), name="asyncengine-step-loop")
@@ -352,5 +371,7 @@ class AsyncLLMEngine:
             except (asyncio.CancelledError, Exception):
                 pass
         self._device_thread.shutdown(wait=True)
+        if self._remote:
+            self.engine.close()
         if self._dead is None:
             self._dead = EngineDeadError("engine was shut down")

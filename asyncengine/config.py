@@ -78,6 +78,9 @@ class EngineConfig:
     # (or the queue holds fewer), so admissions come in groups instead of one small prefill per step (the idea of
     # TGI's waiting_served_ratio). None: max_num_seqs // 16; 1: admit whenever a slot is free.
     min_prefill_batch: Optional[int] = None
+    # AsyncLLMEngine only: run the engine (scheduler, model, detokenizer) in a process of its own, so that the
+    # caller's event loop (HTTP framing of hundreds of streams) and the engine's steps use two cores, not one.
+    engine_process: bool = False
     tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
 

@@ -80,6 +80,25 @@ class _UserRequest:
         return all(c.finished for c in self.children)
 
 
+def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """ValueError when the prompt or its max_tokens cannot fit the model; the message states the numbers."""
+    if not prompt_ids:
+        raise ValueError("prompt must not be empty")
+    if any(not isinstance(t, int) or t < 0 or t >= vocab_size for t in prompt_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt is {len(prompt_ids)} tokens but max_model_len is {max_model_len}: "
+            "at least one token must remain for generation"
+        )
+    if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{len(prompt_ids) + params.max_tokens} exceeds max_model_len ({max_model_len})"
+        )
+    params.validate_for_model(vocab_size)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -138,22 +157,7 @@ class LLMEngine:
 
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """ValueError when the prompt or its max_tokens cannot fit; the message states the numbers."""
-        if not prompt_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}: "
-                "at least one token must remain for generation"
-            )
-        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{len(prompt_ids) + params.max_tokens} exceeds max_model_len ({self.max_model_len})"
-            )
-        params.validate_for_model(vocab)
+        check_prompt(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(
         self,
@@ -389,6 +393,25 @@ class LLMEngine:
     @property
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since start (running total)."""
+        return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache since start."""
+        return self.block_manager.prefix_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens found in the prefix cache since start."""
+        return self.block_manager.prefix_hits
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
 
 
 DeviceCall = Callable[[], Optional[tuple[PreparedStep, StepResult]]]

@@ -302,6 +302,7 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", default="/tmp/llama3-8b-random")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--w1-only", action="store_true", help="stop after W1 (the served benchmark's reference)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = parser.parse_args(argv)
@@ -338,6 +339,9 @@ def main(argv=None) -> int:
     w1 = sharegpt_like(n, 200, 180, seed=1, vocab=vocab)
     results["W1"] = run_engine(llm, *w1, profile=True)
     save()
+    if args.w1_only:
+        print(f"W1 on {results['gpu']}: {results['W1']['req_per_s']:.1f} req/s")
+        return 0
     results["W1_ablations"] = w1_ablations(llm, w1)
     save()
     results["W2"] = run_engine(llm, w2_prompts, w2_outs, profile=True)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, offline benchmark, served benchmark. Logs under $OUT (or ./gpu_out).
-# Usage: bash scripts/gpu_run.sh [tests|bench|served|profile|all] [extra bench_offline args]
+# Usage: bash scripts/gpu_run.sh [tests|bench|served|served-modes|served-engine-process|profile|all] [extra args]
+# served-modes: offline W1, then the server with --engine-process (16 req/s and unlimited), then in-process
+# (unlimited), all in one call, for the same-run comparison of the two server modes.
 # The served benchmark needs the server's wheels: run ../shared/tools/device-wheels.sh first and carry .whl.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -24,6 +26,18 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == served || $what == all ]]; then
   python3 -m loadtest.bench_served --out "$OUT" --prompts-per-rate 200 2>&1 | tee "$OUT/served.log" | tail -10
+fi
+if [[ $what == served-modes ]]; then
+  python3 -m loadtest.bench_offline --out "$OUT" --skip-peers --w1-only 2>&1 \
+    | grep -v "rope_parameters\|Loading weights\|Writing model" | tee "$OUT/bench.log" | tail -3
+  python3 -m loadtest.bench_served --out "$OUT" --rates 16 inf --prompts-per-rate 200 \
+    --serve-args=--engine-process --tag _engine_process 2>&1 | tee "$OUT/served_engine_process.log" | tail -6
+  python3 -m loadtest.bench_served --out "$OUT" --rates inf --tag _in_process 2>&1 \
+    | tee "$OUT/served_in_process.log" | tail -5
+fi
+if [[ $what == served-engine-process ]]; then  # the ratio needs a bench_offline.json put in $OUT beforehand
+  python3 -m loadtest.bench_served --out "$OUT" --rates 16 inf --prompts-per-rate 200 \
+    --serve-args=--engine-process --tag _engine_process 2>&1 | tee "$OUT/served_engine_process.log" | tail -6
 fi
 if [[ $what == profile ]]; then
   python3 -m loadtest.profile_steps --out "$OUT" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" \

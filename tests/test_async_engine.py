@@ -248,3 +248,19 @@ def test_shutdown_aborts_in_flight_requests(llama_dir):
         assert_no_leaks(engine.engine)
 
     run(main())
+
+
+def test_an_output_put_before_an_error_is_read_first_then_the_error_every_time():
+    from asyncengine.async_engine import RequestStream
+    from asyncengine.outputs import CompletionOutput, RequestOutput
+
+    async def main():
+        stream = RequestStream("r", RequestOutputKind.DELTA)
+        stream.put(RequestOutput("r", None, [1], [CompletionOutput(0, "a", [2])], finished=False))
+        stream.put_error(EngineDeadError("boom"))
+        assert (await asyncio.wait_for(stream.get(), 1)).outputs[0].text == "a"
+        for _ in range(2):
+            with pytest.raises(EngineDeadError, match="boom"):
+                await asyncio.wait_for(stream.get(), 1)
+
+    run(main())

@@ -12,18 +12,22 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from test_server_cli import CLIServer
 
-from asyncengine.api.cli import ENGINE_DEAD_DRAIN, ENGINE_DEAD_LINGER, EXIT_ENGINE_DEAD, FAULT_ENV
+from asyncengine.api.cli import ENGINE_DEAD_DRAIN, ENGINE_DEAD_LINGER, EXIT_ENGINE_DEAD
+from asyncengine.faults import FAULT_ENV
 
 FAULT_AFTER_STEPS = 40
 NUM_STREAMS = 6
 
 
-def FaultyServer(log_dir, fault_after: int) -> CLIServer:
-    """`python -m asyncengine.api serve` (default model) with the fault hook set."""
-    return CLIServer(None, "--max-model-len", "512", log_dir=log_dir, env={FAULT_ENV: str(fault_after)},
+def FaultyServer(log_dir, fault_after: int, engine_process: bool = False) -> CLIServer:
+    """`python -m asyncengine.api serve` (default model) with the fault hook set (in the engine's process with
+    --engine-process, which inherits the variable)."""
+    extra = ("--engine-process",) if engine_process else ()
+    return CLIServer(None, "--max-model-len", "512", *extra, log_dir=log_dir, env={FAULT_ENV: str(fault_after)},
                      num_kv_blocks=256)
 
 
@@ -46,8 +50,9 @@ def read_stream(url: str, body: dict, out: dict, first: threading.Event) -> None
         out["transport_error"] = repr(exc)
 
 
-def test_engine_fault_ends_streams_with_an_error_turns_503_and_exits_1(tmp_path):
-    server = FaultyServer(tmp_path, FAULT_AFTER_STEPS)
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+def test_engine_fault_ends_streams_with_an_error_turns_503_and_exits_1(tmp_path, engine_process):
+    server = FaultyServer(tmp_path, FAULT_AFTER_STEPS, engine_process)
     try:
         body = {"prompt": "Now is the winter", "max_tokens": 400, "ignore_eos": True, "stream": True}
         streams = []

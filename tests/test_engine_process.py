@@ -1,0 +1,176 @@
+"""AsyncLLMEngine with the engine in its own process (EngineConfig.engine_process, asyncengine/engine_core.py):
+the same outputs as the in-process engine, aborts that free the core's blocks, validation in the caller's process,
+the core's death reported to every stream, and start-up failures that say why."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import uvloop
+
+from asyncengine import EngineConfig, RequestOutputKind, SamplingParams
+from asyncengine.async_engine import AsyncLLMEngine, EngineDeadError
+from asyncengine.engine_core import EngineCoreClient
+
+ENGINE_ARGS = dict(max_model_len=128, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir):
+    """An engine-process engine and an in-process peer on the same weights; each test runs its own loop."""
+    remote = AsyncLLMEngine(EngineConfig(model=str(llama_dir), engine_process=True, **ENGINE_ARGS))
+    local = AsyncLLMEngine(EngineConfig(model=str(llama_dir), **ENGINE_ARGS))
+    yield remote, local
+    asyncio.run(remote.shutdown())
+    asyncio.run(local.shutdown())
+    assert not remote.engine.process.is_alive() and remote.engine.process.exitcode == 0
+
+
+async def collect(engine, prompt, params, request_id=None):
+    return [out async for out in engine.generate(prompt, params, request_id=request_id)]
+
+
+async def settle(engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.engine.has_unfinished_requests() or engine.num_running or engine.kv_cache_usage:
+        assert time.monotonic() < deadline, "the core did not settle"
+        await asyncio.sleep(0.01)
+
+
+def summary(outputs) -> list:
+    """The last output's samples: (index, text, token ids, finish, stop reason, [{token: logprob}] or None)."""
+    return [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
+             None if c.logprobs is None else [{k: v.logprob for k, v in p.items()} for p in c.logprobs])
+            for c in outputs[-1].outputs]
+
+
+def assert_same_samples(mine, theirs) -> None:
+    """Texts, tokens and stops equal; logprobs equal to float noise (the core runs torch on one thread fewer
+    than an in-process engine here, so its sums run in another order)."""
+    for a, b in zip(summary(mine), summary(theirs), strict=True):
+        assert a[:5] == b[:5]
+        assert (a[5] is None) == (b[5] is None)
+        for x, y in zip(a[5] or [], b[5] or [], strict=True):
+            assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-3 for k in x)
+
+
+WORKLOAD = [
+    ("Hello world", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+    ("The quick brown", SamplingParams(max_tokens=10, temperature=0.9, seed=7, n=2, logprobs=2, ignore_eos=True)),
+    ([5, 6, 7, 8, 9], SamplingParams(max_tokens=16, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY)),
+    ("Once upon a time", SamplingParams(max_tokens=20, temperature=0.7, seed=3, top_k=20, ignore_eos=True)),
+]
+
+
+def test_same_outputs_as_the_in_process_engine(engines):
+    remote, local = engines
+
+    async def run_all(engine):
+        results = await asyncio.gather(*[collect(engine, p, params) for p, params in WORKLOAD])
+        await settle(engine)
+        return results
+
+    got, expected = asyncio.run(run_all(remote)), asyncio.run(run_all(local))
+    for (prompt, _), mine, theirs in zip(WORKLOAD, got, expected):
+        assert_same_samples(mine, theirs)
+        assert mine[-1].finished and mine[-1].prompt_token_ids == theirs[-1].prompt_token_ids
+        assert mine[-1].prompt == theirs[-1].prompt
+    assert remote.prefix_cache_queries > 0 and remote.num_running == 0 and remote.num_waiting == 0
+
+
+def test_delta_outputs_concatenate_to_the_final_text(engines):
+    remote, local = engines
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=["\n\n"],
+                            output_kind=RequestOutputKind.DELTA)
+    deltas = asyncio.run(collect(remote, "Tell me a story", params))
+    final = asyncio.run(collect(local, "Tell me a story", params.clone()))
+    assert "".join(o.outputs[0].text for o in deltas) == "".join(o.outputs[0].text for o in final)
+    assert sum((o.outputs[0].token_ids for o in deltas), []) == sum((o.outputs[0].token_ids for o in final), [])
+    assert deltas[-1].outputs[0].finish_reason == final[-1].outputs[0].finish_reason
+
+
+def test_leaving_a_stream_aborts_the_request_in_the_core(engines):
+    remote, _ = engines
+    seen = []
+
+    async def main():
+        stats = []
+        remote.add_stats_listener(stats.append)
+        params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        async for output in remote.generate("Count with me: one two", params):
+            seen.append(output)
+            if len(seen) == 3:
+                break
+        await settle(remote)
+        remote.engine.stats_listeners.remove(stats.append)
+        return stats
+
+    stats = asyncio.run(main())
+    assert len(seen) == 3 and not seen[-1].finished
+    assert remote.kv_cache_usage == 0 and not remote.engine.has_unfinished_requests()
+    assert sum(s.prompt_tokens for s in stats) > 0 and sum(s.generation_tokens for s in stats) >= 3
+
+
+def test_messages_larger_than_the_pipe_arrive_whole_under_uvloop(engines):
+    """16 requests finishing in the same step with 100 positions of top-5 logprobs each: one message of about a
+    megabyte, which a pipe passes in pieces (uvloop once made a half-read message fail the engine)."""
+    remote, local = engines
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True, logprobs=5,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    prompts = [f"Line {i} of the story" for i in range(16)]
+
+    async def run_all(engine):
+        return await asyncio.gather(*[collect(engine, p, params) for p in prompts])
+
+    got = uvloop.run(run_all(remote))
+    expected = asyncio.run(run_all(local))
+    assert not remote.errored
+    for mine, theirs in zip(got, expected):
+        assert_same_samples(mine, theirs)
+        assert len(mine[-1].outputs[0].logprobs) == 100
+
+
+def test_bad_input_fails_in_the_callers_process(engines):
+    remote, _ = engines
+
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await remote.add_request("x " * 200, SamplingParams(max_tokens=4))
+        with pytest.raises(ValueError, match="token ids"):
+            await remote.add_request([10**9], SamplingParams(max_tokens=4))
+        with pytest.raises(ValueError, match="already in use"):
+            stream = await remote.add_request("Hello", SamplingParams(max_tokens=50, ignore_eos=True), "same")
+            await remote.add_request("Hello", SamplingParams(max_tokens=4), "same")
+        await remote.abort("same")
+        assert (await stream.get()).outputs[0].finish_reason in ("abort", "length")
+        await settle(remote)
+
+    asyncio.run(main())
+
+
+def test_a_core_that_dies_fails_every_stream_and_the_engine(llama_dir):
+    engine = AsyncLLMEngine(EngineConfig(model=str(llama_dir), engine_process=True, **ENGINE_ARGS))
+
+    async def main():
+        params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        streams = [await engine.add_request(f"Prompt {i}", params) for i in range(3)]
+        await streams[0].get()
+        engine.engine.process.kill()
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="exited"):
+                while not (await asyncio.wait_for(stream.get(), 10)).finished:
+                    pass
+        assert engine.errored
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("Hello", params)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_core_that_cannot_start_says_why(llama_dir):
+    config = EngineConfig(model=str(llama_dir), engine_process=True, max_model_len=128, num_kv_blocks=2)
+    with pytest.raises(ValueError, match="could not start.*KV cache"):
+        EngineCoreClient(config)

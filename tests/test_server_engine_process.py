@@ -1,0 +1,94 @@
+"""`asyncengine serve --engine-process` as a subprocess on the default model: streaming through the official openai
+client gives the non-streamed text, /metrics reads the core's counters, SIGTERM stops both processes with status
+0, and a server killed outright takes its engine process with it (no orphan holding the model's memory)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from test_server_cli import CLIServer
+
+PROMPTS = [f"Now is the winter of our discontent, part {i}" for i in range(8)]
+
+
+def engine_process_of(pid: int) -> int:
+    """The pid of the server's engine core: its child started by multiprocessing's spawn (the other child, if
+    any, is multiprocessing's resource tracker)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    cores = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(cores) == 1, children
+    return cores[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent has not collected it yet
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+def test_streams_metrics_and_sigterm_stop_both_processes(tmp_path):
+    server = CLIServer(None, "--engine-process", "--max-model-len", "512", log_dir=tmp_path, num_kv_blocks=256)
+    try:
+        core_pid = engine_process_of(server.proc.pid)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+
+        def streamed(prompt: str) -> str:
+            chunks = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        def whole(prompt: str) -> str:
+            return client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            streamed_texts = list(pool.map(streamed, PROMPTS))
+        assert streamed_texts == [whole(p) for p in PROMPTS]
+        assert all(streamed_texts)
+
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        prompt_tokens = [line for line in metrics.splitlines() if line.startswith("vllm:prompt_tokens_total")]
+        assert prompt_tokens and float(prompt_tokens[0].split()[-1]) > 0, prompt_tokens
+
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(20) == 0, server.logs()
+        assert wait_gone(core_pid, 10), "the engine process outlived the server"
+        assert "the engine is dead" not in server.logs()  # a shutdown is not a death
+    finally:
+        server.kill()
+
+
+def test_a_killed_server_takes_its_engine_process_with_it(tmp_path):
+    server = CLIServer(None, "--engine-process", "--max-model-len", "512", log_dir=tmp_path, num_kv_blocks=256)
+    try:
+        core_pid = engine_process_of(server.proc.pid)
+        server.proc.kill()
+        server.proc.wait(10)
+        assert wait_gone(core_pid, 10), "the engine process outlived its killed server"
+    finally:
+        server.kill()
+
+
+def test_an_engine_process_that_cannot_start_exits_2_with_the_reason():
+    result = subprocess.run([sys.executable, "-m", "asyncengine.api", "serve", "--engine-process", "--port", "0",
+                             "--num-kv-blocks", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "could not start" in result.stderr and "KV cache" in result.stderr
