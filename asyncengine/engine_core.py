@@ -28,10 +28,13 @@ Contracts:
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -113,7 +116,13 @@ def leave_a_core_for_the_event_loop(config) -> None:
 
 
 def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> None:
-    """The child's entry point: load the engine, report ready (or why not), then step until told to stop."""
+    """The child's entry point: load the engine, report ready (or why not), then step until told to stop.
+
+    It ignores SIGINT and SIGTERM: a Ctrl-C in a terminal (or a supervisor signalling the whole process group)
+    reaches it too, and the server, which drains its streams first, tells it when to stop; if the server dies
+    instead, the pipe's end stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     try:
         leave_a_core_for_the_event_loop(config)
@@ -121,6 +130,8 @@ def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> 
         fault_after = fault_after_steps_from_env()
         if fault_after is not None:
             install_fault_hook(engine, fault_after)
+        gc.collect()  # as AsyncLLMEngine does: keep the model's long-lived objects out of the collector's sight
+        gc.freeze()
     except BaseException as exc:  # noqa: BLE001 - the parent must hear why the engine could not start
         outbox_conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(2)
@@ -216,6 +227,14 @@ class EngineCoreClient:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.stats_listeners: list[Callable[[StepStats], None]] = []
+        self._snapshot = Snapshot()
+        self._prompts: dict[str, tuple[Optional[str], list[int]]] = {}  # live requests: their prompts
+        self._loop = None
+        self._receiver: Optional[threading.Thread] = None
+        self._received: list[tuple] = []  # messages read by the receiver thread, not yet handled on the loop
+        self._received_lock = threading.Lock()
+        self._dead: Optional[BaseException] = None
+        self._closing = False
         context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._to_core, core_inbox = context.Pipe(duplex=False)[::-1]
         core_outbox, self._from_core = context.Pipe(duplex=False)[::-1]
@@ -226,15 +245,15 @@ class EngineCoreClient:
         self.process.start()
         core_inbox.close()
         core_outbox.close()
-        self._snapshot = Snapshot()
-        self._prompts: dict[str, tuple[Optional[str], list[int]]] = {}  # live requests: their prompts
-        self._loop = None
-        self._receiver: Optional[threading.Thread] = None
-        self._received: list[tuple] = []  # messages read by the receiver thread, not yet handled on the loop
-        self._received_lock = threading.Lock()
-        self._dead: Optional[BaseException] = None
-        self._closing = False
-        facts = self._wait_until_ready()
+        # The core ignores SIGTERM, so multiprocessing's own exit handler (terminate, then join) would wait for it
+        # forever if the caller exits without shutting down; this handler runs first (atexit is last-in,
+        # first-out) and stops it through the pipe.
+        atexit.register(self.close)
+        try:
+            facts = self._wait_until_ready()
+        except BaseException:
+            self.close()
+            raise
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
         self.num_kv_blocks = facts.num_kv_blocks
@@ -377,8 +396,11 @@ class EngineCoreClient:
         return outputs
 
     def close(self) -> None:
-        """Stop the core (it finishes its step first) and wait for it; kill it if it does not exit."""
+        """Stop the core (it finishes its step first) and wait for it; kill it if it does not exit. Idempotent."""
+        if self._closing:
+            return
         self._closing = True  # the pipe's end is expected now, not a death
+        atexit.unregister(self.close)
         try:
             self._to_core.send(("shutdown",))
         except (OSError, ValueError):  # already gone

@@ -1,10 +1,11 @@
 """`asyncengine serve --engine-process` as a subprocess on the default model: streaming through the official openai
 client gives the non-streamed text, /metrics reads the core's counters, SIGTERM stops both processes with status
-0, and a server killed outright takes its engine process with it (no orphan holding the model's memory)."""
+0 (the engine process ignores signals of its own), and a server killed outright takes its engine process with it (no orphan holding the model's memory)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import subprocess
 import sys
@@ -63,6 +64,12 @@ def test_streams_metrics_and_sigterm_stop_both_processes(tmp_path):
             streamed_texts = list(pool.map(streamed, PROMPTS))
         assert streamed_texts == [whole(p) for p in PROMPTS]
         assert all(streamed_texts)
+
+        # a Ctrl-C or a group-wide SIGTERM reaches the engine process too: it waits for the server's word
+        os.kill(core_pid, signal.SIGINT)
+        os.kill(core_pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert alive(core_pid) and whole(PROMPTS[0]) == streamed_texts[0]
 
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
         prompt_tokens = [line for line in metrics.splitlines() if line.startswith("vllm:prompt_tokens_total")]
