@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> dict:
             for ids in prompts:
                 f.write(json.dumps({"prompt": ids, "max_tokens": args.max_tokens}) + "\n")
         offline = Offline(prompts, args.max_tokens, engine_kwargs)
-        with InProcessServer(engine_kwargs) as server:
+        with InProcessServer({**engine_kwargs, "engine_process": args.engine_process}) as server:
             served_trial(server.url, dataset, max(1, args.num_prompts // 4), args.max_tokens, args.client)  # warm-up
             for trial in range(args.trials):
                 off = offline.trial()
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "bench_cpu_serving",
         "config": {"num_prompts": args.num_prompts, "input_tokens_mean": float(np.mean([len(p) for p in prompts])),
                    "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True, "client": args.client,
-                   "engine": engine_kwargs or "defaults", "seed": args.seed, "trials": args.trials},
+                   "engine": engine_kwargs or "defaults", "engine_process": args.engine_process, "seed": args.seed, "trials": args.trials},
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "platform": platform.platform()},
         "runs": rows,
@@ -209,7 +209,8 @@ def format_table(report: dict) -> str:
         "== asyncengine CPU serving vs offline " + "=" * 42,
         f"{c['num_prompts']} prompts of ~{c['input_tokens_mean']:.0f} tokens, max_tokens {c['max_tokens']} "
         f"(greedy, ignore_eos), default model on CPU ({report['machine']['cpus']} cores, "
-        f"{report['machine']['torch_threads']} torch threads), client {c['client']}",
+        f"{report['machine']['torch_threads']} torch threads), client {c['client']}"
+        + (", server's engine in its own process" if c.get("engine_process") else ""),
         f"{'trial':>5} {'offline tok/s':>14} {'served tok/s':>13} {'ratio':>7} {'served TTFT ms':>15} "
         f"{'served ITL ms':>14}",
     ]
@@ -235,6 +236,8 @@ def main(argv=None) -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: the engine's (1 GiB on CPU)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads for both runs (default: torch's choice, one per core)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="the server's engine in a process of its own (EngineConfig.engine_process)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_cpu_serving.json")
     args = parser.parse_args(argv)

@@ -11,7 +11,7 @@ import pytest
 import uvloop
 
 from asyncengine import EngineConfig, RequestOutputKind, SamplingParams
-from asyncengine.async_engine import AsyncLLMEngine, EngineDeadError
+from asyncengine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from asyncengine.engine_core import EngineCoreClient
 
 ENGINE_ARGS = dict(max_model_len=128, max_num_seqs=16)
@@ -174,3 +174,24 @@ def test_a_core_that_cannot_start_says_why(llama_dir):
     config = EngineConfig(model=str(llama_dir), engine_process=True, max_model_len=128, num_kv_blocks=2)
     with pytest.raises(ValueError, match="could not start.*KV cache"):
         EngineCoreClient(config)
+
+
+def test_a_burst_between_two_steps_still_meets_max_queue_len(llama_dir):
+    """The queue length the client checks counts the requests the core has not read yet, so a burst that arrives
+    between two of the core's steps cannot overrun max_queue_len."""
+    engine = AsyncLLMEngine(EngineConfig(model=str(llama_dir), engine_process=True, max_model_len=64,
+                                         max_num_seqs=1, max_queue_len=2))
+
+    async def main():
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        streams = [await engine.add_request("a", params) for _ in range(2)]  # the queue is now full
+        with pytest.raises(QueueFullError):
+            await engine.add_request("b", params)
+        for stream in streams:
+            outputs = [o async for o in engine.iterate(stream)]
+            assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 30
+        assert engine.num_waiting == 0
+        await engine.add_request("c", params)  # room again
+        await engine.shutdown()
+
+    asyncio.run(main())
