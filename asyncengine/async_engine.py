@@ -151,7 +151,15 @@ class AsyncLLMEngine:
 
     @property
     def errored(self) -> bool:
+        self._notice_a_dead_engine_process()
         return self._dead is not None
+
+    def _notice_a_dead_engine_process(self) -> None:
+        """An engine process that dies while no request runs sends nothing: ask the OS (cheap: waitpid)."""
+        if self._remote and self._dead is None and not self._shutting_down and not self.engine.alive:
+            exc = RuntimeError(f"the engine process exited (status {self.engine.process.exitcode})")
+            logger.error("the engine is dead: %s", exc)
+            self._fail_all(exc)
 
     @property
     def num_running(self) -> int:
@@ -193,7 +201,7 @@ class AsyncLLMEngine:
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the engine can no longer serve."""
-        if self._dead is not None:
+        if self.errored:
             raise EngineDeadError(f"engine is dead: {self._dead!r}") from self._dead
 
     # -- tokenization, off the loop for long inputs -----------------------------------------------------------

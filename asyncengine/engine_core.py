@@ -312,6 +312,10 @@ class EngineCoreClient:
         return bool(self._prompts)
 
     @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    @property
     def num_running(self) -> int:
         return self._snapshot.num_running
 

@@ -5,9 +5,10 @@
 Starts `asyncengine serve` (the default model unless --model) as a subprocess on 127.0.0.1 and an ephemeral
 port, then runs a mixed load at a bounded concurrency until the time is up: completions and chat, streamed and
 not, short and long prompts, greedy and sampled, and clients that leave at random points (right after the
-headers, after a few chunks, or a non-streamed request given up midway). Every second it samples the server
-process's RSS (/proc/PID/statm, read every RSS_READ_INTERVAL within the second: its lowest and highest reading)
-and /metrics (vllm:kv_cache_usage_perc, running, waiting).
+headers, after a few chunks, or a non-streamed request given up midway). Every second it samples the RSS of the
+server and the processes below it, its engine process included (/proc/PID/statm, summed, read every
+RSS_READ_INTERVAL within the second: the lowest and highest reading) and /metrics (vllm:kv_cache_usage_perc,
+running, waiting).
 
 It fails (exit 1) when
   - the least-squares slope of RSS over the samples after the warm-up exceeds --max-slope (MiB/min) by more than
@@ -142,8 +143,8 @@ class ServerProcess:
         return self.proc.pid
 
     def rss_mib(self) -> float:
-        with open(f"/proc/{self.pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE / MiB
+        """RSS of the server and every process below it (its engine process, multiprocessing's tracker)."""
+        return sum(_rss_pages(pid) for pid in _process_tree(self.pid)) * PAGE / MiB
 
     def stop(self, timeout: float = 30.0) -> Optional[int]:
         """SIGTERM, then the exit status (None if it had to be killed)."""
@@ -164,6 +165,28 @@ class ServerProcess:
     def tail(self) -> str:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")[-3000:]
+
+
+def _process_tree(pid: int) -> list[int]:
+    """pid and its descendants (from /proc/PID/task/*/children); processes that exit meanwhile are skipped."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        try:
+            for task in os.listdir(f"/proc/{tree[i]}/task"):
+                with open(f"/proc/{tree[i]}/task/{task}/children") as f:
+                    tree += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            pass
+        i += 1
+    return tree
+
+
+def _rss_pages(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1])
+    except FileNotFoundError:  # exited between the listing and the read
+        return 0
 
 
 # -- load -----------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ NUM_STREAMS = 6
 def FaultyServer(log_dir, fault_after: int, engine_process: bool = False) -> CLIServer:
     """`python -m asyncengine.api serve` (default model) with the fault hook set (in the engine's process with
     --engine-process, which inherits the variable)."""
-    extra = ("--engine-process",) if engine_process else ()
+    extra = ("--engine-process",) if engine_process else ("--no-engine-process",)
     return CLIServer(None, "--max-model-len", "512", *extra, log_dir=log_dir, env={FAULT_ENV: str(fault_after)},
                      num_kv_blocks=256)
 

@@ -1,6 +1,7 @@
-"""`asyncengine serve --engine-process` as a subprocess on the default model: streaming through the official openai
-client gives the non-streamed text, /metrics reads the core's counters, SIGTERM stops both processes with status
-0 (the engine process ignores signals of its own), and a server killed outright takes its engine process with it (no orphan holding the model's memory)."""
+"""`asyncengine serve --engine-process` (the default) as a subprocess on the default model: streaming through the
+official openai client gives the non-streamed text, /metrics reads the core's counters, SIGTERM stops both
+processes with status 0 (the engine process ignores signals sent to it), and a server killed outright takes its
+engine process with it (no orphan holding the model's memory)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,22 @@ def test_a_killed_server_takes_its_engine_process_with_it(tmp_path):
         assert wait_gone(core_pid, 10), "the engine process outlived its killed server"
     finally:
         server.kill()
+
+
+def test_an_engine_process_that_dies_while_idle_turns_503_and_the_server_exits_1(tmp_path):
+    server = CLIServer(None, "--max-model-len", "512", log_dir=tmp_path, num_kv_blocks=256)
+    try:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        os.kill(engine_process_of(server.proc.pid), signal.SIGKILL)
+        time.sleep(0.5)
+        health = httpx.get(server.url + "/health", timeout=10)
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        code = server.proc.wait(15)
+    finally:
+        server.kill()
+    assert health.status_code == 503 and refused.status_code == 503
+    assert code == 1, server.logs()
+    assert "the engine process exited" in server.logs()
 
 
 def test_an_engine_process_that_cannot_start_exits_2_with_the_reason():
