@@ -20,8 +20,9 @@ marked for abort and the step loop frees it before its next step. Errors: if a s
 request receives EngineDeadError, the engine reports itself dead, and new requests fail at once. The engine
 installs no signal handlers.
 
-With config.engine_process the engine runs in a child process instead (engine_core.py: the same step loop there,
-outputs back over a pipe that this loop reads); everything above holds, and the loop's time goes to the readers.
+With config.engine_process the engine runs in a child process instead (engine_core.py: the same step loop there;
+its outputs come back over a pipe, read by a thread and handed to this loop); everything above holds, aborts go
+to the core at once, and the loop's time goes to the readers.
 
 Thread safety: the device thread only reads the scheduled requests of its own step; everything that changes
 engine state runs on the loop, and aborts are applied between steps.
