@@ -32,7 +32,7 @@ if [[ $what == served-modes ]]; then
     | grep -v "rope_parameters\|Loading weights\|Writing model" | tee "$OUT/bench.log" | tail -3
   python3 -m loadtest.bench_served --out "$OUT" --rates 16 inf --prompts-per-rate 200 \
     --serve-args=--engine-process --tag _engine_process 2>&1 | tee "$OUT/served_engine_process.log" | tail -6
-  python3 -m loadtest.bench_served --out "$OUT" --rates inf --tag _in_process 2>&1 \
+  python3 -m loadtest.bench_served --out "$OUT" --rates inf --serve-args=--no-engine-process --tag _in_process 2>&1 \
     | tee "$OUT/served_in_process.log" | tail -5
 fi
 if [[ $what == served-engine-process ]]; then  # the ratio needs a bench_offline.json put in $OUT beforehand
