@@ -102,9 +102,11 @@ async def run_storm(url: str, plan) -> list:
         return await asyncio.wait_for(asyncio.gather(*[one(client, *p) for p in plan]), 120)
 
 
+STORM_ENGINE = dict(max_model_len=1024, num_kv_blocks=1024, max_num_seqs=64, max_num_batched_tokens=256)
+
+
 def test_disconnect_storm_frees_every_request_block_and_byte(prompts):
-    with default_model_server(max_model_len=1024, num_kv_blocks=1024, max_num_seqs=64,
-                              max_num_batched_tokens=256) as srv:
+    with default_model_server(**STORM_ENGINE) as srv:
         probes = [prompts[0], prompts[1], LONG_PROMPT + " 3"]  # the storm shares these prefixes
 
         def greedy(prompt: str) -> str:
@@ -130,3 +132,24 @@ def test_disconnect_storm_frees_every_request_block_and_byte(prompts):
     print(f"disconnect storm: RSS {grown / MiB:+.1f} MiB after the storm")
     assert grown < 64 * MiB, f"RSS grew by {grown / MiB:.1f} MiB over a storm of disconnects"
     assert after == before, "a prompt's greedy text changed after the storm (stale or corrupted KV reused)"
+
+
+def test_disconnect_storm_through_an_engine_process_frees_every_request_and_block(prompts):
+    """The same storm with the engine in its own process (serve's default): every abort crosses the pipe, and
+    the core ends with nothing running or waiting and every block free (its snapshot), the server with no
+    request left, and a probe's greedy text unchanged."""
+    with default_model_server(engine_process=True, **STORM_ENGINE) as srv:
+        probe = {"prompt": prompts[0], "max_tokens": 12, "temperature": 0, "stream": True}
+
+        async def greedy() -> str:
+            async with http_pool(2) as client:
+                result = await stream_sse(client, srv.url + "/v1/completions", probe)
+            assert result.done and not result.errors
+            return result.text
+
+        before = asyncio.run(greedy())
+        modes = asyncio.run(run_storm(srv.url, storm_plan(NUM_CLIENTS, seed=3, prompts=prompts)))
+        assert set(modes) == set(STORM_MODES)
+        wait_until(srv.engine_idle, 15)
+        assert asyncio.run(greedy()) == before
+        assert srv.engine_idle()

@@ -88,10 +88,10 @@ class ServerThread:
     def engine_idle(self) -> bool:
         """No request left anywhere in the engine, and every KV block free."""
         def check():
-            core = self.engine.engine
-            bm = core.block_manager
+            core = self.engine.engine  # an LLMEngine, or the client of an engine process (its last snapshot)
             return (self.engine.num_unfinished_requests == 0 and not core.has_unfinished_requests()
-                    and self.engine.num_running == 0 and bm.num_free_blocks == bm.num_blocks)
+                    and self.engine.num_running == 0 and self.engine.num_waiting == 0
+                    and self.engine.kv_cache_usage == 0)
 
         return self.on_loop(check)
 
