@@ -173,11 +173,11 @@ async def _serve_until_signal(app, engine, sock: socket.socket, args: argparse.N
     try:
         await serve_app(app, sock, stop, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
-        await engine.shutdown()
+        await engine.shutdown()  # handlers still installed: a second Ctrl-C here is not a KeyboardInterrupt
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         logger.info("stopped")
     return EXIT_ENGINE_DEAD if died.is_set() else 0
 

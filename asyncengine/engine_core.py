@@ -141,6 +141,8 @@ def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> 
     threading.Thread(target=_pump_inbox, args=(inbox_conn, inbox), name="asyncengine-core-inbox", daemon=True).start()
     try:
         _step_until_shutdown(engine, inbox, outbox_conn)
+    except BrokenPipeError:  # the server is gone mid-send: nobody is left to report to
+        logger.warning("the server went away; the engine core exits")
     except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
         logger.exception("engine step failed; the engine core exits")
         try:

@@ -116,3 +116,20 @@ def test_an_engine_process_that_cannot_start_exits_2_with_the_reason():
                              "--num-kv-blocks", "2"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "could not start" in result.stderr and "KV cache" in result.stderr
+
+
+def test_two_quick_interrupts_stop_both_processes_with_status_0(tmp_path):
+    """Ctrl-C twice: the second skips the drain, and arriving while the engine process stops it is not a
+    KeyboardInterrupt traceback."""
+    server = CLIServer(None, "--max-model-len", "512", log_dir=tmp_path, num_kv_blocks=256)
+    try:
+        core_pid = engine_process_of(server.proc.pid)
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # serving: the handlers are in
+        server.proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        server.proc.send_signal(signal.SIGINT)
+        code = server.proc.wait(20)
+    finally:
+        server.kill()
+    assert code == 0 and "Traceback" not in server.logs(), server.logs()
+    assert wait_gone(core_pid, 10)
