@@ -16,14 +16,17 @@ fewer, larger chunks instead of slowing the engine down (vLLM splits its API ser
 Contracts:
   - The core owns all scheduling state. The client knows the facts sent once at start-up (`CoreFacts`) and the
     `Snapshot` (queue lengths, KV usage, counters) sent with each step's outputs; `has_unfinished_requests`
-    counts the requests it sent that have not finished yet.
+    counts the requests it sent that have not finished yet, and `num_waiting` adds the ones the core has not
+    read yet (so max_queue_len holds in a burst).
   - Outputs travel as tuples (`_to_wire`), about 10x cheaper to pickle and unpickle than the dataclasses (256
     one-token outputs: 0.2 ms against 2.1 ms here), and without the prompt, which the client fills back in.
   - Validation (prompt length, token ids, sampling parameters against the vocabulary) runs in the client, so a
     bad request fails at `add_request` exactly as with an in-process engine.
   - The core stops on ("shutdown",) or when the pipe closes (its parent died). When a step raises it sends
     ("dead", message) and exits with status 1; when it exits without a word (killed), the client sees the pipe
-    close. Either way the client reports the engine dead and fails every stream (on_dead).
+    close. Either way the client reports the engine dead and fails every stream (on_dead); a core that dies
+    while idle is noticed by AsyncLLMEngine.errored (waitpid). The core ignores SIGINT and SIGTERM: its server
+    decides when it stops.
 """
 
 from __future__ import annotations
