@@ -80,7 +80,8 @@ class EngineConfig:
     min_prefill_batch: Optional[int] = None
     # AsyncLLMEngine only: run the engine (scheduler, model, detokenizer) in a process of its own, so that the
     # caller's event loop (HTTP framing of hundreds of streams) and the engine's steps use two cores, not one.
-    # The process is spawned: a script that asks for it must guard its entry point (if __name__ == "__main__").
+    # The process is spawned: a script that asks for it must guard its entry point (if __name__ == "__main__"),
+    # and model families reach it through plugins' entry points (or the script's top level), not a runtime call.
     engine_process: bool = False
     tensor_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
