@@ -254,7 +254,10 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_ids)
+        try:
+            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_ids)
+        except BrokenPipeError as exc:  # an engine process that exited since check_health()
+            raise EngineDeadError("the engine process has exited") from exc
         stream = RequestStream(request_id, params.output_kind)
         self._streams[request_id] = stream
         self._ensure_step_task()

@@ -310,7 +310,10 @@ class EngineCoreClient:
         """Send the abort; the final outputs come back with the core's next outputs, not from this call."""
         ids = [request_ids] if isinstance(request_ids, str) else [i for i in request_ids if i in self._prompts]
         if ids:
-            self._to_core.send(("abort", ids))
+            try:
+                self._to_core.send(("abort", ids))
+            except BrokenPipeError:  # the core has exited, and its requests with it
+                pass
         return []
 
     def has_unfinished_requests(self) -> bool:

@@ -195,3 +195,18 @@ def test_a_burst_between_two_steps_still_meets_max_queue_len(llama_dir):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_core_gone_between_the_health_check_and_the_send_is_an_engine_dead_error(llama_dir, monkeypatch):
+    engine = AsyncLLMEngine(EngineConfig(model=str(llama_dir), engine_process=True, **ENGINE_ARGS))
+    engine.engine.process.kill()
+    engine.engine.process.join(10)
+    monkeypatch.setattr(engine, "_notice_a_dead_engine_process", lambda: None)  # the health check saw it alive
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="exited"):
+            await engine.add_request("Hello", SamplingParams(max_tokens=4))
+        engine.engine.abort_request("any")  # sent to a core that is gone: nothing to abort, and no error
+
+    asyncio.run(main())
+    asyncio.run(engine.shutdown())
