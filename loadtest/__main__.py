@@ -59,6 +59,8 @@ def _add_load_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--extra-body", type=json.loads, default={}, help="JSON object merged into each request body")
     g.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     g.add_argument("--duration", type=float, default=None, help="stop the whole run after this many seconds")
+    g.add_argument("--workers", type=int, default=1,
+                   help="client processes sharing the requests (for rates one Python process cannot parse)")
 
 
 def _add_output_args(g: argparse._ArgumentGroup) -> None:

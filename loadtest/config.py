@@ -53,6 +53,9 @@ class BenchmarkConfig:
 
     timeout: float = 300.0  # per request, seconds, from send to the last byte
     duration: float | None = None  # cap on the whole run, seconds
+    # Client processes: each sends every workers-th request at its time, with max_concurrency and the pool split
+    # between them, so that one Python process's parsing does not become the latency it measures.
+    workers: int = 1
     goodput: dict[str, float] = field(default_factory=dict)  # metric -> SLO in ms
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     progress: bool = True
@@ -81,6 +84,7 @@ class BenchmarkConfig:
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.timeout < math.inf, f"timeout must be a finite number of seconds > 0, got {self.timeout}")
         _check(self.duration is None or self.duration > 0, f"duration must be > 0, got {self.duration}")
+        _check(1 <= self.workers <= self.num_prompts, f"workers must be in [1, num_prompts], got {self.workers}")
         _check(all(0 <= p <= 100 for p in self.percentiles), f"percentiles must be in [0, 100]: {self.percentiles}")
         for name, slo in self.goodput.items():
             _check(name in SLO_METRICS, f"goodput metric must be one of {SLO_METRICS}, got {name!r}")

@@ -8,12 +8,16 @@ Life of a run:
   4. wait for all of them, or until `duration` seconds have passed: then cancel the rest. Requests that were
      in flight at the cap are recorded as CANCELLED; requests never sent are not recorded;
   5. summarize (metrics). The duration is from the first send to the last completion (or to the cap).
+With `workers` > 1, steps 3 and 4 run in that many client processes, each with every workers-th request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import anyio
@@ -26,6 +30,8 @@ from loadtest.config import BenchmarkConfig
 from loadtest.datasets import SampleRequest, load_requests
 from loadtest.metrics import BenchmarkMetrics, summarize
 from loadtest.records import CANCELLED, RequestRecord
+
+WORKER_START_S = 3.0  # with workers > 1: from now to the shared start, time for the client processes to start
 
 
 @dataclass
@@ -47,7 +53,11 @@ async def run_benchmark(config: BenchmarkConfig) -> BenchmarkResult:
     started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     async with make_http_client(config) as client:
         model = config.model or await fetch_first_model(client, config)
-        records, duration = await _drive(client, config, model, requests, offsets.tolist())
+        if config.workers == 1:
+            records, duration = await _drive(client, config, model, requests, offsets.tolist())
+    if config.workers > 1:  # in a thread: this loop may be serving the target itself (tests)
+        records, duration = await anyio.to_thread.run_sync(
+            _drive_in_workers, config, model, requests, offsets.tolist())
     metrics = summarize(records, max(duration, 1e-9), config.goodput, config.percentiles)
     return BenchmarkResult(config, model, started_at, metrics, records)
 
@@ -87,6 +97,45 @@ async def _drive(
         if record.e2el_s is None:  # still streaming when the cap hit
             record.status, record.error = CANCELLED, f"cancelled: --duration {config.duration:g} s reached"
     return sorted(sent, key=lambda r: r.index), duration
+
+
+def _drive_in_workers(config: BenchmarkConfig, model: str, requests: list[SampleRequest],
+                      offsets: list[float]) -> tuple[list[RequestRecord], float]:
+    """`config.workers` client processes, each sending every workers-th request at its own offset from one
+    shared start (WORKER_START_S from now, time for the processes to start), with its share of the
+    concurrency limit and the pool. Records come back with their global indexes; the run's duration is the
+    longest worker's, all having started together."""
+    n = config.workers
+    share = dataclasses.replace(
+        config, workers=1, progress=False,
+        max_concurrency=None if config.max_concurrency is None else -(-config.max_concurrency // n),
+        max_connections=None if config.max_connections is None else -(-config.max_connections // n))
+    start_at = time.time() + WORKER_START_S
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this process's loop
+    with ProcessPoolExecutor(n, mp_context=context) as pool:
+        futures = [pool.submit(_worker, share, model, requests[i::n], offsets[i::n], list(range(i, len(requests), n)),
+                               start_at) for i in range(n)]
+        results = [f.result() for f in futures]
+    records = sorted((r for worker_records, _ in results for r in worker_records), key=lambda r: r.index)
+    return records, max(duration for _, duration in results)
+
+
+def _worker(config: BenchmarkConfig, model: str, requests: list[SampleRequest], offsets: list[float],
+            indexes: list[int], start_at: float) -> tuple[list[RequestRecord], float]:
+    """One client process: wait for the shared start, drive its requests, renumber their records globally. A
+    worker that started after the shared start (a slow machine) counts its lateness into its times."""
+
+    async def run() -> tuple[list[RequestRecord], float, float]:
+        async with make_http_client(config) as client:
+            await anyio.sleep(max(0.0, start_at - time.time()))
+            late = max(0.0, time.time() - start_at)
+            return *await _drive(client, config, model, requests, offsets), late
+
+    records, duration, late = anyio.run(run)
+    for record in records:
+        record.index = indexes[record.index]
+        record.start_s += late
+    return records, duration + late
 
 
 async def _wait_turn(send_at: float, slots: anyio.Semaphore | None) -> None:

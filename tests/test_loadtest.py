@@ -35,7 +35,7 @@ from loadtest.__main__ import main as cli_main  # noqa: E402
 from loadtest.arrivals import arrival_offsets, poisson_gaps  # noqa: E402
 from loadtest.client import build_payload, chunk_content, sse_data  # noqa: E402
 from loadtest.config import parse_goodput  # noqa: E402
-from loadtest.datasets import WORDS, jsonl_requests, random_requests, sample_lengths  # noqa: E402
+from loadtest.datasets import WORDS, jsonl_requests, load_requests, random_requests, sample_lengths  # noqa: E402
 from loadtest.metrics import latency_stats, meets_slos, rolling_percentile, summarize, tpot_s  # noqa: E402
 from loadtest.records import CANCELLED, FAILED, OK  # noqa: E402
 from loadtest.report import result_to_dict  # noqa: E402
@@ -365,6 +365,24 @@ def test_end_to_end_measures_the_servers_known_delays(tmp_path):
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_table(result)
     assert "TTFT" in table and "8 completed, 0 failed" in table
+
+
+def test_workers_share_the_requests_and_measure_the_same_delays():
+    """Two client processes: every request sent once, records numbered globally, the concurrency limit split
+    between them (never exceeded in all), the same known delays measured as by one process."""
+    fake = FakeOpenAI()
+    result = asyncio.run(run_against(fake, num_prompts=12, input_len=20, output_len=10, max_concurrency=4,
+                                     workers=2, seed=3))
+    m = result.metrics
+    assert (m.completed, m.failed, m.cancelled) == (12, 0, 0)
+    assert [r.index for r in result.records] == list(range(12)) and len(fake.bodies) == 12
+    assert fake.peak_active <= 4
+    assert FIRST_TOKEN_S * 1000 <= m.latency["ttft"].mean < FIRST_TOKEN_S * 1000 + 80
+    assert TOKEN_S * 1000 * 0.9 <= m.latency["tpot"].mean < TOKEN_S * 1000 + 20
+    # three rounds of 4 requests at (FIRST_TOKEN_S + 9 TOKEN_S) each: the run's duration spans them all
+    assert 3 * (FIRST_TOKEN_S + 9 * TOKEN_S) <= m.duration_s < 3 * (FIRST_TOKEN_S + 9 * TOKEN_S) + 1.5
+    single = asyncio.run(run_against(FakeOpenAI(), num_prompts=12, input_len=20, output_len=10, seed=3))
+    assert sorted(b["prompt"] for b in fake.bodies) == sorted(r.prompt for r in load_requests(single.config))
 
 
 def test_chat_endpoint_ignores_role_chunk_and_counts_chunks_without_usage():
