@@ -254,6 +254,8 @@ def test_parse_goodput():
     ({"dataset": "jsonl"}, "dataset_path"),
     ({"prompt_token_ids": True, "endpoint": "/v1/chat/completions"}, "prompt_token_ids"),
     ({"timeout": math.inf}, "timeout"),
+    ({"workers": 0}, "workers"),
+    ({"workers": 5, "num_prompts": 4}, "workers"),
 ])
 def test_config_rejects_inconsistent_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
