@@ -127,7 +127,8 @@ class AsyncLLMEngine:
         gc.freeze()
         self._streams: dict[str, RequestStream] = {}
         self._pending_aborts: set[str] = set()
-        self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-step")
+        # the step loop's device thread (an engine process has its own)
+        self._device_thread = None if self._remote else ThreadPoolExecutor(1, thread_name_prefix="asyncengine-step")
         self._step_task: Optional[asyncio.Task] = None
         self._wakeup: Optional[asyncio.Event] = None
         self._dead: Optional[BaseException] = None
@@ -382,8 +383,9 @@ class AsyncLLMEngine:
                 await self._step_task
             except (asyncio.CancelledError, Exception):
                 pass
-        self._device_thread.shutdown(wait=True)
         if self._remote:
             self.engine.close()
+        else:
+            self._device_thread.shutdown(wait=True)
         if self._dead is None:
             self._dead = EngineDeadError("engine was shut down")
