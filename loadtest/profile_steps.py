@@ -168,11 +168,20 @@ def generate(llm, prompts, outs, temperature=1.0):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
+def print_w3(results: dict) -> None:
+    print(f"\n{results['gpu']}  {results['date']}")
+    g = results["W3_graph"].get("graph", {})
+    print(f"W3 graphs on: wall {results['W3_wall_ms_per_token']:.2f} ms/token; launch() host {g.get('launch_host_ms_mean', 0):.2f} ms, "
+          f"GPU {g.get('gpu_ms_mean', 0):.2f} ms per step")
+    print_kernels("W3 eager decode kernels (per token)", results["W3_eager_kernels"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--checkpoint", default="/tmp/llama3-8b-random")
     parser.add_argument("--w1-requests", type=int, default=300)
+    parser.add_argument("--w3-only", action="store_true", help="only the batch-1 decode (W3) part")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,6 +207,11 @@ def main(argv=None) -> int:
     results["W3_eager_kernels"] = profile_kernels(lambda: generate(llm, *w3_prompt, temperature=0), 64)
     llm.engine.runner.graphs = graphs
 
+    if args.w3_only:
+        (out / "profile_steps.json").write_text(json.dumps(results, indent=2))
+        print_w3(results)
+        return 0
+
     # 2. Host cost of launching each piece of a layer (eager steps pay it 32 times).
     results["launch_us"] = launch_costs(llm.engine.runner)
 
@@ -217,11 +231,7 @@ def main(argv=None) -> int:
     results["W1_all_eager_steps"] = timer.summary()
     (out / "profile_steps.json").write_text(json.dumps(results, indent=2))
 
-    print(f"\n{results['gpu']}  {results['date']}")
-    g = results["W3_graph"].get("graph", {})
-    print(f"W3 graphs on: wall {results['W3_wall_ms_per_token']:.2f} ms/token; launch() host {g.get('launch_host_ms_mean', 0):.2f} ms, "
-          f"GPU {g.get('gpu_ms_mean', 0):.2f} ms per step")
-    print_kernels("W3 eager decode kernels (per token)", results["W3_eager_kernels"])
+    print_w3(results)
     print("\nhost microseconds per call (64 decode sequences, 256 context):")
     for name, us in results["launch_us"].items():
         print(f"  {name:32} {us:8.1f}")
