@@ -126,6 +126,24 @@ def decode_chain_rows() -> list[dict]:
     return rows
 
 
+def linear_weights_in_order(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The 2-D weights that one decode token multiplies by, in forward order (each layer's linears, then lm_head)."""
+    weights = [m.weight for name, m in model.named_modules()
+               if hasattr(m, "weight") and isinstance(m.weight, torch.Tensor) and m.weight.dim() == 2
+               and "embed" not in name]
+    if getattr(model, "lm_head", None) is None:  # tied: logits read the embedding table
+        weights.append(model.embed_tokens.weight)
+    return weights
+
+
+def matmul_floor_ms(model: torch.nn.Module) -> float:
+    """GPU ms of a batch-1 token's matrix products alone, exactly as the model calls them (F.linear on its own
+    weights, in order, one CUDA graph): what W3 would take if every other kernel cost nothing."""
+    weights = linear_weights_in_order(model)
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype) for w in weights}
+    return graph_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
+
+
 def batch_sweep_rows(batches=(1, 8, 64, 256, 2048, 8192)) -> list[dict]:
     """Both weight layouts at M tokens: a layout that helps batch 1 must not cost prefill (M in the thousands)."""
     rows = []

@@ -250,11 +250,59 @@ def batch1_decode_ms(llm, vocab: int, context: int = 1000, new_tokens: int = 200
     return {"ms_per_token": float(np.median(gaps) * 1e3), "graph_replay_gpu_ms": timer.graph_gpu_s / max(len(timer.events), 1) * 1e3}
 
 
+def run_w3(llm, vocab: int) -> dict:
+    """W3, plus its floor under the issue's rule that matrix products stay with cuBLAS: the model's own batch-1
+    matrix products alone, in one graph."""
+    from loadtest.bench_matmul import matmul_floor_ms
+
+    w3 = batch1_decode_ms(llm, vocab)
+    return {"W3_ms_per_token": w3["ms_per_token"], "W3_graph_replay_gpu_ms": w3["graph_replay_gpu_ms"],
+            "W3_cublas_matmul_floor_ms": matmul_floor_ms(llm.engine.runner.model)}
+
+
+def run_selected(llm, only: list[str], n: int, vocab: int, results: dict, save) -> int:
+    """The workloads named in --only, each with the same inputs as in the full run; prints one line each."""
+    if "W1" in only:
+        results["W1"] = run_engine(llm, *sharegpt_like(n, 200, 180, seed=1, vocab=vocab), profile=True)
+        print(f"W1 on {results['gpu']}: {results['W1']['req_per_s']:.1f} req/s")
+    if "W2" in only:
+        results["W2"] = run_engine(llm, *fixed(n, 512, 128, seed=2, vocab=vocab), profile=True)
+        print(f"W2 on {results['gpu']}: {results['W2']['output_tok_per_s']:.0f} output tok/s")
+    if "W3" in only:
+        results.update(run_w3(llm, vocab))
+        print(f"W3 on {results['gpu']}: {results['W3_ms_per_token']:.2f} ms/token, graph replay "
+              f"{results['W3_graph_replay_gpu_ms']:.2f} ms, cuBLAS matmuls alone {results['W3_cublas_matmul_floor_ms']:.2f} ms")
+    if "W4" in only:
+        w4_prompts, w4_outs = fixed(64, 2048, 1, seed=4, vocab=vocab)
+        run_engine(llm, w4_prompts[:8], w4_outs[:8])
+        results["W4"] = run_engine(llm, w4_prompts, w4_outs)
+        print(f"W4 on {results['gpu']}: {64 * 2048 / results['W4']['seconds']:.0f} prefill tok/s")
+    save()
+    return 0
+
+
 def prefill_flops(n_params_linear: float, layers: int, heads: int, head_dim: int, seq: int) -> float:
     """Model FLOPs of a prefill of one sequence: 2 * params per token plus causal attention (QK and PV)."""
     linear = 2 * n_params_linear * seq
     attention = 2 * 2 * layers * heads * head_dim * seq * seq / 2
     return linear + attention
+
+
+def w2_ceiling(mc, n_linear: float, lm_head_params: float, n_req: int, n_in: int, n_out: int,
+               matmul_flops: float, copy_bytes_per_s: float) -> dict:
+    """The fastest W2 could possibly run on this GPU, whatever the engine: its unavoidable model FLOPs at the
+    measured matmul rate plus its unavoidable KV reads (each decode token reads its whole context once) at the
+    measured copy bandwidth. Weight reads, sampling, host work and every inefficiency are left out, so no engine
+    beats it; its ratio to the peer is the best W2 ratio this hardware allows."""
+    body = n_linear - lm_head_params
+    fed = n_in + n_out - 1  # tokens through the layers: the prompt, then every sampled token but the last
+    attn_per_ctx = 2 * 2 * mc.num_layers * mc.num_heads * mc.head_dim  # QK^T + PV FLOPs per (query, key) pair
+    prefill_pairs = n_in * (n_in + 1) / 2
+    decode_ctx = sum(n_in + i for i in range(1, n_out))  # context each decode token attends over
+    flops = n_req * (2 * body * fed + 2 * lm_head_params * n_out + attn_per_ctx * (prefill_pairs + decode_ctx))
+    kv_bytes = n_req * decode_ctx * mc.kv_bytes_per_token(torch.bfloat16)
+    seconds = flops / matmul_flops + kv_bytes / copy_bytes_per_s
+    return {"seconds": seconds, "output_tok_per_s": n_req * n_out / seconds, "flops": flops, "kv_read_bytes": kv_bytes}
 
 
 def run_peers(folder: Path, prompts, n_out: int, batch: int, cb_requests: int) -> dict:
@@ -303,6 +351,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--w1-only", action="store_true", help="stop after W1 (the served benchmark's reference)")
+    parser.add_argument("--only", nargs="+", choices=["W1", "W2", "W3", "W4"], default=None,
+                        help="run just these workloads (no W1 ablations, no table)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = parser.parse_args(argv)
@@ -336,19 +386,18 @@ def main(argv=None) -> int:
     # Warm-up with the timed shapes (Triton compiles per shape family), then the workloads.
     run_engine(llm, *fixed(64, 512, 16, seed=9, vocab=vocab))
     run_engine(llm, *sharegpt_like(64, 200, 32, seed=8, vocab=vocab))
+    if args.w1_only:
+        args.only = ["W1"]
+    if args.only:
+        return run_selected(llm, args.only, n, vocab, results, save)
     w1 = sharegpt_like(n, 200, 180, seed=1, vocab=vocab)
     results["W1"] = run_engine(llm, *w1, profile=True)
     save()
-    if args.w1_only:
-        print(f"W1 on {results['gpu']}: {results['W1']['req_per_s']:.1f} req/s")
-        return 0
     results["W1_ablations"] = w1_ablations(llm, w1)
     save()
     results["W2"] = run_engine(llm, w2_prompts, w2_outs, profile=True)
     save()
-    w3 = batch1_decode_ms(llm, vocab)
-    results["W3_ms_per_token"] = w3["ms_per_token"]
-    results["W3_graph_replay_gpu_ms"] = w3["graph_replay_gpu_ms"]
+    results.update(run_w3(llm, vocab))
     save()
     w4_prompts, w4_outs = fixed(16 if args.quick else 64, 2048, 1, seed=4, vocab=vocab)
     run_engine(llm, w4_prompts[:8], w4_outs[:8])
@@ -364,6 +413,9 @@ def main(argv=None) -> int:
     kv_bytes = 1100 * mc.kv_bytes_per_token(torch.bfloat16)
     results["W3_bytes_per_step"] = weight_bytes + kv_bytes
     results["W3_roofline_ms"] = (weight_bytes + kv_bytes) / (results["copy_bandwidth_GBps"] * 1e9) * 1e3
+    lm_head = llm.engine.runner.model.lm_head
+    results["W2_ceiling"] = w2_ceiling(mc, n_linear, lm_head.weight.numel() if lm_head is not None else 0, len(w2_prompts),
+                                       512, 128, results["matmul_TFLOPs"] * 1e12, results["copy_bandwidth_GBps"] * 1e9)
     save()
     print_table(results)
     return 0
@@ -381,8 +433,13 @@ def print_table(r: dict) -> None:
          f"{w2 / cb:.1f}x" if cb else "-", ""),
         ("W2 output tok/s", f"{w2:.0f}", f"HF generate(64) {static:.0f}" if static else "-",
          f"{w2 / static:.1f}x" if static else "-", ""),
+        ("W2 ceiling at measured rates", f"{r['W2_ceiling']['output_tok_per_s']:.0f}",
+         f"HF generate_batch {cb:.0f}" if cb else "-", f"{r['W2_ceiling']['output_tok_per_s'] / cb:.1f}x" if cb else "-",
+         f"engine at {w2 / r['W2_ceiling']['output_tok_per_s']:.0%}"),
         ("W3 ms/token (bs1, 1k ctx)", f"{r['W3_ms_per_token']:.2f}", f"roofline {r['W3_roofline_ms']:.2f}",
          "-", f"{r['W3_roofline_ms'] / r['W3_ms_per_token']:.0%} of roofline"),
+        ("W3 cuBLAS matmuls alone, ms", f"{r['W3_cublas_matmul_floor_ms']:.2f}", f"roofline {r['W3_roofline_ms']:.2f}",
+         "-", f"{r['W3_roofline_ms'] / r['W3_cublas_matmul_floor_ms']:.0%} of roofline"),
         ("W4 prefill tok/s", f"{r['W4']['prefill_tok_per_s']:.0f}", f"matmul {r['matmul_TFLOPs']:.0f} TFLOP/s", "-",
          f"MFU {r['W4']['mfu_vs_measured_matmul']:.0%}"),
     ]

@@ -1,0 +1,57 @@
+"""The hardware limits the offline benchmark prints next to W2 and W3 (loadtest/bench_offline.py, bench_matmul.py).
+
+The W2 ceiling is checked against a token-by-token recount of the same work; the W3 floor's list of weights
+against the model's own forward pass (every weight it multiplies by, in order, once).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from asyncengine import EngineConfig, LLMEngine, SamplingParams
+from loadtest.bench_matmul import linear_weights_in_order
+from loadtest.bench_offline import w2_ceiling
+
+
+def _recount(mc, body: float, lm_head: float, n_req: int, n_in: int, n_out: int, flop_rate: float, byte_rate: float):
+    """Walk every token of every request: the token fed at index t attends over t + 1 keys; a token fed after
+    the prompt (a decode token) reads those keys' K/V from the cache; each sampled token costs one lm_head row."""
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2  # bf16
+    flops = bytes_read = 0.0
+    for _ in range(n_req):
+        for t in range(n_in + n_out - 1):
+            flops += 2 * body + 4 * mc.num_layers * mc.num_heads * mc.head_dim * (t + 1)
+            if t >= n_in:
+                bytes_read += (t + 1) * kv_per_token
+        flops += n_out * 2 * lm_head
+    return flops / flop_rate + bytes_read / byte_rate
+
+
+def test_w2_ceiling_matches_a_token_by_token_recount():
+    mc = SimpleNamespace(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                         kv_bytes_per_token=lambda dtype: 2 * 3 * 2 * 8 * 2)
+    ceiling = w2_ceiling(mc, n_linear=5e6, lm_head_params=1e6, n_req=7, n_in=13, n_out=5,
+                         matmul_flops=1e12, copy_bytes_per_s=1e9)
+    expected = _recount(mc, 4e6, 1e6, 7, 13, 5, 1e12, 1e9)
+    assert abs(ceiling["seconds"] - expected) / expected < 1e-12
+    assert abs(ceiling["output_tok_per_s"] - 7 * 5 / expected) / (7 * 5 / expected) < 1e-12
+
+
+def test_floor_weights_are_every_matrix_the_forward_pass_multiplies_by(llama_dir, monkeypatch):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), device="cpu", dtype="float32"))
+    seen: list[torch.Tensor] = []
+    original = torch.nn.functional.linear
+
+    def spy(x, weight, bias=None):
+        seen.append(weight)
+        return original(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    engine.add_request("one", [5, 6, 7], SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    expected = linear_weights_in_order(engine.runner.model)
+    assert len(expected) == 4 * engine.model_config.num_layers + 1
+    assert [id(w) for w in seen] == [id(w) for w in expected]
