@@ -26,6 +26,7 @@ from asyncengine.models.loader import load_model
 from asyncengine.outputs import Logprob
 from asyncengine.request import Request
 from asyncengine.sampler import Sampler, SamplerOutput, SamplingBatch, to_device
+from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.model = load_model(model_config, self.device, max_positions=max_model_len)
+        # The graphs' static buffers exist before the KV cache is sized, so the profile counts them.
+        self.graphs: Optional[DecodeGraphs] = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self)
         self.num_blocks = self._choose_num_blocks()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [
@@ -87,11 +92,9 @@ class ModelRunner:
         self._num_prepared = 0
         self._last_launched = -1  # step_index of the last launched step
         self._last_sampled: Optional[torch.Tensor] = None  # [S] its sampled tokens, on the device
-        self.graphs: Optional[DecodeGraphs] = None
         if self.device.type == "cuda":
             self._warm_up_kernels()
-            if not config.enforce_eager:
-                self.graphs = DecodeGraphs(self)
+            if self.graphs is not None:
                 self.graphs.capture()
 
     # -- KV cache sizing --------------------------------------------------------------------------------------
@@ -110,11 +113,14 @@ class ModelRunner:
         return max(1, min(enough, budget // self._bytes_per_block()))
 
     def _profile_free_gpu_memory(self) -> int:
-        """Run the largest step once to learn peak activation memory; return what is left for the KV cache
-        under gpu_memory_utilization."""
+        """Run the largest step once (forward, logits and the costliest sampling for max_num_seqs rows) to learn
+        peak activation memory; return what is left for the KV cache under gpu_memory_utilization. The decode
+        graphs' private pool (one decode forward's intermediates) is not counted: it lives in the headroom."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._dummy_forward(min(self.config.max_num_batched_tokens, self.max_model_len))
+        logits = self._dummy_forward(self.config.max_num_batched_tokens)
+        self._dummy_sampling(logits)
+        del logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
@@ -133,28 +139,48 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def _dummy_forward(self, num_tokens: int) -> None:
-        """One prefill of num_tokens random tokens into a throw-away cache just big enough for it."""
-        mc, dev = self.model_config, self.device
-        num_blocks = -(-num_tokens // self.block_size)
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+    def _dummy_forward(self, num_tokens: int) -> torch.Tensor:
+        """A prefill of num_tokens random tokens, as sequences of at most max_model_len tokens (a step may carry
+        max_num_batched_tokens over many sequences), into a throw-away cache just big enough for it; returns the
+        logits of its last max_num_seqs rows."""
+        mc, dev, bs = self.model_config, self.device, self.block_size
+        lens = [min(self.max_model_len, num_tokens - start) for start in range(0, num_tokens, self.max_model_len)]
+        blocks_per_seq = -(-lens[0] // bs)
+        num_blocks = blocks_per_seq * len(lens)
+        shape = (num_blocks, bs, mc.num_kv_heads, mc.head_dim)
         caches = [(torch.empty(shape, dtype=mc.dtype, device=dev), torch.empty(shape, dtype=mc.dtype, device=dev))
                   for _ in range(mc.num_layers)]
-        qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
-        lens = torch.tensor([num_tokens], dtype=torch.int32)
+        qsl = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        block_tables = torch.arange(num_blocks, dtype=torch.int32).view(len(lens), blocks_per_seq)
+        # slot of token t of sequence i: its own blocks, in order
+        slots = torch.cat([block_tables[i, 0] * bs + torch.arange(n) for i, n in enumerate(lens)])
+        positions = torch.cat([torch.arange(n) for n in lens])
         metadata = AttentionMetadata(
             query_start_loc=qsl.to(dev),
-            seq_lens=lens.to(dev),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev).unsqueeze(0),
-            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=dev),
+            seq_lens=seq_lens.to(dev),
+            block_tables=block_tables.to(dev),
+            slot_mapping=slots.to(dev, torch.int64),
             query_start_loc_cpu=qsl,
-            seq_lens_cpu=lens,
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=lens[0],
+            max_seq_len=lens[0],
         )
         ids = torch.randint(0, mc.vocab_size, (num_tokens,), device=dev)
-        hidden = self.model(ids, torch.arange(num_tokens, device=dev), caches, metadata)
-        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+        hidden = self.model(ids, positions.to(dev), caches, metadata)
+        return self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+
+    @torch.inference_mode()
+    def _dummy_sampling(self, logits: torch.Tensor) -> None:
+        """Sample logits [R, vocab] with every option that costs memory (temperature, top-k/p and min-p filters,
+        20 logprobs), on max_num_seqs rows: a full decode batch samples that many, each needing [vocab]-wide
+        temporaries (sort indices, probabilities, noise), several GB at 1024 rows of a 128k vocabulary."""
+        rows = self.config.max_num_seqs
+        if logits.shape[0] < rows:  # a short profiled step: sampling needs its full row count anyway
+            logits = logits.new_zeros(rows, logits.shape[1]).normal_()
+        params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, logprobs=20)
+        requests = [Request(f"profile-{i}", [0], params, max_tokens=1) for i in range(rows)]
+        self.sampler(logits[:rows], SamplingBatch.build(requests, logits.shape[1], self.device))
 
     # -- one step ---------------------------------------------------------------------------------------------
     def make_generator(self, seed: int) -> torch.Generator:
@@ -313,8 +339,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_g, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_g, max_blocks, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(max_g + 1, dtype=torch.int32, device=dev)
+        # Every graph writes its logits into rows [:G] of this one buffer: a graph's own output tensor would stay
+        # alive with it, and one per captured size adds up to ~17 GB at max_num_seqs=1024 with a 128k vocabulary.
+        self.logits = torch.empty(max_g, runner.model_config.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def _metadata(self, g: int) -> AttentionMetadata:
@@ -332,7 +360,7 @@ class DecodeGraphs:
     def _forward(self, g: int) -> torch.Tensor:
         model = self.runner.model
         hidden = model(self.input_ids[:g], self.positions[:g], self.runner.kv_caches, self._metadata(g))
-        return model.compute_logits(hidden)
+        return model.compute_logits(hidden, out=self.logits[:g])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -341,7 +369,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[g] = self._forward(g)
+                self._forward(g)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[g] = graph
@@ -367,4 +395,4 @@ class DecodeGraphs:
         width = meta.block_tables.shape[1]
         self.block_tables[:b, :width].copy_(meta.block_tables)
         self.graphs[g].replay()
-        return self.logits[g][:b]
+        return self.logits[:b]

@@ -151,3 +151,32 @@ def test_lookahead_on_gpu_gives_the_plain_pipelines_tokens(tmp_path):
     assert any(f and g is not None for f, g in ahead_fed), "no graph step took in-flight tokens"
     assert ahead_out == plain_out
     assert all(reason == "stop" and len(tokens) == 6 for tokens, reason in ahead_out[-2:])
+
+
+def test_peak_memory_stays_within_gpu_memory_utilization(tmp_path):
+    """The KV cache is sized so that nothing a step does later goes past gpu_memory_utilization: a full decode
+    batch of max_num_seqs rows over a 128k vocabulary, sampled with every option that needs [rows, vocab]
+    temporaries (top-k/p, min-p, 20 logprobs), replayed from a CUDA graph, and an eager mixed step too."""
+    from checkpoints import build_checkpoint
+
+    from asyncengine import SamplingParams
+
+    folder = build_checkpoint(tmp_path / "wide", "LlamaForCausalLM", dtype=torch.bfloat16, vocab_size=128256,
+                              hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2)
+    utilization, rows = 0.25, 512
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="bfloat16", max_model_len=256, max_num_seqs=rows,
+                                    max_num_batched_tokens=2048, gpu_memory_utilization=utilization))
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.reset_peak_memory_stats()
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, logprobs=20, max_tokens=4,
+                            ignore_eos=True)
+    for i in range(rows):
+        engine.add_request(str(i), [3 + i % 300, 5, 7], params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    peak = torch.cuda.max_memory_allocated()
+    assert peak <= utilization * total, f"peak {peak / 2**30:.2f} GiB over the {utilization * total / 2**30:.2f} GiB budget"
+    assert engine.runner.graphs.logits.shape == (rows, 128256)  # one logits buffer shared by every graph

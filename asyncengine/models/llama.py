@@ -124,10 +124,13 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, hidden] -> logits [S, vocab] in float32."""
+    def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden: [S, hidden] -> logits [S, vocab] in float32, written into `out` ([S, vocab] float32) if given."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     # -- weight loading -------------------------------------------------------------------------------------
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
