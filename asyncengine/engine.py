@@ -409,6 +409,11 @@ class LLMEngine:
         """Prompt tokens found in the prefix cache since start."""
         return self.block_manager.prefix_hits
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block that no unfinished request holds, so the next prompts are computed
+        in full (a benchmark repeating the same prompts measures cold runs this way)."""
+        self.block_manager.reset_prefix_cache()
+
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size

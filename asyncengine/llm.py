@@ -25,6 +25,10 @@ class LLM:
         # Device work runs here so that detokenizing one step overlaps the next step on the GPU.
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-llm")
 
+    def reset_prefix_cache(self) -> None:
+        """See `LLMEngine.reset_prefix_cache`."""
+        self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -75,6 +75,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.model = load_model(model_config, self.device, max_positions=max_model_len)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(generator)
         # The graphs' static buffers exist before the KV cache is sized, so the profile counts them.
         self.graphs: Optional[DecodeGraphs] = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -86,9 +89,6 @@ class ModelRunner:
              torch.zeros(shape, dtype=model_config.dtype, device=self.device))
             for _ in range(model_config.num_layers)
         ]
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(config.seed)
-        self.sampler = Sampler(generator)
         self._num_prepared = 0
         self._last_launched = -1  # step_index of the last launched step
         self._last_sampled: Optional[torch.Tensor] = None  # [S] its sampled tokens, on the device
@@ -180,7 +180,8 @@ class ModelRunner:
             logits = logits.new_zeros(rows, logits.shape[1]).normal_()
         params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, logprobs=20)
         requests = [Request(f"profile-{i}", [0], params, max_tokens=1) for i in range(rows)]
-        self.sampler(logits[:rows], SamplingBatch.build(requests, logits.shape[1], self.device))
+        throwaway = Sampler(torch.Generator(device=self.device))  # leaves the engine's seeded stream untouched
+        throwaway(logits[:rows], SamplingBatch.build(requests, logits.shape[1], self.device))
 
     # -- one step ---------------------------------------------------------------------------------------------
     def make_generator(self, seed: int) -> torch.Generator:

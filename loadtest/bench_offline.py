@@ -198,6 +198,10 @@ def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False) -> di
         return original_prepare()
 
     llm.engine.prepare_step = counting_prepare
+    # Every timed run starts cold: W1's ablations repeat W1's prompts and W4 its warm-up's, which the prefix
+    # cache would otherwise serve (before session 4 it did, flattering those rows).
+    llm.reset_prefix_cache()
+    hits_before = llm.engine.prefix_cache_hits
     timer = PhaseTimer(llm) if profile else None
     start = time.perf_counter()
     if timer is not None:
@@ -212,7 +216,8 @@ def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False) -> di
     assert out_tokens == sum(outs), "every request must produce exactly max_tokens (ignore_eos)"
     res = dict(seconds=elapsed, requests=len(prompts), req_per_s=len(prompts) / elapsed,
                output_tok_per_s=out_tokens / elapsed, total_tok_per_s=(in_tokens + out_tokens) / elapsed,
-               preemptions=llm.engine.scheduler.num_preemptions, steps=counter["steps"])
+               preemptions=llm.engine.scheduler.num_preemptions, steps=counter["steps"],
+               prefix_cache_hit_tokens=llm.engine.prefix_cache_hits - hits_before)
     if timer is not None:
         res["profile"] = timer.summary(counter["steps"])
     return res
@@ -353,7 +358,8 @@ def main(argv=None) -> int:
     parser.add_argument("--w1-only", action="store_true", help="stop after W1 (the served benchmark's reference)")
     parser.add_argument("--only", nargs="+", choices=["W1", "W2", "W3", "W4"], default=None,
                         help="run just these workloads (no W1 ablations, no table)")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=1024,
+                        help="1024 since run 23; 256 before (run 22, H200: W1 1.10x, W2 1.03x at 1024)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = parser.parse_args(argv)
     out_dir = Path(args.out)

@@ -165,6 +165,7 @@ def generate(llm, prompts, outs, temperature=1.0):
     from asyncengine import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for o in outs]
+    llm.reset_prefix_cache()  # repeated prompts are profiled cold
     return llm.generate(prompts, params, use_tqdm=False)
 
 

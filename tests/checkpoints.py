@@ -96,7 +96,7 @@ def build_checkpoint(
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder)
-    config = _config(arch, len(tokenizer), **overrides)
+    config = _config(arch, overrides.pop("vocab_size", len(tokenizer)), **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # larger weights than the default init: peaked logits, so greedy ties are unlikely

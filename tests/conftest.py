@@ -12,6 +12,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without CUDA, Triton kernels run in its interpreter, which must be chosen before any module defines a kernel:
+# set here, first, not in the kernel tests, so collection order (another module importing Triton) cannot matter.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from checkpoints import ARCHITECTURES, build_checkpoint  # noqa: E402
 

@@ -55,3 +55,23 @@ def test_floor_weights_are_every_matrix_the_forward_pass_multiplies_by(llama_dir
     expected = linear_weights_in_order(engine.runner.model)
     assert len(expected) == 4 * engine.model_config.num_layers + 1
     assert [id(w) for w in seen] == [id(w) for w in expected]
+
+
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_in_full(llama_dir):
+    """The benchmark repeats prompts (W1's ablations, W4's warm-up) and resets the cache before each timed run;
+    without the reset the repeat would be served from the cache."""
+    from asyncengine import LLM
+
+    llm = LLM(str(llama_dir), device="cpu", dtype="float32")
+    prompt = list(range(3, 3 + 40))  # 2 full blocks of 16 and a tail
+    params = SamplingParams(max_tokens=2, temperature=0)
+
+    def hits_of_one_run() -> int:
+        before = llm.engine.prefix_cache_hits
+        llm.generate([prompt], params, use_tqdm=False)
+        return llm.engine.prefix_cache_hits - before
+
+    assert hits_of_one_run() == 0
+    assert hits_of_one_run() == 32  # the repeat finds both full blocks
+    llm.reset_prefix_cache()
+    assert hits_of_one_run() == 0
