@@ -62,8 +62,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill splits longer prompts)
+    # None: by device, like the benchmarks: 256 sequences and 8192 tokens per step on CUDA, 64 and 2048 on CPU
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None  # per-step token budget (chunked prefill splits longer prompts)
     max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -93,6 +94,11 @@ class EngineConfig:
         self.model = str(self.model)
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        on_gpu = self.torch_device().type == "cuda"
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 256 if on_gpu else 64
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if on_gpu else 2048
         self._check_positive("block_size", "max_num_seqs", "max_num_batched_tokens")
         if self.block_size & (self.block_size - 1) or not 1 <= self.block_size <= 256:
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from loadtest.bench_kernels import graph_ms
 from loadtest.bench_offline import measure_copy_bandwidth
 
 DTYPE = torch.bfloat16
@@ -52,27 +53,6 @@ def triton_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 8, block_k: int
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](w, x, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
-
-
-def graph_ms(fn, replays: int = 30) -> float:
-    """Median GPU time of one replay of fn captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays + 5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(torch.tensor(times[5:]).median())
 
 
 def variants() -> dict:

@@ -5,6 +5,7 @@
 On the Llama-3-8B-shape random checkpoint of bench_offline:
   1. W3 decode eagerly under torch.profiler: GPU time per kernel family per decoded token, and the sum, against
      the graph replay's time (CUDA events) and the host's wall time per token;
+  1b. one W4-like prefill step (4 x 2,048 tokens): its wall time and kernel table;
   2. a W1 subset with CUDA graphs on: for graph steps and eager (mixed) steps separately, the count, the mean host
      time of `run`, the mean GPU time (CUDA events) and the mean tokens per step; then the kernel table of the
      eager steps under torch.profiler.
@@ -169,12 +170,24 @@ def generate(llm, prompts, outs, temperature=1.0):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
+def prefill_step_profile(llm, prompts_and_outs) -> tuple[float, dict]:
+    """(wall ms of one generate over these prompts, timed cold, then its kernel table, profiled cold too)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    generate(llm, *prompts_and_outs)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    return wall_ms, profile_kernels(lambda: generate(llm, *prompts_and_outs), 1)
+
+
 def print_w3(results: dict) -> None:
     print(f"\n{results['gpu']}  {results['date']}")
     g = results["W3_graph"].get("graph", {})
     print(f"W3 graphs on: wall {results['W3_wall_ms_per_token']:.2f} ms/token; launch() host {g.get('launch_host_ms_mean', 0):.2f} ms, "
           f"GPU {g.get('gpu_ms_mean', 0):.2f} ms per step")
     print_kernels("W3 eager decode kernels (per token)", results["W3_eager_kernels"])
+    print(f"\nW4 step (4 x 2048 tokens) wall {results['W4_step_wall_ms']:.1f} ms")
+    print_kernels("W4 prefill step kernels", results["W4_step_kernels"])
 
 
 def main(argv=None) -> int:
@@ -208,6 +221,11 @@ def main(argv=None) -> int:
     results["W3_eager_kernels"] = profile_kernels(lambda: generate(llm, *w3_prompt, temperature=0), 64)
     llm.engine.runner.graphs = graphs
 
+    # 1b. A W4 step: 4 prompts of 2,048 tokens in one 8,192-token prefill (what W2's and W4's time is made of).
+    w4 = fixed(4, 2048, 1, seed=4, vocab=vocab)
+    generate(llm, *w4)
+    w4_ms, w4_table = prefill_step_profile(llm, w4)
+    results["W4_step_wall_ms"], results["W4_step_kernels"] = w4_ms, w4_table
     if args.w3_only:
         (out / "profile_steps.json").write_text(json.dumps(results, indent=2))
         print_w3(results)

@@ -114,6 +114,14 @@ def test_engine_config_rejects_bad_values_naming_the_field(kwargs, field):
         EngineConfig(**kwargs)
 
 
+@pytest.mark.parametrize("device, seqs, tokens", [("cpu", 64, 2048), ("cuda", 256, 8192), ("cuda:0", 256, 8192)])
+def test_batch_limits_default_by_device_and_stay_when_given(device, seqs, tokens):
+    config = EngineConfig(device=device)  # no GPU needed: only the device's type is read here
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.min_prefill_batch) == (seqs, tokens, seqs // 16)
+    given = EngineConfig(device=device, max_num_seqs=8, max_num_batched_tokens=512)
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (8, 512)
+
+
 def test_max_model_len_beyond_the_model_is_rejected(llama_dir):
     with pytest.raises(ValueError, match=r"max_model_len \(1024\).*max_position_embeddings \(512\)"):
         LLMEngine(EngineConfig(model=str(llama_dir), max_model_len=1024))
