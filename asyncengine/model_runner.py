@@ -384,7 +384,8 @@ class DecodeGraphs:
         return next(g for g in self.sizes if g >= b)
 
     def run(self, g: int, inputs: StepInputs) -> torch.Tensor:
-        """Copy the step's inputs into the static buffers, replay graph g, return logits of the real rows."""
+        """Copy the step's inputs into the static buffers, replay graph g, return logits of the real rows: a view
+        of the buffer every graph shares, valid until the next replay (the sampler reads it first, in stream order)."""
         b = inputs.input_ids.shape[0]
         meta = inputs.metadata
         self.input_ids[:b].copy_(inputs.input_ids)
