@@ -14,6 +14,7 @@ Order of operations (as in vLLM):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -93,23 +94,41 @@ class SamplerOutput:
     ranks: Optional[torch.Tensor] = None  # [S] rank of the sampled token (1 = most likely)
 
 
+def _flat_ids(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row index of each id, the ids) of several lists, concatenated: int64 arrays of the total length."""
+    lengths = [len(ids) for ids in lists]
+    ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(lengths))
+    return np.repeat(np.arange(len(lists), dtype=np.int64), lengths), ids
+
+
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """In place on logits [S, V] for the rows whose requests ask for penalties."""
-    vocab = logits.shape[1]
-    for row, request in enumerate(requests):
-        p = request.params
-        if not p.needs_penalties:
-            continue
-        out_ids = torch.tensor(request.output_token_ids, dtype=torch.int64, device=logits.device)
-        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            prompt_ids = torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=logits.device)
-            seen[prompt_ids[prompt_ids < vocab]] = True
-            row_logits = logits[row]
-            penalised = torch.where(row_logits > 0, row_logits / p.repetition_penalty, row_logits * p.repetition_penalty)
-            logits[row] = torch.where(seen, penalised, row_logits)
-        logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    """In place on logits [S, V] for the P rows whose requests ask for penalties, all rows at once: their output
+    tokens (and, for repetition, prompt tokens) go to the device in one flat copy each, without a sync, and
+    become counts [P, V] by scatter-add."""
+    rows = [i for i, r in enumerate(requests) if r.params.needs_penalties]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    pen = [requests[i] for i in rows]
+    out_rows, out_ids = _flat_ids([r.output_token_ids for r in pen])
+    counts = torch.zeros(len(pen), vocab, dtype=logits.dtype, device=device)
+    if len(out_ids):
+        counts.index_put_((to_device(out_rows, device), to_device(out_ids, device)),
+                          torch.ones((), dtype=logits.dtype, device=device), accumulate=True)
+    row_index = to_device(rows, device, torch.int64)
+    sub = logits.index_select(0, row_index)  # [P, V]
+    rep_rows = [k for k, r in enumerate(pen) if r.params.repetition_penalty != 1.0]
+    if rep_rows:
+        seen = counts > 0
+        prompt_rows, prompt_ids = _flat_ids([[t for t in pen[k].prompt_token_ids if t < vocab] for k in rep_rows])
+        if len(prompt_ids):
+            seen[to_device(np.asarray(rep_rows, dtype=np.int64)[prompt_rows], device), to_device(prompt_ids, device)] = True
+        rep = to_device([r.params.repetition_penalty for r in pen], device, logits.dtype).unsqueeze(1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)  # rep 1 rows: unchanged
+    freq = to_device([r.params.frequency_penalty for r in pen], device, logits.dtype).unsqueeze(1)
+    pres = to_device([r.params.presence_penalty for r in pen], device, logits.dtype).unsqueeze(1)
+    sub = sub - freq * counts - pres * (counts > 0).to(logits.dtype)
+    logits.index_copy_(0, row_index, sub)
     return logits
 
 

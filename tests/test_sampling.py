@@ -161,6 +161,40 @@ def test_penalties_follow_their_formulas(rep, freq, pres):
     assert torch.allclose(got, expected_penalised(rep, freq, pres), atol=1e-6), got
 
 
+def penalised_row_by_row(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The formulas one row at a time, in Python: the batched implementation must agree on every row."""
+    out = logits.clone()
+    for row, request in enumerate(requests):
+        p, vocab = request.params, logits.shape[1]
+        counts = torch.zeros(vocab)
+        for token in request.output_token_ids:
+            counts[token] += 1
+        seen = (counts > 0) | torch.isin(torch.arange(vocab), torch.tensor(request.prompt_token_ids))
+        x = out[row]
+        if p.repetition_penalty != 1.0:
+            x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+        out[row] = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    return out
+
+
+def test_penalties_of_a_mixed_batch_match_the_row_by_row_formulas():
+    """Rows with every combination of penalties (and none), prompts reaching past the vocabulary (ignored),
+    outputs with repeats and empty ones, in one batch."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, requests = 50, []
+    for i in range(40):
+        rep, freq, pres = [(1.0, 0.0, 0.0), (1.4, 0.0, 0.0), (0.7, 0.3, 0.0), (1.0, -0.5, 0.2), (1.2, 0.1, 0.4)][i % 5]
+        prompt = torch.randint(0, vocab + 5, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen)
+        outputs = torch.randint(0, vocab, (int(torch.randint(0, 20, (1,), generator=gen)),), generator=gen)
+        params = SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+        requests.append(make_request(params, prompt=prompt.tolist(), outputs=outputs.tolist(), request_id=str(i)))
+    logits = torch.randn(40, vocab, generator=gen) * 3
+    expected = penalised_row_by_row(logits, requests)
+    got = apply_penalties(logits.clone(), requests)
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    assert torch.equal(got[0::5], logits[0::5])  # rows without penalties are untouched
+
+
 def test_penalties_touch_only_rows_that_ask_and_steer_greedy_choice():
     plain = make_request(SamplingParams(temperature=0), prompt=[0], request_id="plain")
     penalised = make_request(SamplingParams(temperature=0, repetition_penalty=1.5), prompt=[0], request_id="pen")
