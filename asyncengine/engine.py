@@ -14,8 +14,7 @@ them with the device work in a worker thread, for `run_pipelined` and the async 
   - lookahead (default on CUDA): step N+1 is prepared and launched before N's tokens are read back, its decode
     inputs taken from N's sampled tokens on the device, so the host's work (book, emit, prepare) overlaps the
     GPU's and the GPU does not wait for it. A request that an EOS or a stop string ends runs one step too many;
-    that token is discarded. Requests with penalties need their tokens on the host, so while one is live the
-    pipeline does not look ahead.
+    that token is discarded. Penalties count a token still in flight on the device (sampler.PenaltyBatch).
 """
 
 from __future__ import annotations
@@ -132,7 +131,6 @@ class LLMEngine:
         self.stats_listeners: list[Callable[[StepStats], None]] = []
         self._stats = StepStats()  # observations since the last emit()
         self._ids = itertools.count()
-        self._num_penalized = 0  # live requests with penalties (they need their tokens on the host each step)
         logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
 
     @classmethod
@@ -181,7 +179,6 @@ class LLMEngine:
         children = [self._make_child(request_id, i, params, prompt_token_ids, max_tokens, text, arrival)
                     for i in range(params.n)]
         self.user_requests[request_id] = _UserRequest(request_id, text, prompt_token_ids, params.output_kind, children)
-        self._num_penalized += len(children) * params.needs_penalties
         for child in children:
             self.children[child.request_id] = child
             self.scheduler.add(child)
@@ -217,7 +214,6 @@ class LLMEngine:
 
     def _forget(self, user: _UserRequest) -> None:
         del self.user_requests[user.request_id]
-        self._num_penalized -= sum(c.params.needs_penalties for c in user.children)
         for child in user.children:
             self.children.pop(child.request_id, None)
 
@@ -252,11 +248,6 @@ class LLMEngine:
     def collect(self, step: PreparedStep) -> StepResult:
         """Wait for a launched step and read its tokens (thread-safe like run())."""
         return self.runner.collect(step.launched)
-
-    def can_prepare_ahead(self) -> bool:
-        """True when the next step may be prepared while one is still in flight (no live request needs its
-        tokens on the host before it samples again: penalties do)."""
-        return self._num_penalized == 0
 
     def book(self, step: PreparedStep, result: StepResult) -> list[Request]:
         """Account for a finished step: computed tokens, sampled tokens, token-decided stops (which free blocks).
@@ -451,7 +442,7 @@ class StepPipeline:
     def next_call(self) -> Optional[DeviceCall]:
         engine = self.engine
         step = None
-        if engine.has_unfinished_requests() and (self.in_flight is None or engine.can_prepare_ahead()):
+        if engine.has_unfinished_requests():
             step = engine.prepare_step()
         if not self.lookahead:
             return (lambda: (step, engine.run(step))) if step is not None else None

@@ -212,6 +212,7 @@ class ModelRunner:
         for row, request in enumerate(sampling):  # after _input_ids, which reads the previous step's rows
             request.inflight_row = row
         logits_idx = np.array([qsl[i + 1] - 1 for i, s in enumerate(items) if s.samples], dtype=np.int64)
+        inflight = np.isin(logits_idx, feedback[0]).tolist()  # a sampling row whose last input is in flight
         qsl_cpu, lens_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_lens)
         metadata = AttentionMetadata(
             query_start_loc=to_device(qsl, self.device),
@@ -231,7 +232,7 @@ class ModelRunner:
             logits_indices=to_device(logits_idx, self.device),
             sampling_requests=sampling,
             # Built before the forward is launched: its small host-to-device copies never wait on the GPU.
-            sampling=SamplingBatch.build(sampling, self.model_config.vocab_size, self.device),
+            sampling=SamplingBatch.build(sampling, self.model_config.vocab_size, self.device, inflight),
             graph_size=self.graphs.batch_size_for(sched) if self.graphs is not None else None,
             logprobs_asked={r.request_id: r.params.logprobs for r in sampling if r.params.logprobs is not None},
             feedback=tuple(to_device(a, self.device, torch.int64) for a in feedback) if feedback[0] else None,
@@ -268,6 +269,9 @@ class ModelRunner:
             rows, sources = inputs.feedback
             inputs.input_ids[rows] = self._last_sampled[sources]
         self._last_launched, self._last_sampled = inputs.step_index, None
+        penalties = inputs.sampling.penalties if inputs.sampling is not None else None
+        if penalties is not None and penalties.inflight_rows is not None:  # their in-flight tokens, now known
+            inputs.sampling.last_input_ids = inputs.input_ids.index_select(0, inputs.logits_indices)
         if inputs.graph_size is not None:
             logits = self.graphs.run(inputs.graph_size, inputs)
         else:

@@ -49,9 +49,14 @@ class SamplingBatch:
     wants_logprobs: bool
     biases: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (row, ids, values)
     banned: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, ids) set to -inf
+    penalties: Optional["PenaltyBatch"] = None
+    # [S] each row's last input token on the device, set by the runner at launch when penalties need it
+    last_input_ids: Optional[torch.Tensor] = None
 
     @classmethod
-    def build(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
+    def build(cls, requests: list[Request], vocab_size: int, device: torch.device,
+              inflight: Optional[list[bool]] = None) -> "SamplingBatch":
+        """inflight[row]: the row's last input token is in flight (lookahead), not yet among its tokens."""
         params = [r.params for r in requests]
         temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
         greedy = [p.temperature == 0 for p in params]
@@ -83,6 +88,7 @@ class SamplingBatch:
                 stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
                 if stop_ids:
                     batch.banned.append((row, to_device(sorted(stop_ids), device, torch.int64)))
+        batch.penalties = PenaltyBatch.build(requests, inflight, vocab_size, device)
         return batch
 
 
@@ -101,35 +107,78 @@ def _flat_ids(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(np.arange(len(lists), dtype=np.int64), lengths), ids
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """In place on logits [S, V] for the P rows whose requests ask for penalties, all rows at once: their output
-    tokens (and, for repetition, prompt tokens) go to the device in one flat copy each, without a sync, and
-    become counts [P, V] by scatter-add."""
-    rows = [i for i, r in enumerate(requests) if r.params.needs_penalties]
-    if not rows:
+@dataclass
+class PenaltyBatch:
+    """The P penalised rows of a step, sent to the device when the step is prepared; `apply` then needs no host
+    data and no sync. A row whose last input token is still in flight (lookahead: sampled by the previous step,
+    not yet booked) has it counted on the device, from the step's input ids, so penalties see every output token
+    in plain and lookahead mode alike."""
+
+    rows: torch.Tensor  # [P] int64, sampling rows
+    output_rows: torch.Tensor  # [N] int64 in [0, P): the penalised row of each booked output token
+    output_ids: torch.Tensor  # [N] int64
+    inflight_rows: Optional[torch.Tensor]  # [F] int64 in [0, P): rows with an output token in flight
+    inflight_sampling_rows: Optional[torch.Tensor]  # [F] int64: the same rows' index among the sampling rows
+    seen_rows: Optional[torch.Tensor]  # [M] int64 in [0, P): prompt tokens of the repetition-penalised rows
+    seen_ids: Optional[torch.Tensor]  # [M] int64
+    repetition: Optional[torch.Tensor]  # [P, 1]; None when no row has a repetition penalty
+    frequency: torch.Tensor  # [P, 1]
+    presence: torch.Tensor  # [P, 1]
+
+    @classmethod
+    def build(cls, requests: list[Request], inflight: Optional[list[bool]], vocab_size: int,
+              device: torch.device) -> Optional["PenaltyBatch"]:
+        """None when no row asks for penalties. inflight[row]: the row's last input token is in flight."""
+        rows = [i for i, r in enumerate(requests) if r.params.needs_penalties]
+        if not rows:
+            return None
+        pen = [requests[i] for i in rows]
+        out_rows, out_ids = _flat_ids([r.output_token_ids for r in pen])  # the booked ones
+        flying = [k for k, row in enumerate(rows) if inflight is not None and inflight[row]]
+        rep_rows = [k for k, r in enumerate(pen) if r.params.repetition_penalty != 1.0]
+        seen_rows, seen_ids = _flat_ids([[t for t in pen[k].prompt_token_ids if t < vocab_size] for k in rep_rows])
+        params = [r.params for r in pen]
+        column = lambda values: to_device(values, device, torch.float32).unsqueeze(1)  # noqa: E731
+        return cls(
+            rows=to_device(rows, device, torch.int64),
+            output_rows=to_device(out_rows, device),
+            output_ids=to_device(out_ids, device),
+            inflight_rows=to_device(flying, device, torch.int64) if flying else None,
+            inflight_sampling_rows=to_device([rows[k] for k in flying], device, torch.int64) if flying else None,
+            seen_rows=to_device(np.asarray(rep_rows, dtype=np.int64)[seen_rows], device) if len(seen_ids) else None,
+            seen_ids=to_device(seen_ids, device) if len(seen_ids) else None,
+            repetition=column([p.repetition_penalty for p in params]) if rep_rows else None,
+            frequency=column([p.frequency_penalty for p in params]),
+            presence=column([p.presence_penalty for p in params]),
+        )
+
+    def apply(self, logits: torch.Tensor, last_input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """In place on logits [S, V]. last_input_ids: [S] each sampling row's last input token (on the device),
+        needed when a row has a token in flight."""
+        num_rows, vocab = self.rows.shape[0], logits.shape[1]
+        one = torch.ones((), dtype=logits.dtype, device=logits.device)
+        counts = torch.zeros(num_rows, vocab, dtype=logits.dtype, device=logits.device)  # [P, V]
+        counts.index_put_((self.output_rows, self.output_ids), one, accumulate=True)
+        if self.inflight_rows is not None:
+            if last_input_ids is None:
+                raise ValueError("rows with a token in flight need the step's last input ids")
+            counts.index_put_((self.inflight_rows, last_input_ids[self.inflight_sampling_rows]), one, accumulate=True)
+        sub = logits.index_select(0, self.rows)  # [P, V]
+        if self.repetition is not None:
+            seen = counts > 0
+            if self.seen_ids is not None:
+                seen[self.seen_rows, self.seen_ids] = True
+            rep = self.repetition.to(logits.dtype)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)  # rep 1 rows: unchanged
+        sub = sub - self.frequency.to(logits.dtype) * counts - self.presence.to(logits.dtype) * (counts > 0).to(logits.dtype)
+        logits.index_copy_(0, self.rows, sub)
         return logits
-    device, vocab = logits.device, logits.shape[1]
-    pen = [requests[i] for i in rows]
-    out_rows, out_ids = _flat_ids([r.output_token_ids for r in pen])
-    counts = torch.zeros(len(pen), vocab, dtype=logits.dtype, device=device)
-    if len(out_ids):
-        counts.index_put_((to_device(out_rows, device), to_device(out_ids, device)),
-                          torch.ones((), dtype=logits.dtype, device=device), accumulate=True)
-    row_index = to_device(rows, device, torch.int64)
-    sub = logits.index_select(0, row_index)  # [P, V]
-    rep_rows = [k for k, r in enumerate(pen) if r.params.repetition_penalty != 1.0]
-    if rep_rows:
-        seen = counts > 0
-        prompt_rows, prompt_ids = _flat_ids([[t for t in pen[k].prompt_token_ids if t < vocab] for k in rep_rows])
-        if len(prompt_ids):
-            seen[to_device(np.asarray(rep_rows, dtype=np.int64)[prompt_rows], device), to_device(prompt_ids, device)] = True
-        rep = to_device([r.params.repetition_penalty for r in pen], device, logits.dtype).unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)  # rep 1 rows: unchanged
-    freq = to_device([r.params.frequency_penalty for r in pen], device, logits.dtype).unsqueeze(1)
-    pres = to_device([r.params.presence_penalty for r in pen], device, logits.dtype).unsqueeze(1)
-    sub = sub - freq * counts - pres * (counts > 0).to(logits.dtype)
-    logits.index_copy_(0, row_index, sub)
-    return logits
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """In place on logits [S, V]: repetition, frequency and presence penalties over every booked token."""
+    penalties = PenaltyBatch.build(requests, None, logits.shape[1], logits.device)
+    return logits if penalties is None else penalties.apply(logits)
 
 
 def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -170,7 +219,8 @@ class Sampler:
             logits[row].index_add_(0, ids, values)
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")
-        apply_penalties(logits, batch.requests)
+        if batch.penalties is not None:
+            batch.penalties.apply(logits, batch.last_input_ids)
         tokens = logits.argmax(dim=-1)
         if not batch.all_greedy:
             probs = apply_filters(logits, batch).softmax(dim=-1)

@@ -185,10 +185,11 @@ class PhaseTimer:
         return out
 
 
-def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False) -> dict:
+def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False, **sampling) -> dict:
+    """Generate max_tokens=outs[i] for each prompt (ignore_eos); `sampling`: more SamplingParams fields."""
     from asyncengine import SamplingParams
 
-    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True, seed=None) for o in outs]
+    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True, seed=None, **sampling) for o in outs]
     torch.cuda.synchronize()
     counter = {"steps": 0}
     original_prepare = llm.engine.prepare_step
@@ -270,6 +271,14 @@ def run_selected(llm, only: list[str], n: int, vocab: int, results: dict, save) 
     if "W1" in only:
         results["W1"] = run_engine(llm, *sharegpt_like(n, 200, 180, seed=1, vocab=vocab), profile=True)
         print(f"W1 on {results['gpu']}: {results['W1']['req_per_s']:.1f} req/s")
+    if "W1-penalties" in only:
+        w1, penalties = sharegpt_like(n, 200, 180, seed=1, vocab=vocab), dict(frequency_penalty=0.5, presence_penalty=0.5)
+        saved = llm.engine.config.async_scheduling
+        for name, lookahead in (("W1_penalties", saved), ("W1_penalties_no_lookahead", False)):
+            llm.engine.config.async_scheduling = lookahead
+            results[name] = run_engine(llm, *w1, **penalties)
+            print(f"{name} on {results['gpu']}: {results[name]['req_per_s']:.1f} req/s")
+        llm.engine.config.async_scheduling = saved
     if "W2" in only:
         results["W2"] = run_engine(llm, *fixed(n, 512, 128, seed=2, vocab=vocab), profile=True)
         print(f"W2 on {results['gpu']}: {results['W2']['output_tok_per_s']:.0f} output tok/s")
@@ -356,8 +365,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--w1-only", action="store_true", help="stop after W1 (the served benchmark's reference)")
-    parser.add_argument("--only", nargs="+", choices=["W1", "W2", "W3", "W4"], default=None,
-                        help="run just these workloads (no W1 ablations, no table)")
+    parser.add_argument("--only", nargs="+", choices=["W1", "W2", "W3", "W4", "W1-penalties"], default=None,
+                        help="run just these workloads (no W1 ablations, no table); W1-penalties: W1 with frequency "
+                             "and presence penalties on every request, with and without lookahead")
     parser.add_argument("--max-num-seqs", type=int, default=1024,
                         help="1024 since run 23; 256 before (run 22, H200: W1 1.10x, W2 1.03x at 1024)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -1,7 +1,7 @@
 """Lookahead (async) scheduling, on CPU with the embedded default model: the pipeline that prepares and launches
 step N+1 before step N's tokens are read back gives exactly the outputs of the plain pipeline (tokens, text,
 finish and stop reasons, logprobs), across stops, seeds, n > 1, preemption and chunked prefill, and leaks
-nothing; it really does feed in-flight tokens on the device; and it steps back while a request needs penalties.
+nothing; it really does feed in-flight tokens on the device, to the model and to the penalties.
 On CUDA it is the default; on CPU it is off unless asked for (EngineConfig.async_scheduling)."""
 
 from __future__ import annotations
@@ -89,11 +89,31 @@ def test_lookahead_with_preemption_and_chunked_prefill():
     assert ahead == plain and counter["feedback"] > 0 and counter["preemptions"] > 0
 
 
-def test_penalties_pause_lookahead_but_give_the_same_outputs():
-    params = SamplingParams(temperature=0, max_tokens=16, presence_penalty=0.8, repetition_penalty=1.2)
+PENALTY_CASES = {
+    "greedy_presence_repetition": SamplingParams(temperature=0, max_tokens=24, presence_penalty=0.8,
+                                                 repetition_penalty=1.2),
+    "seeded_n2_frequency_logprobs": SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=20, frequency_penalty=2.0,
+                                                   presence_penalty=2.0, logprobs=2),
+}
+
+
+@pytest.mark.parametrize("case", list(PENALTY_CASES))
+def test_penalties_look_ahead_and_give_the_same_outputs(case):
+    """Each step's penalties must count the token the previous step sampled, still in flight: counted from the
+    step's input ids on the device. Rows with and without penalties share the batch."""
+    params = [PENALTY_CASES[case], SamplingParams(temperature=0, max_tokens=24)] * 2
     plain, ahead, counter = generate_both(params)
     assert ahead == plain
-    assert counter["feedback"] == 0  # their tokens are needed on the host before each step
+    assert counter["feedback"] > 0
+
+
+def test_penalties_with_preemption_and_chunked_prefill_look_ahead_like_plain():
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, frequency_penalty=2.0,
+                            repetition_penalty=1.5)
+    prompts = [p * 3 for p in PROMPTS]
+    plain, ahead, counter = generate_both(params, prompts, num_kv_blocks=32, block_size=8, max_num_seqs=4,
+                                          max_num_batched_tokens=16)
+    assert ahead == plain and counter["feedback"] > 0 and counter["preemptions"] > 0
 
 
 def test_async_engine_with_lookahead_streams_the_same_text_and_survives_aborts():
