@@ -172,13 +172,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _dummy_sampling(self, logits: torch.Tensor) -> None:
-        """Sample logits [R, vocab] with every option that costs memory (temperature, top-k/p and min-p filters,
-        20 logprobs), on max_num_seqs rows: a full decode batch samples that many, each needing [vocab]-wide
-        temporaries (sort indices, probabilities, noise), several GB at 1024 rows of a 128k vocabulary."""
+        """Sample logits [R, vocab] with every option that costs memory (penalties, temperature, top-k/p and
+        min-p filters, 20 logprobs), on max_num_seqs rows: a full decode batch samples that many, each needing
+        [vocab]-wide temporaries (counts, sort indices, probabilities, noise), several GB at 1024 rows of a 128k
+        vocabulary."""
         rows = self.config.max_num_seqs
         if logits.shape[0] < rows:  # a short profiled step: sampling needs its full row count anyway
             logits = logits.new_zeros(rows, logits.shape[1]).normal_()
-        params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, logprobs=20)
+        params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, logprobs=20,
+                                repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
         requests = [Request(f"profile-{i}", [0], params, max_tokens=1) for i in range(rows)]
         throwaway = Sampler(torch.Generator(device=self.device))  # leaves the engine's seeded stream untouched
         throwaway(logits[:rows], SamplingBatch.build(requests, logits.shape[1], self.device))

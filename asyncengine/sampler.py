@@ -153,8 +153,8 @@ class PenaltyBatch:
         )
 
     def apply(self, logits: torch.Tensor, last_input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """In place on logits [S, V]. last_input_ids: [S] each sampling row's last input token (on the device),
-        needed when a row has a token in flight."""
+        """In place on logits [S, V] float32. last_input_ids: [S] each sampling row's last input token (on the
+        device), needed when a row has a token in flight."""
         num_rows, vocab = self.rows.shape[0], logits.shape[1]
         one = torch.ones((), dtype=logits.dtype, device=logits.device)
         counts = torch.zeros(num_rows, vocab, dtype=logits.dtype, device=logits.device)  # [P, V]
@@ -168,9 +168,9 @@ class PenaltyBatch:
             seen = counts > 0
             if self.seen_ids is not None:
                 seen[self.seen_rows, self.seen_ids] = True
-            rep = self.repetition.to(logits.dtype)
+            rep = self.repetition
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)  # rep 1 rows: unchanged
-        sub = sub - self.frequency.to(logits.dtype) * counts - self.presence.to(logits.dtype) * (counts > 0).to(logits.dtype)
+        sub = sub - self.frequency * counts - self.presence * (counts > 0).to(logits.dtype)
         logits.index_copy_(0, self.rows, sub)
         return logits
 

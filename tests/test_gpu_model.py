@@ -156,7 +156,8 @@ def test_lookahead_on_gpu_gives_the_plain_pipelines_tokens(tmp_path):
 def test_peak_memory_stays_within_gpu_memory_utilization(tmp_path):
     """The KV cache is sized so that nothing a step does later goes past gpu_memory_utilization: a full decode
     batch of max_num_seqs rows over a 128k vocabulary, sampled with every option that needs [rows, vocab]
-    temporaries (top-k/p, min-p, 20 logprobs), replayed from a CUDA graph, and an eager mixed step too."""
+    temporaries (penalties, top-k/p, min-p, 20 logprobs), replayed from a CUDA graph, and an eager mixed step
+    too."""
     from checkpoints import build_checkpoint
 
     from asyncengine import SamplingParams
@@ -170,7 +171,7 @@ def test_peak_memory_stays_within_gpu_memory_utilization(tmp_path):
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, logprobs=20, max_tokens=4,
-                            ignore_eos=True)
+                            ignore_eos=True, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2)
     for i in range(rows):
         engine.add_request(str(i), [3 + i % 300, 5, 7], params)
     steps = 0
