@@ -92,7 +92,7 @@ def test_lookahead_with_preemption_and_chunked_prefill():
 PENALTY_CASES = {
     "greedy_presence_repetition": SamplingParams(temperature=0, max_tokens=24, presence_penalty=0.8,
                                                  repetition_penalty=1.2),
-    "seeded_n2_frequency_logprobs": SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=20, frequency_penalty=2.0,
+    "seeded_n2_frequency_logprobs": SamplingParams(temperature=0.5, seed=3, n=2, max_tokens=20, frequency_penalty=2.0,
                                                    presence_penalty=2.0, logprobs=2),
 }
 
