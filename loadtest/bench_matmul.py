@@ -66,11 +66,16 @@ def variants() -> dict:
     }
 
 
+def copies_beyond_l2(nbytes: int) -> int:
+    """How many copies of an nbytes weight to cycle through so that no product is served from L2."""
+    return max(2, -(-L2_DEFEAT_BYTES // nbytes))
+
+
 def per_shape_rows() -> list[dict]:
     rows = []
     for name, n, k in SHAPES:
         nbytes = n * k * 2
-        copies = max(2, -(-L2_DEFEAT_BYTES // nbytes))
+        copies = copies_beyond_l2(nbytes)
         base = [torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=DTYPE)
         reference = F.linear(x.float(), base[0].float())
@@ -129,7 +134,7 @@ def batch_sweep_rows(batches=(1, 8, 64, 256, 2048, 8192)) -> list[dict]:
     rows = []
     for name, n, k in SHAPES[:4]:
         w = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
-        copies = max(2, -(-L2_DEFEAT_BYTES // (n * k * 2)))
+        copies = copies_beyond_l2(n * k * 2)
         layouts = {"W[N,K]": (F.linear, [w.clone() for _ in range(copies)]),
                    "W^T[K,N]": (torch.matmul, [w.t().contiguous() for _ in range(copies)])}
         for m in batches:

@@ -124,6 +124,16 @@ def fixed(n: int, n_in: int, n_out: int, seed: int, vocab: int):
     return [rng.integers(3, vocab, size=n_in).tolist() for _ in range(n)], [n_out] * n
 
 
+def w1_workload(n: int, vocab: int):
+    """W1: n ShareGPT-like requests (seeded lengths, mean ~200 in, ~180 out)."""
+    return sharegpt_like(n, 200, 180, seed=1, vocab=vocab)
+
+
+def w2_workload(n: int, vocab: int):
+    """W2: n requests of 512 tokens in, 128 out."""
+    return fixed(n, 512, 128, seed=2, vocab=vocab)
+
+
 class PhaseTimer:
     """Wraps the engine's step phases to attribute wall time (host) and GPU time of graph replays (events)."""
 
@@ -266,13 +276,31 @@ def run_w3(llm, vocab: int) -> dict:
             "W3_cublas_matmul_floor_ms": matmul_floor_ms(llm.engine.runner.model)}
 
 
+def linear_params(llm) -> int:
+    """Parameters of every matrix the layers and lm_head multiply by (the embedding table is only indexed)."""
+    return sum(p.numel() for name, p in llm.engine.runner.model.named_parameters() if "embed" not in name)
+
+
+def run_w4(llm, num_prompts: int, vocab: int, matmul_tflops: float) -> dict:
+    """W4: num_prompts prompts of 2,048 tokens, max_tokens=1, after a warm-up on 8 of them (the cache is reset
+    before the timed run); adds prefill tokens/s and model FLOP utilisation against the measured matmul rate."""
+    prompts, outs = fixed(num_prompts, 2048, 1, seed=4, vocab=vocab)
+    run_engine(llm, prompts[:8], outs[:8])
+    w4 = run_engine(llm, prompts, outs)
+    mc = llm.engine.model_config
+    flops = num_prompts * prefill_flops(linear_params(llm), mc.num_layers, mc.num_heads, mc.head_dim, 2048)
+    w4["prefill_tok_per_s"] = num_prompts * 2048 / w4["seconds"]
+    w4["mfu_vs_measured_matmul"] = flops / w4["seconds"] / (matmul_tflops * 1e12)
+    return w4
+
+
 def run_selected(llm, only: list[str], n: int, vocab: int, results: dict, save) -> int:
     """The workloads named in --only, each with the same inputs as in the full run; prints one line each."""
     if "W1" in only:
-        results["W1"] = run_engine(llm, *sharegpt_like(n, 200, 180, seed=1, vocab=vocab), profile=True)
+        results["W1"] = run_engine(llm, *w1_workload(n, vocab), profile=True)
         print(f"W1 on {results['gpu']}: {results['W1']['req_per_s']:.1f} req/s")
     if "W1-penalties" in only:
-        w1, penalties = sharegpt_like(n, 200, 180, seed=1, vocab=vocab), dict(frequency_penalty=0.5, presence_penalty=0.5)
+        w1, penalties = w1_workload(n, vocab), dict(frequency_penalty=0.5, presence_penalty=0.5)
         saved = llm.engine.config.async_scheduling
         for name, lookahead in (("W1_penalties", saved), ("W1_penalties_no_lookahead", False)):
             llm.engine.config.async_scheduling = lookahead
@@ -280,17 +308,16 @@ def run_selected(llm, only: list[str], n: int, vocab: int, results: dict, save) 
             print(f"{name} on {results['gpu']}: {results[name]['req_per_s']:.1f} req/s")
         llm.engine.config.async_scheduling = saved
     if "W2" in only:
-        results["W2"] = run_engine(llm, *fixed(n, 512, 128, seed=2, vocab=vocab), profile=True)
+        results["W2"] = run_engine(llm, *w2_workload(n, vocab), profile=True)
         print(f"W2 on {results['gpu']}: {results['W2']['output_tok_per_s']:.0f} output tok/s")
     if "W3" in only:
         results.update(run_w3(llm, vocab))
         print(f"W3 on {results['gpu']}: {results['W3_ms_per_token']:.2f} ms/token, graph replay "
               f"{results['W3_graph_replay_gpu_ms']:.2f} ms, cuBLAS matmuls alone {results['W3_cublas_matmul_floor_ms']:.2f} ms")
     if "W4" in only:
-        w4_prompts, w4_outs = fixed(64, 2048, 1, seed=4, vocab=vocab)
-        run_engine(llm, w4_prompts[:8], w4_outs[:8])
-        results["W4"] = run_engine(llm, w4_prompts, w4_outs)
-        print(f"W4 on {results['gpu']}: {64 * 2048 / results['W4']['seconds']:.0f} prefill tok/s")
+        results["W4"] = run_w4(llm, 64, vocab, results["matmul_TFLOPs"])
+        print(f"W4 on {results['gpu']}: {results['W4']['prefill_tok_per_s']:.0f} prefill tok/s, "
+              f"MFU {results['W4']['mfu_vs_measured_matmul']:.0%}")
     save()
     return 0
 
@@ -387,7 +414,7 @@ def main(argv=None) -> int:
     results["build_checkpoint_s"] = time.perf_counter() - t0
     vocab = LLAMA3_8B["vocab_size"]
     n = 200 if args.quick else 1000
-    w2_prompts, w2_outs = fixed(n, 512, 128, seed=2, vocab=vocab)
+    w2_prompts, w2_outs = w2_workload(n, vocab)
     if not args.skip_peers:
         results["peers"] = run_peers(folder, w2_prompts, 128, batch=64, cb_requests=64 if args.quick else 256)
         save()
@@ -406,7 +433,7 @@ def main(argv=None) -> int:
         args.only = ["W1"]
     if args.only:
         return run_selected(llm, args.only, n, vocab, results, save)
-    w1 = sharegpt_like(n, 200, 180, seed=1, vocab=vocab)
+    w1 = w1_workload(n, vocab)
     results["W1"] = run_engine(llm, *w1, profile=True)
     save()
     results["W1_ablations"] = w1_ablations(llm, w1)
@@ -415,15 +442,8 @@ def main(argv=None) -> int:
     save()
     results.update(run_w3(llm, vocab))
     save()
-    w4_prompts, w4_outs = fixed(16 if args.quick else 64, 2048, 1, seed=4, vocab=vocab)
-    run_engine(llm, w4_prompts[:8], w4_outs[:8])
-    w4 = run_engine(llm, w4_prompts, w4_outs)
-    mc = llm.engine.model_config
-    n_linear = sum(p.numel() for name, p in llm.engine.runner.model.named_parameters() if "embed" not in name)
-    flops = len(w4_prompts) * prefill_flops(n_linear, mc.num_layers, mc.num_heads, mc.head_dim, 2048)
-    w4["prefill_tok_per_s"] = len(w4_prompts) * 2048 / w4["seconds"]
-    w4["mfu_vs_measured_matmul"] = flops / w4["seconds"] / (results["matmul_TFLOPs"] * 1e12)
-    results["W4"] = w4
+    results["W4"] = run_w4(llm, 16 if args.quick else 64, vocab, results["matmul_TFLOPs"])
+    mc, n_linear = llm.engine.model_config, linear_params(llm)
     # Roofline for W3: every weight except the embedding table read once, plus the KV of 1,000 tokens.
     weight_bytes = n_linear * 2
     kv_bytes = 1100 * mc.kv_bytes_per_token(torch.bfloat16)

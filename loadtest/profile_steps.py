@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadtest.bench_offline import LLAMA3_8B, build_checkpoint, fixed, sharegpt_like
+from loadtest.bench_offline import LLAMA3_8B, build_checkpoint, fixed, sharegpt_like, w1_workload
 
 
 def kernel_family(name: str) -> str:
@@ -237,10 +237,10 @@ def main(argv=None) -> int:
     # 3. Full W1: graph vs eager steps; then a subset all eager, for the eager steps' kernels.
     with StepTimer(llm.engine.runner) as timer:
         t0 = time.perf_counter()
-        generate(llm, *sharegpt_like(1000, 200, 180, seed=1, vocab=vocab))
+        generate(llm, *w1_workload(1000, vocab))
         results["W1_wall_s"] = time.perf_counter() - t0
     results["W1_steps"] = timer.summary()
-    w1 = sharegpt_like(args.w1_requests, 200, 180, seed=1, vocab=vocab)
+    w1 = w1_workload(args.w1_requests, vocab)
     graphs, llm.engine.runner.graphs = llm.engine.runner.graphs, None  # every step eager: one kernel table
     with StepTimer(llm.engine.runner) as timer:
         kernels = profile_kernels(lambda: generate(llm, *w1), 1)

@@ -160,8 +160,6 @@ def test_peak_memory_stays_within_gpu_memory_utilization(tmp_path):
     too."""
     from checkpoints import build_checkpoint
 
-    from asyncengine import SamplingParams
-
     folder = build_checkpoint(tmp_path / "wide", "LlamaForCausalLM", dtype=torch.bfloat16, vocab_size=128256,
                               hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2)
@@ -174,10 +172,8 @@ def test_peak_memory_stays_within_gpu_memory_utilization(tmp_path):
                             ignore_eos=True, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2)
     for i in range(rows):
         engine.add_request(str(i), [3 + i % 300, 5, 7], params)
-    steps = 0
     while engine.has_unfinished_requests():
         engine.step()
-        steps += 1
     peak = torch.cuda.max_memory_allocated()
     assert peak <= utilization * total, f"peak {peak / 2**30:.2f} GiB over the {utilization * total / 2**30:.2f} GiB budget"
     assert engine.runner.graphs.logits.shape == (rows, 128256)  # one logits buffer shared by every graph
