@@ -11,6 +11,7 @@ import torch
 from asyncengine import LLM, SamplingParams
 from asyncengine.request import Request
 from asyncengine.sampler import Sampler, SamplingBatch, apply_penalties
+from conftest import assert_same_completions
 
 CPU = torch.device("cpu")
 
@@ -293,15 +294,31 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_seeded_request_is_the_same_alone_and_in_a_sampled_batch(llm):
-    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
-    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    alone = llm.generate(["Hello world"], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    batch = llm.generate(["The quick brown fox", "Hello world", "0123", "Paged attention"],
-                         [unseeded, seeded, unseeded, unseeded], use_tqdm=False)
-    assert batch[1].outputs[0].token_ids == alone
+def neighbours(count: int) -> list[tuple[str, SamplingParams]]:
+    """`count` other requests of every kind: unseeded, greedy, other seeds, n=2, penalties, other lengths."""
+    kinds = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+             SamplingParams(temperature=0.7, seed=5, max_tokens=9, logprobs=1, ignore_eos=True),
+             SamplingParams(temperature=1.0, n=2, top_p=0.9, max_tokens=14, ignore_eos=True),
+             SamplingParams(temperature=0.8, frequency_penalty=1.0, top_k=20, max_tokens=18, ignore_eos=True)]
+    return [(f"Neighbour {i}: " + "word " * (i % 7), kinds[i % len(kinds)]) for i in range(count)]
+
+
+@pytest.mark.parametrize("others", [0, 1, 30])
+def test_seeded_request_gives_the_same_tokens_whatever_else_is_in_its_batch(llm, others):
+    """A seeded request samples from its own generator, so its tokens do not depend on its batch: alone, beside
+    one other request, or in the middle of 30 others of every kind. Tokens exactly; logprobs within LOGPROB_ATOL
+    (the batch shape changes the order of float sums)."""
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True, logprobs=2)
+    alone = llm.generate(["Hello world"], seeded, use_tqdm=False)[0]
+    batch = neighbours(others)
+    half = len(batch) // 2
+    batch = batch[:half] + [("Hello world", seeded)] + batch[half:]
+    outputs = llm.generate([p for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
+    assert_same_completions(outputs[half], alone)
     other_seed = SamplingParams(temperature=1.0, seed=4321, max_tokens=16, ignore_eos=True)
-    assert llm.generate(["Hello world"], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+    assert llm.generate(["Hello world"], other_seed, use_tqdm=False)[0].outputs[0].token_ids != \
+        alone.outputs[0].token_ids
 
 
 def test_top_k_1_equals_greedy(llm):
