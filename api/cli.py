@@ -12,8 +12,6 @@ keeps answering 503 for ENGINE_DEAD_LINGER seconds (probes and load balancers se
 in-flight requests (which end at once: they already have their error) and exits with status 1, so that a
 supervisor restarts the server rather than keeping a process that can never serve.
 
-Test hook (not a user setting): the environment variable ASYNCENGINE_FAULT_AFTER_STEPS=N makes the engine's
-device step raise after N successful steps, to test the failure path above in a real process (asyncengine/faults.py).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from typing import Optional, Sequence
 
 from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, create_app
 from asyncengine.engine_core import leave_a_core_for_the_event_loop
-from asyncengine.faults import fault_after_steps_from_env, install_fault_hook
 
 logger = logging.getLogger("asyncengine.api")
 
@@ -196,7 +193,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from asyncengine.async_engine import AsyncLLMEngine
 
     try:
-        fault_after = fault_after_steps_from_env()
         config = engine_config(args)
         if not config.engine_process:  # an engine process does this itself
             leave_a_core_for_the_event_loop(config)
@@ -205,8 +201,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: an engine process that died starting
         print(f"asyncengine: error: {exc}", file=sys.stderr)
         return 2
-    if fault_after is not None and not config.engine_process:  # an engine process installs it itself
-        install_fault_hook(engine.engine, fault_after)
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None)
     print(f"asyncengine serving on {url_of(sock)}", flush=True)

@@ -28,7 +28,7 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.
 
 
 class EngineCollector:
-    """Reads the engine's gauges and running totals when Prometheus scrapes (nothing is cached)."""
+    """Reads the engine's stats snapshot (AsyncLLMEngine.stats()) when Prometheus scrapes."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.engine = engine
@@ -38,16 +38,16 @@ class EngineCollector:
         return []  # the families are produced dynamically; nothing to pre-register
 
     def collect(self):
-        engine, labels = self.engine, [self.model_name]
-        yield _gauge("vllm:num_requests_running", "Requests running on the engine.", engine.num_running, labels)
-        yield _gauge("vllm:num_requests_waiting", "Requests waiting to run.", engine.num_waiting, labels)
+        stats, labels = self.engine.stats(), [self.model_name]
+        yield _gauge("vllm:num_requests_running", "Requests running on the engine.", stats.num_running, labels)
+        yield _gauge("vllm:num_requests_waiting", "Requests waiting to run.", stats.num_waiting, labels)
         yield _gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
-                     engine.kv_cache_usage, labels)
-        yield _counter("vllm:num_preemptions", "Preemptions since start.", engine.num_preemptions, labels)
+                     stats.kv_cache_usage, labels)
+        yield _counter("vllm:num_preemptions", "Preemptions since start.", stats.num_preemptions, labels)
         yield _counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                       engine.prefix_cache_queries, labels)
+                       stats.prefix_cache_queries, labels)
         yield _counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                       engine.prefix_cache_hits, labels)
+                       stats.prefix_cache_hits, labels)
 
 
 def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:

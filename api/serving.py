@@ -149,12 +149,11 @@ class OpenAIServing:
         model = self.check_model(request.model)
         params = completion_params(request)
         prompts = await completion_prompts(self.engine, request)
-        self._validate(prompts, params, {})
-        echo = [p.text if p.text is not None else self.engine.tokenizer.decode(p.token_ids) for p in prompts] \
-            if request.echo else None
         info = self._info(response_id or f"cmpl-{uuid.uuid4().hex}", model, params, prompts, request, stream)
-        info.echo_texts = echo
         streams = await self._add(info.response_id, prompts, params, {})
+        if request.echo:  # decoded once the engine has accepted (validated) the ids
+            info.echo_texts = [p.text if p.text is not None else self.engine.tokenizer.decode(p.token_ids)
+                               for p in prompts]
         return Generation(self.engine, streams, CompletionFormatter(info, self.engine.tokenizer))
 
     async def chat(self, request: ChatCompletionRequest, response_id: Optional[str] = None,
@@ -166,7 +165,6 @@ class OpenAIServing:
         renames = dict(CHAT_RENAMES)
         if request.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
-        self._validate([prompt], params, renames)
         info = self._info(response_id or f"chatcmpl-{uuid.uuid4().hex}", model, params, [prompt], request, stream)
         streams = await self._add(info.response_id, [prompt], params, renames)
         return Generation(self.engine, streams, ChatFormatter(info, self.engine.tokenizer))
@@ -186,17 +184,10 @@ class OpenAIServing:
             include_usage=bool(streaming and options is not None and options.include_usage),
         )
 
-    def _validate(self, prompts: list[EnginePrompt], params: SamplingParams, renames: dict) -> None:
-        """400 (with the numbers) for an empty prompt, bad token ids, or prompt + max_tokens > max_model_len."""
-        for prompt in prompts:
-            try:
-                self.engine.validate(prompt.token_ids, params)
-            except ValueError as exc:
-                raise from_engine_error(exc, PARAM_FIELDS, renames) from exc
-
     async def _add(self, response_id: str, prompts: list[EnginePrompt], params: SamplingParams,
                    renames: dict) -> list[RequestStream]:
-        """Add one engine request per prompt, all or none (429 / 503 / 400 from the engine)."""
+        """Add one engine request per prompt, all or none (400 with the numbers for a prompt or max_tokens that
+        cannot fit, 429 / 503 from the engine): the engine's add_request is the one validation."""
         streams: list[RequestStream] = []
         base = f"{str(response_id)[:64]}-{uuid.uuid4().hex[:8]}"
         try:

@@ -8,7 +8,7 @@ read into a `ModelConfig` (architecture, shapes, rope, eos ids) by `load_model_c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -85,7 +85,6 @@ class EngineConfig:
     # and model families reach it through plugins' entry points (or the script's top level), not a runtime call.
     engine_process: bool = False
     tensor_parallel_size: int = 1
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.model is None:

@@ -10,18 +10,17 @@ fewer, larger chunks instead of slowing the engine down (vLLM splits its API ser
     EngineCoreClient.add_request / abort_request          inbox thread: pipe -> queue
         ── ("add", ...) / ("abort", ids) / ("shutdown",) ──▶
                                                             loop: book, apply messages, launch (device thread),
-        ◀── ("outputs", [wire output], [StepStats], Snapshot) ── emit (detokenize, stop strings), send
+        ◀── ("outputs", [wire output], [StepStats], EngineStats, adds) ── emit (detokenize, stop strings), send
     receiver thread: pipe -> loop.call_soon_threadsafe -> outputs -> RequestStream.put
 
 Contracts:
-  - The core owns all scheduling state. The client knows the facts sent once at start-up (`CoreFacts`) and the
-    `Snapshot` (queue lengths, KV usage, counters) sent with each step's outputs; `has_unfinished_requests`
-    counts the requests it sent that have not finished yet, and `num_waiting` adds the ones the core has not
-    read yet (so max_queue_len holds in a burst).
+  - The core owns all scheduling state. The client keeps the EngineClient contract (engine_client.py): it knows
+    the facts sent once at start-up (`CoreFacts`) and the engine's `EngineStats` sent with each step's outputs;
+    `has_unfinished_requests` counts the requests it sent that have not finished yet, and its stats' num_waiting
+    adds the ones the core has not read yet (so max_queue_len holds in a burst).
   - Outputs travel as tuples (`_to_wire`), about 10x cheaper to pickle and unpickle than the dataclasses (256
     one-token outputs: 0.2 ms against 2.1 ms here), and without the prompt, which the client fills back in.
-  - Validation (prompt length, token ids, sampling parameters against the vocabulary) runs in the client, so a
-    bad request fails at `add_request` exactly as with an in-process engine.
+  - Validation runs once, before the client (AsyncLLMEngine.add_request); the core queues what it is sent.
   - The core stops on ("shutdown",) or when the pipe closes (its parent died). When a step raises it sends
     ("dead", message) and exits with status 1; when it exits without a word (killed), the client sees the pipe
     close. Either way the client reports the engine dead and fails every stream (on_dead); a core that dies
@@ -41,17 +40,16 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
 
 from asyncengine.config import EngineConfig
-from asyncengine.engine import LLMEngine, PromptType, StepPipeline, StepStats, check_prompt
-from asyncengine.faults import fault_after_steps_from_env, install_fault_hook
+from asyncengine.engine import EngineStats, LLMEngine, StepPipeline, StepStats
 from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.tokenizer import apply_chat_template, load_tokenizer
+from asyncengine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,25 +63,6 @@ class CoreFacts:
 
     max_model_len: int
     vocab_size: int
-    num_kv_blocks: int
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The core's state after a step (running totals since start for the counters)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    adds_applied: int = 0  # "add" messages the core has read (with num_waiting: the client's exact queue length)
-
-
-def _snapshot(engine: LLMEngine, adds_applied: int) -> Snapshot:
-    return Snapshot(engine.num_running, engine.num_waiting, engine.kv_cache_usage, engine.num_preemptions,
-                    engine.prefix_cache_queries, engine.prefix_cache_hits, adds_applied)
 
 
 # -- the wire form of an output -----------------------------------------------------------------------------------
@@ -131,15 +110,12 @@ def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> 
     try:
         leave_a_core_for_the_event_loop(config)
         engine = LLMEngine(config)
-        fault_after = fault_after_steps_from_env()
-        if fault_after is not None:
-            install_fault_hook(engine, fault_after)
         gc.collect()  # as AsyncLLMEngine does: keep the model's long-lived objects out of the collector's sight
         gc.freeze()
     except BaseException as exc:  # noqa: BLE001 - the parent must hear why the engine could not start
         outbox_conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(2)
-    outbox_conn.send(("ready", CoreFacts(engine.max_model_len, engine.vocab_size, engine.runner.num_blocks)))
+    outbox_conn.send(("ready", CoreFacts(engine.max_model_len, engine.vocab_size)))
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_pump_inbox, args=(inbox_conn, inbox), name="asyncengine-core-inbox", daemon=True).start()
     try:
@@ -163,30 +139,35 @@ def _pump_inbox(conn, inbox: queue.Queue) -> None:
         inbox.put(("shutdown",))
 
 
+class _Shutdown(Exception):
+    """The client asked the core to stop (or its pipe ended)."""
+
+
 def _step_until_shutdown(engine: LLMEngine, inbox: queue.Queue, outbox_conn) -> None:
-    """The core's step loop: the async engine's, with the pipe in place of request streams."""
+    """The core's step loop: StepPipeline turns, with the pipe in place of request streams."""
     pipeline = StepPipeline(engine)
     stats: list[StepStats] = []
     engine.stats_listeners.append(stats.append)
-    last_sent = Snapshot()
+    last_sent = (EngineStats(), 0)
     adds_applied = 0
+
+    def apply_messages() -> list[RequestOutput]:
+        nonlocal adds_applied
+        messages = _drain(inbox, block=pipeline.idle)
+        adds_applied += sum(m[0] == "add" for m in messages)
+        return _apply_messages(engine, messages)
+
     done = None
     with ThreadPoolExecutor(1, thread_name_prefix="asyncengine-step") as device:
         while True:
-            got = pipeline.book(done)
-            idle = pipeline.in_flight is None and not engine.has_unfinished_requests()
-            messages = _drain(inbox, block=idle)
-            outputs = _apply_messages(engine, messages)
-            if outputs is None:  # shutdown
+            try:
+                pending, outputs = pipeline.turn(done, device.submit, apply_messages)
+            except _Shutdown:
                 return
-            adds_applied += sum(m[0] == "add" for m in messages)
-            call = pipeline.next_call()
-            pending = device.submit(call) if call is not None else None
-            outputs += engine.emit(got)
-            snapshot = _snapshot(engine, adds_applied)
-            if outputs or snapshot != last_sent or any(s.prompt_tokens or s.generation_tokens for s in stats):
-                outbox_conn.send(("outputs", [_to_wire(o) for o in outputs], stats[:], snapshot))
-                last_sent = snapshot
+            state = (engine.stats(), adds_applied)
+            if outputs or state != last_sent or any(s.prompt_tokens or s.generation_tokens for s in stats):
+                outbox_conn.send(("outputs", [_to_wire(o) for o in outputs], stats[:], *state))
+                last_sent = state
             stats.clear()
             done = pending.result() if pending is not None else None
 
@@ -200,33 +181,23 @@ def _drain(inbox: queue.Queue, block: bool) -> list[tuple]:
             return messages
 
 
-def _apply_messages(engine: LLMEngine, messages: list[tuple]) -> Optional[list[RequestOutput]]:
-    """Apply adds and aborts in order; returns the aborted requests' final outputs, or None on shutdown."""
+def _apply_messages(engine: LLMEngine, messages: list[tuple]) -> list[RequestOutput]:
+    """Apply adds and aborts in order; returns the aborted requests' final outputs. _Shutdown on shutdown."""
     outputs: list[RequestOutput] = []
     for message in messages:
         kind = message[0]
         if kind == "add":
-            _, request_id, prompt, prompt_ids, params, arrival = message
-            try:
-                engine.add_request(request_id, prompt, params, arrival_time=arrival, prompt_token_ids=prompt_ids)
-            except ValueError as exc:  # the client validated it; reaching here is a bug worth a loud abort
-                logger.error("request %s refused by the core: %s", request_id, exc)
-                outputs.append(_refused(request_id, params))
+            engine.enqueue(*message[1:])  # validated before it was sent; the client keeps ids unique
         elif kind == "abort":
             outputs += engine.abort_request(message[1])
         elif kind == "shutdown":
-            return None
+            raise _Shutdown
     return outputs
-
-
-def _refused(request_id: str, params: SamplingParams) -> RequestOutput:
-    completions = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(params.n)]
-    return RequestOutput(request_id, None, [], completions, finished=True)
 
 
 # -- the client ---------------------------------------------------------------------------------------------------
 class EngineCoreClient:
-    """Stands in for an LLMEngine inside AsyncLLMEngine (the same names), with the engine in a child process.
+    """An EngineClient (engine_client.py) whose engine runs in a child process.
 
     Start-up blocks until the child has loaded the model (ValueError/RuntimeError with the child's reason if it
     could not). `start(loop, on_outputs, on_dead)` attaches the pipe to an event loop; from then on each step's
@@ -236,8 +207,9 @@ class EngineCoreClient:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.stats_listeners: list[Callable[[StepStats], None]] = []
-        self._snapshot = Snapshot()
+        self._stats = EngineStats()
         self._adds_sent = 0
+        self._adds_applied = 0  # by the core, as of its last outputs
         self._prompts: dict[str, tuple[Optional[str], list[int]]] = {}  # live requests: their prompts
         self._loop = None
         self._receiver: Optional[threading.Thread] = None
@@ -266,7 +238,6 @@ class EngineCoreClient:
             raise
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
-        self.num_kv_blocks = facts.num_kv_blocks
 
     def _wait_until_ready(self) -> CoreFacts:
         while not self._from_core.poll(STARTUP_POLL_S):
@@ -284,70 +255,41 @@ class EngineCoreClient:
             raise ValueError(f"the engine could not start: {payload}")
         return payload
 
-    # -- what AsyncLLMEngine asks of an engine ----------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **kwargs)
-
-    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        check_prompt(prompt_ids, params, self.vocab_size, self.max_model_len)
-
-    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None) -> None:
-        """Validate here (ValueError), then send; the core queues it before its next step."""
+    # -- the EngineClient contract ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        """Send the request; the core queues it before its next step."""
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = params.clone() if params is not None else SamplingParams()
-        text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is None:
-            prompt_token_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-        self.check_prompt(prompt_token_ids, params)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()  # system-wide clock on Linux
-        self._to_core.send(("add", request_id, text, prompt_token_ids, params, arrival))
-        self._prompts[request_id] = (text, prompt_token_ids)
+        arrival = time.monotonic()  # system-wide clock on Linux: the core's timings start here
+        self._to_core.send(("add", request_id, prompt, prompt_token_ids, params, arrival))
+        self._prompts[request_id] = (prompt, prompt_token_ids)
         self._adds_sent += 1
 
-    def abort_request(self, request_ids) -> list[RequestOutput]:
-        """Send the abort; the final outputs come back with the core's next outputs, not from this call."""
-        ids = [request_ids] if isinstance(request_ids, str) else [i for i in request_ids if i in self._prompts]
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Send the abort; the final outputs come back with the core's next outputs."""
+        ids = [i for i in request_ids if i in self._prompts]
         if ids:
             try:
                 self._to_core.send(("abort", ids))
             except BrokenPipeError:  # the core has exited, and its requests with it
                 pass
-        return []
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._prompts)
 
-    @property
-    def alive(self) -> bool:
-        return self.process.is_alive()
+    def stats(self) -> EngineStats:
+        """The core's stats at its last step; num_waiting adds the requests sent since that it had not read yet:
+        exact for max_queue_len even in a burst that arrives between two steps."""
+        unread = self._adds_sent - self._adds_applied
+        return replace(self._stats, num_waiting=self._stats.num_waiting + unread) if unread else self._stats
 
-    @property
-    def num_running(self) -> int:
-        return self._snapshot.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        """The core's queue at its last step plus the requests sent since that it had not read yet: exact for
-        max_queue_len even in a burst that arrives between two steps."""
-        return self._snapshot.num_waiting + self._adds_sent - self._snapshot.adds_applied
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self._snapshot.kv_cache_usage
-
-    @property
-    def num_preemptions(self) -> int:
-        return self._snapshot.num_preemptions
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return self._snapshot.prefix_cache_queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return self._snapshot.prefix_cache_hits
+    def check_alive(self) -> Optional[BaseException]:
+        """An engine process that dies while no request runs sends nothing: ask the OS (cheap: waitpid)."""
+        if self._dead is None and not self._closing and not self.process.is_alive():
+            self._dead = RuntimeError(f"the engine process exited (status {self.process.exitcode})")
+            logger.error("the engine is dead: %s", self._dead)
+        return self._dead
 
     # -- the pipe, read by a thread, handed to the event loop ----------------------------------------------------
     def start(self, loop, on_outputs: Callable[[list[RequestOutput]], None],
@@ -403,8 +345,9 @@ class EngineCoreClient:
             logger.error("the engine is dead: %s", self._dead)
             self._on_dead(self._dead)
 
-    def _receive_outputs(self, wires: list[tuple], stats: list[StepStats], snapshot: Snapshot) -> list[RequestOutput]:
-        self._snapshot = snapshot
+    def _receive_outputs(self, wires: list[tuple], stats: list[StepStats], engine_stats: EngineStats,
+                         adds_applied: int) -> list[RequestOutput]:
+        self._stats, self._adds_applied = engine_stats, adds_applied
         for step_stats in stats:
             for listener in self.stats_listeners:
                 listener(step_stats)

@@ -11,6 +11,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.engine import LLMEngine, PromptType
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.tokenizer import apply_chat_template
 
 Conversation = list[dict[str, Any]]
 
@@ -61,7 +62,7 @@ class LLM:
         """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            self.engine.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
+            apply_chat_template(self.engine.tokenizer, c, add_generation_prompt, **(chat_template_kwargs or {}))
             for c in conversations
         ]
         token_lists = [self.engine.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]

@@ -8,18 +8,24 @@ so callers always use the returned values.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from asyncengine.kernels import reference
 
+logger = logging.getLogger(__name__)
+
 
 @functools.cache
 def _triton_kernels():
-    """The Triton kernel modules, or None when Triton cannot run here."""
+    """The Triton kernel modules, or None when Triton cannot run here. Asked only for CUDA tensors, once: a
+    failure is logged as an error, since the torch references are far slower on a GPU."""
     try:
         from asyncengine.kernels import activation, attention, cache, norm, rotary
-    except Exception:  # Triton missing or broken: fall back to the references
+    except Exception:  # Triton missing or broken: fall back to the references, loudly
+        logger.exception("the Triton kernels failed to import on a CUDA device; every kernel falls back to its "
+                         "torch reference (correct, but much slower). Install a Triton that matches torch.")
         return None
     return {"activation": activation, "attention": attention, "cache": cache, "norm": norm, "rotary": rotary}
 

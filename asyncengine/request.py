@@ -17,6 +17,14 @@ Invariants:
 - A RUNNING request with num_computed_tokens == num_tokens - 1 is decoding: its next step computes the last token
   and samples one more. When that last token is still in flight, the step takes its value on the device from the
   previous step's sampled tokens (row `inflight_row` there), so scheduling can run one step ahead (lookahead).
+
+Who writes what (everything else reads; the engine only creates the Request):
+- the scheduler: status, stop_reason, num_computed_tokens, num_inflight, token_ids (append_token), num_cached_tokens,
+  num_preemptions, first_scheduled_time
+- the block manager: block_table, block_hashes, num_registered_blocks
+- the model runner: inflight_row
+- the output processor: logprobs, cumulative_logprob, first_token_time, last_token_time (and the detokenizer's own
+  state)
 """
 
 from __future__ import annotations
@@ -54,15 +62,15 @@ class Request:
         *,
         parent_id: Optional[str] = None,
         index: int = 0,
-        prompt: Optional[str] = None,
         arrival_time: Optional[float] = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ):
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
         self.index = index
-        self.prompt = prompt
         self.params = params
         self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids  # the model's EOS ids (stops.py decides what they end)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -82,7 +90,7 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self.generator: Optional[torch.Generator] = None  # per-request RNG when params.seed is set
-        self.detokenizer = None  # set by the engine (tokenizer.IncrementalDetokenizer)
+        self.detokenizer = None  # set at creation by the engine (tokenizer.IncrementalDetokenizer)
 
     @property
     def num_tokens(self) -> int:
@@ -117,3 +125,24 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
         )
+
+
+def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """The one validation of a request against the model, run once at the edge (LLMEngine.add_request for the
+    offline engine, AsyncLLMEngine.add_request for the server): ValueError, naming the numbers, when the prompt or
+    its max_tokens cannot fit or a token id is outside the vocabulary. (SamplingParams checks its own fields.)"""
+    if not prompt_ids:
+        raise ValueError("prompt must not be empty")
+    if any(not isinstance(t, int) or t < 0 or t >= vocab_size for t in prompt_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt is {len(prompt_ids)} tokens but max_model_len is {max_model_len}: "
+            "at least one token must remain for generation"
+        )
+    if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{len(prompt_ids) + params.max_tokens} exceeds max_model_len ({max_model_len})"
+        )
+    params.validate_for_model(vocab_size)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from asyncengine.request import Request
+from asyncengine.stops import banned_ids
 
 
 def to_device(values, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -83,11 +84,9 @@ class SamplingBatch:
                 ids = to_device(list(p.logit_bias), device, torch.int64)
                 vals = to_device(list(p.logit_bias.values()), device, torch.float32)
                 batch.biases.append((row, ids, vals))
-            # tokens generated before the one this row samples: the booked ones and any earlier one in flight
-            if request.num_output_tokens + max(request.num_inflight - 1, 0) < p.min_tokens:
-                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
-                if stop_ids:
-                    batch.banned.append((row, to_device(sorted(stop_ids), device, torch.int64)))
+            banned = banned_ids(request)  # min_tokens not yet out: its stop ids cannot be sampled
+            if banned:
+                batch.banned.append((row, to_device(banned, device, torch.int64)))
         batch.penalties = PenaltyBatch.build(requests, inflight, vocab_size, device)
         return batch
 

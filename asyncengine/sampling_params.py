@@ -13,7 +13,7 @@ must lie in. The semantics follow vLLM (and through it the OpenAI API):
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 
@@ -54,8 +54,6 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled by the engine: token ids that end the request unless ignore_eos (the model's EOS ids).
-    _eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

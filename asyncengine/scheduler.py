@@ -21,8 +21,7 @@ samples counts one more token in flight. So the next step can be scheduled befor
 (lookahead): a decoding request's next input is then the in-flight token, which the model runner takes from the
 previous step's output on the device. A request whose in-flight tokens already reach max_tokens or max_model_len
 is not scheduled again. `update()` books the sampled tokens when the step is done, registers the blocks it
-filled with the prefix cache, and finishes requests whose stop condition a token alone decides (EOS, stop token
-ids, max_tokens, max_model_len). A request that an EOS ends has at most one more step in flight; its token is
+filled with the prefix cache, and finishes requests whose stop condition a token alone decides (stops.py). A request that an EOS ends has at most one more step in flight; its token is
 discarded (its KV lands in blocks that the GPU's stream order lets no later step see).
 """
 
@@ -35,6 +34,7 @@ from typing import Iterable, Optional
 
 from asyncengine.block_manager import BlockManager
 from asyncengine.request import Request, RequestStatus
+from asyncengine.stops import reaches_length_limit, token_stop
 
 MAX_ADMISSION_DELAY_STEPS = 16  # bounds the extra queueing min_prefill_batch may cause (~16 decode steps)
 
@@ -122,16 +122,11 @@ class Scheduler:
             item.request.num_inflight += item.samples
         return out
 
-    def _reaches_length_limit(self, request: Request) -> bool:
-        """True when the tokens known and in flight already end the request (max_tokens, max_model_len)."""
-        num_output = request.num_tokens - request.num_prompt_tokens
-        return num_output >= request.max_tokens or request.num_tokens >= self.max_model_len
-
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_inflight and self._reaches_length_limit(request):
+            if request.num_inflight and reaches_length_limit(request, self.max_model_len):
                 i += 1  # its last token is in flight: nothing more to compute
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -214,23 +209,20 @@ class Scheduler:
             request.num_inflight -= 1
             request.append_token(token)
             got_token.append(request)
-            status = self._stop_status(request, token)
-            if status is not None:
-                self.finish(request, status)
+            stop = token_stop(request, token, self.max_model_len)
+            if stop is not None:
+                request.stop_reason = stop[1]
+                self.finish(request, stop[0])
         return got_token
 
-    def _stop_status(self, request: Request, token: int) -> Optional[RequestStatus]:
-        params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in params._eos_token_ids:
-                request.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or len(request.token_ids) >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def stop(self, request: Request, stop_string: str) -> None:
+        """End a request that a stop string ended (found by the output processor). A request that a length limit
+        ended in the same step is a stop too: its last token completed the stop string."""
+        request.stop_reason = stop_string
+        if request.finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def abort(self, requests: Iterable[Request]) -> None:
         for request in requests:

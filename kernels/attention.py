@@ -24,11 +24,12 @@ under Triton's interpreter (whose bf16 arithmetic is wrong) operands are upcast 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from asyncengine.kernels import interpreting
 
 LOG2E = 1.4426950408889634
 # Initial running max: finite, so a row that has seen no visible key yet never computes inf - inf.
@@ -365,10 +366,6 @@ def _decode_reduce_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -395,12 +392,12 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, kv_len_bound: int, num_s
 
 def _dot_f32(q: torch.Tensor) -> bool:
     """Products in float32: under the interpreter (bf16 arithmetic is wrong there) or for float32 inputs."""
-    return _interpreting() or q.dtype == torch.float32
+    return interpreting() or q.dtype == torch.float32
 
 
 def _precision() -> str:
     """Float32 products: exact under the interpreter; three tf32 passes (about float32 accuracy) on a GPU."""
-    return "ieee" if _interpreting() else "tf32x3"
+    return "ieee" if interpreting() else "tf32x3"
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables) -> None:

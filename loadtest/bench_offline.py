@@ -212,7 +212,7 @@ def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False, **sam
     # Every timed run starts cold: W1's ablations repeat W1's prompts and W4 its warm-up's, which the prefix
     # cache would otherwise serve (before session 4 it did, flattering those rows).
     llm.reset_prefix_cache()
-    hits_before = llm.engine.prefix_cache_hits
+    hits_before = llm.engine.stats().prefix_cache_hits
     timer = PhaseTimer(llm) if profile else None
     start = time.perf_counter()
     if timer is not None:
@@ -228,7 +228,7 @@ def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False, **sam
     res = dict(seconds=elapsed, requests=len(prompts), req_per_s=len(prompts) / elapsed,
                output_tok_per_s=out_tokens / elapsed, total_tok_per_s=(in_tokens + out_tokens) / elapsed,
                preemptions=llm.engine.scheduler.num_preemptions, steps=counter["steps"],
-               prefix_cache_hit_tokens=llm.engine.prefix_cache_hits - hits_before)
+               prefix_cache_hit_tokens=llm.engine.stats().prefix_cache_hits - hits_before)
     if timer is not None:
         res["profile"] = timer.summary(counter["steps"])
     return res

@@ -45,7 +45,7 @@ def assert_no_leaks(engine) -> None:
     """Every KV block free, nothing queued or running, no request state left behind."""
     assert not engine.scheduler.running, engine.scheduler.running
     assert not engine.scheduler.waiting, engine.scheduler.waiting
-    assert not engine.user_requests and not engine.children
+    assert not engine.output_processor.user_requests and not engine.output_processor.children
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks leaked"
     assert all(b.ref_count == 0 for b in bm.blocks)

@@ -34,7 +34,7 @@ async def collect(engine, prompt, params, request_id):
 async def settle(engine, timeout: float = 5.0) -> None:
     """Wait until the step loop has applied every abort and finished everything."""
     deadline = time.monotonic() + timeout
-    while engine.engine.has_unfinished_requests() or engine._pending_aborts:
+    while engine.client.has_unfinished_requests():
         assert time.monotonic() < deadline, "engine did not settle"
         await asyncio.sleep(0.01)
 
@@ -57,7 +57,7 @@ def test_output_kinds_and_equality_with_llm(engine, llama_dir):
     assert cumulative[-1].outputs[0].token_ids == expected.token_ids
     assert [len(o.outputs[0].token_ids) for o in cumulative] == sorted(len(o.outputs[0].token_ids) for o in cumulative)
     assert len(final) == 1 and final[0].outputs[0].text == expected.text
-    assert_no_leaks(engine.engine)
+    assert_no_leaks(engine.client.engine)
 
 
 def test_abort_and_request_id_reuse(engine):
@@ -70,7 +70,7 @@ def test_abort_and_request_id_reuse(engine):
                 await engine.abort("same")
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
         await settle(engine)
-        assert_no_leaks(engine.engine)
+        assert_no_leaks(engine.client.engine)
         again = await collect(engine, "Hello", SamplingParams(max_tokens=3, **GREEDY), "same")
         assert again[-1].outputs[0].finish_reason == "length"
 
@@ -90,13 +90,14 @@ def test_consumer_break_and_cancel_abort_and_free_blocks(engine):
                 pass
 
         task = asyncio.create_task(reader())
-        while "cnl" not in engine.engine.user_requests or not engine.engine.user_requests["cnl"].children[0].output_token_ids:
+        users = engine.client.engine.output_processor.user_requests
+        while "cnl" not in users or not users["cnl"].children[0].output_token_ids:
             await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await settle(engine, timeout=2.0)
-        assert_no_leaks(engine.engine)
+        assert_no_leaks(engine.client.engine)
 
     run(main())
 
@@ -112,8 +113,8 @@ def test_burst_of_100_cancelled_after_first_token(engine):
 
         await asyncio.gather(*(first_token_then_leave(i) for i in range(100)))
         await settle(engine)
-        assert engine.num_running == 0
-        assert_no_leaks(engine.engine)
+        assert engine.stats().num_running == 0
+        assert_no_leaks(engine.client.engine)
         start = time.monotonic()
         done = await collect(engine, "after", SamplingParams(max_tokens=4, **GREEDY), "after-burst")
         assert done[-1].finished and time.monotonic() - start < 5.0
@@ -182,7 +183,7 @@ def test_bad_input_raises_before_streaming(engine):
         run(collect(engine, [5] * 200, SamplingParams(max_tokens=4), "too-long"))
     with pytest.raises(ValueError, match=r"\(10 tokens\) \+ max_tokens \(200\)"):
         run(collect(engine, [5] * 10, SamplingParams(max_tokens=200), "too-many"))
-    assert_no_leaks(engine.engine)
+    assert_no_leaks(engine.client.engine)
 
 
 def test_queue_full_is_refused_at_once(llama_dir):
@@ -206,7 +207,7 @@ def test_queue_full_is_refused_at_once(llama_dir):
 def test_step_failure_kills_engine_and_reaches_every_reader(llama_dir):
     engine = AsyncLLMEngine(EngineConfig(model=str(llama_dir), max_model_len=64))
     calls = {"n": 0}
-    real_launch = engine.engine.launch
+    real_launch = engine.client.engine.launch
 
     def failing_launch(step):
         calls["n"] += 1
@@ -214,7 +215,7 @@ def test_step_failure_kills_engine_and_reaches_every_reader(llama_dir):
             raise RuntimeError("injected device fault")
         return real_launch(step)
 
-    engine.engine.launch = failing_launch
+    engine.client.engine.launch = failing_launch
 
     async def main():
         params = SamplingParams(max_tokens=50, output_kind=RequestOutputKind.DELTA, **GREEDY)
@@ -238,14 +239,15 @@ def test_shutdown_aborts_in_flight_requests(llama_dir):
     async def main():
         params = SamplingParams(max_tokens=120, output_kind=RequestOutputKind.DELTA, **GREEDY)
         task = asyncio.create_task(collect(engine, "Hello", params, "inflight"))
-        while not engine.engine.has_unfinished_requests() or engine.engine.children["inflight"].num_output_tokens < 2:
+        core = engine.client.engine
+        while not core.has_unfinished_requests() or core.output_processor.children["inflight"].num_output_tokens < 2:
             await asyncio.sleep(0.005)
         await engine.shutdown(timeout=0.0)
         outputs = await task
         assert outputs[-1].outputs[0].finish_reason == "abort"
         with pytest.raises(EngineDeadError):
             await collect(engine, "Hello", params, "late")
-        assert_no_leaks(engine.engine)
+        assert_no_leaks(engine.client.engine)
 
     run(main())
 

@@ -67,9 +67,9 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_compute_in_full(llama_dir):
     params = SamplingParams(max_tokens=2, temperature=0)
 
     def hits_of_one_run() -> int:
-        before = llm.engine.prefix_cache_hits
+        before = llm.engine.stats().prefix_cache_hits
         llm.generate([prompt], params, use_tqdm=False)
-        return llm.engine.prefix_cache_hits - before
+        return llm.engine.stats().prefix_cache_hits - before
 
     assert hits_of_one_run() == 0
     assert hits_of_one_run() == 32  # the repeat finds both full blocks

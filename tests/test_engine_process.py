@@ -26,7 +26,7 @@ def engines(llama_dir):
     yield remote, local
     asyncio.run(remote.shutdown())
     asyncio.run(local.shutdown())
-    assert not remote.engine.process.is_alive() and remote.engine.process.exitcode == 0
+    assert not remote.client.process.is_alive() and remote.client.process.exitcode == 0
 
 
 async def collect(engine, prompt, params, request_id=None):
@@ -35,7 +35,7 @@ async def collect(engine, prompt, params, request_id=None):
 
 async def settle(engine, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while engine.engine.has_unfinished_requests() or engine.num_running or engine.kv_cache_usage:
+    while engine.client.has_unfinished_requests() or engine.stats().num_running or engine.stats().kv_cache_usage:
         assert time.monotonic() < deadline, "the core did not settle"
         await asyncio.sleep(0.01)
 
@@ -67,7 +67,8 @@ def test_same_outputs_as_the_in_process_engine(engines):
         assert_same_samples(mine, theirs)
         assert mine[-1].finished and mine[-1].prompt_token_ids == theirs[-1].prompt_token_ids
         assert mine[-1].prompt == theirs[-1].prompt
-    assert remote.prefix_cache_queries > 0 and remote.num_running == 0 and remote.num_waiting == 0
+    stats = remote.stats()
+    assert stats.prefix_cache_queries > 0 and stats.num_running == 0 and stats.num_waiting == 0
 
 
 def test_delta_outputs_concatenate_to_the_final_text(engines):
@@ -94,12 +95,12 @@ def test_leaving_a_stream_aborts_the_request_in_the_core(engines):
             if len(seen) == 3:
                 break
         await settle(remote)
-        remote.engine.stats_listeners.remove(stats.append)
+        remote.client.stats_listeners.remove(stats.append)
         return stats
 
     stats = asyncio.run(main())
     assert len(seen) == 3 and not seen[-1].finished
-    assert remote.kv_cache_usage == 0 and not remote.engine.has_unfinished_requests()
+    assert remote.stats().kv_cache_usage == 0 and not remote.client.has_unfinished_requests()
     assert sum(s.prompt_tokens for s in stats) > 0 and sum(s.generation_tokens for s in stats) >= 3
 
 
@@ -150,7 +151,7 @@ def test_a_core_that_dies_fails_every_stream_and_the_engine(llama_dir):
         params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
         streams = [await engine.add_request(f"Prompt {i}", params) for i in range(3)]
         await streams[0].get()
-        engine.engine.process.kill()
+        engine.client.process.kill()
         for stream in streams:
             with pytest.raises(EngineDeadError, match="exited"):
                 while not (await asyncio.wait_for(stream.get(), 10)).finished:
@@ -183,7 +184,7 @@ def test_a_burst_between_two_steps_still_meets_max_queue_len(llama_dir):
         for stream in streams:
             outputs = [o async for o in engine.iterate(stream)]
             assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 30
-        assert engine.num_waiting == 0
+        assert engine.stats().num_waiting == 0
         await engine.add_request("c", params)  # room again
         await engine.shutdown()
 
@@ -192,14 +193,14 @@ def test_a_burst_between_two_steps_still_meets_max_queue_len(llama_dir):
 
 def test_a_core_gone_between_the_health_check_and_the_send_is_an_engine_dead_error(llama_dir, monkeypatch):
     engine = AsyncLLMEngine(EngineConfig(model=str(llama_dir), engine_process=True, **ENGINE_ARGS))
-    engine.engine.process.kill()
-    engine.engine.process.join(10)
-    monkeypatch.setattr(engine, "_notice_a_dead_engine_process", lambda: None)  # the health check saw it alive
+    engine.client.process.kill()
+    engine.client.process.join(10)
+    monkeypatch.setattr(engine.client, "check_alive", lambda: None)  # the health check saw it alive
 
     async def main():
         with pytest.raises(EngineDeadError, match="exited"):
             await engine.add_request("Hello", SamplingParams(max_tokens=4))
-        engine.engine.abort_request("any")  # sent to a core that is gone: nothing to abort, and no error
+        engine.client.abort_request(["any"])  # sent to a core that is gone: nothing to abort, and no error
 
     asyncio.run(main())
     asyncio.run(engine.shutdown())

@@ -134,4 +134,4 @@ def test_async_engine_with_lookahead_streams_the_same_text_and_survives_aborts()
         return results[: len(PROMPTS)]
 
     assert asyncio.run(main()) == expected
-    assert_no_leaks(engine.engine)
+    assert_no_leaks(engine.client.engine)

@@ -55,7 +55,7 @@ def _malloc_trim() -> None:
 
 def count_batch_sizes(engine) -> list[int]:
     """Wrap the engine's device step to record each step's number of sampling requests; returns the live list."""
-    core = engine.engine
+    core = engine.client.engine
     run = core.run
     sizes: list[int] = []
 

@@ -2,14 +2,16 @@
 with an error event and [DONE], /health and new requests get 503 at once, and the process exits with status 1 by
 itself within a few seconds (so a supervisor restarts it) instead of hanging.
 
-The fault comes from the CLI's test hook: ASYNCENGINE_FAULT_AFTER_STEPS=N makes the device step raise after N
-steps (see asyncengine/api/cli.py)."""
+The fault comes from tests/faulty_server.py, the CLI with LLMEngine.launch wrapped to raise after N steps (in the
+engine process too)."""
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,18 +19,17 @@ import pytest
 from test_server_cli import CLIServer
 
 from asyncengine.api.cli import ENGINE_DEAD_DRAIN, ENGINE_DEAD_LINGER, EXIT_ENGINE_DEAD
-from asyncengine.faults import FAULT_ENV
+from faulty_server import FAULT_ENV
 
 FAULT_AFTER_STEPS = 40
 NUM_STREAMS = 6
 
 
 def FaultyServer(log_dir, fault_after: int, engine_process: bool = False) -> CLIServer:
-    """`python -m asyncengine.api serve` (default model) with the fault hook set (in the engine's process with
-    --engine-process, which inherits the variable)."""
+    """`python tests/faulty_server.py serve` (default model): the CLI with a fault after `fault_after` steps."""
     extra = ("--engine-process",) if engine_process else ("--no-engine-process",)
     return CLIServer(None, "--max-model-len", "512", *extra, log_dir=log_dir, env={FAULT_ENV: str(fault_after)},
-                     num_kv_blocks=256)
+                     num_kv_blocks=256, launcher=[sys.executable, str(Path(__file__).with_name("faulty_server.py"))])
 
 
 def read_stream(url: str, body: dict, out: dict, first: threading.Event) -> None:

@@ -79,8 +79,8 @@ LOGITS = PROBS.log()
 DRAWS = 2000
 
 
-def make_request(params: SamplingParams, prompt=(3, 4), outputs=(), request_id="r") -> Request:
-    request = Request(request_id, list(prompt), params, max_tokens=1000)
+def make_request(params: SamplingParams, prompt=(3, 4), outputs=(), request_id="r", eos=()) -> Request:
+    request = Request(request_id, list(prompt), params, max_tokens=1000, eos_token_ids=frozenset(eos))
     for token in outputs:
         request.append_token(token)
     return request
@@ -227,21 +227,19 @@ def test_logit_bias_minus_100_removes_a_token_from_sampling():
 def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
     logits = torch.tensor([0.0, 9.0, 0.0, 0.0, 9.0, 0.5])  # EOS 1 and stop id 4 dominate
     params = SamplingParams(min_tokens=2, stop_token_ids=[4])
-    params._eos_token_ids = [1]
     for temperature in (0.0, 1.0):
         p = params.clone()
         p.temperature = temperature
-        early = make_request(p, outputs=[2])  # 1 of 2 generated so far: masked
+        early = make_request(p, outputs=[2], eos=[1])  # 1 of 2 generated so far: masked
         batch = SamplingBatch.build([early] * 500, 6, CPU)
         tokens = Sampler()(logits.repeat(500, 1), batch).token_ids
         assert not ((tokens == 1) | (tokens == 4)).any(), temperature
-        done = make_request(p, outputs=[2, 3])  # min_tokens reached: no longer masked
+        done = make_request(p, outputs=[2, 3], eos=[1])  # min_tokens reached: no longer masked
         batch = SamplingBatch.build([done] * 500, 6, CPU)
         tokens = Sampler()(logits.repeat(500, 1), batch).token_ids
         assert ((tokens == 1) | (tokens == 4)).float().mean() > 0.9, temperature
     ignoring = SamplingParams(min_tokens=2, stop_token_ids=[4], ignore_eos=True)
-    ignoring._eos_token_ids = [1]
-    batch = SamplingBatch.build([make_request(ignoring)], 6, CPU)
+    batch = SamplingBatch.build([make_request(ignoring, eos=[1])], 6, CPU)
     assert batch.banned[0][1].tolist() == [4]  # with ignore_eos, EOS is no stop: nothing to hold back
 
 

@@ -255,12 +255,12 @@ def test_request_aborted_during_a_step_gets_no_token():
 def test_update_finishes_on_eos_stop_token_and_length_but_not_before_min_tokens():
     sched = make_scheduler(max_model_len=12)
     eos = make_request("eos", 3, max_tokens=10)
-    eos.params._eos_token_ids = [1]
+    eos.eos_token_ids = frozenset([1])
     ignored = make_request("ignored", 3, max_tokens=10, ignore_eos=True)
-    ignored.params._eos_token_ids = [1]
+    ignored.eos_token_ids = frozenset([1])
     stop_id = make_request("stop_id", 3, max_tokens=10, stop_token_ids=[9])
     early = make_request("early", 3, max_tokens=10, min_tokens=2)
-    early.params._eos_token_ids = [1]
+    early.eos_token_ids = frozenset([1])
     long = make_request("long", 3, max_tokens=50)  # runs into max_model_len = 12
     for r in (eos, ignored, stop_id, early, long):
         sched.add(r)
@@ -295,7 +295,7 @@ def run_random_workload(lookahead: bool) -> dict:
         if i % 3 == 0:
             request.token_ids[:12] = [7] * min(12, request.num_prompt_tokens)
         if i % 4 == 1:  # EOS at the third output token: under lookahead, a step is in flight when it is booked
-            request.params._eos_token_ids = [(sum(request.prompt_token_ids) + request.num_prompt_tokens + 2) % 300 + 10]
+            request.eos_token_ids = frozenset([(sum(request.prompt_token_ids) + request.num_prompt_tokens + 2) % 300 + 10])
         requests.append(request)
     pending, in_flight = list(requests), None
     for _ in range(1000):

@@ -30,10 +30,11 @@ class CLIServer:
     """`python -m asyncengine.api serve ...` in a subprocess; reads the bound URL from its first stdout line."""
 
     def __init__(self, model: Path | None, *args: str, log_dir: Path, env: dict | None = None,
-                 num_kv_blocks: int = 600):
-        """model None: the embedded default model. env: extra environment variables for the server."""
+                 num_kv_blocks: int = 600, launcher: list[str] | None = None):
+        """model None: the embedded default model. env: extra environment variables for the server. launcher:
+        the command before `serve` (default: python -m asyncengine.api)."""
         self.log = open(log_dir / "server.log", "w+b")
-        cmd = [sys.executable, "-m", "asyncengine.api", "serve", *([str(model)] if model else []), "--host",
+        cmd = [*(launcher or [sys.executable, "-m", "asyncengine.api"]), "serve", *([str(model)] if model else []), "--host",
                "127.0.0.1", "--port", "0", "--num-kv-blocks", str(num_kv_blocks), "--log-level", "warning", *args]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                **(env or {})}

@@ -146,9 +146,9 @@ def test_full_queue_is_429_at_once(llama_dir):
         body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=30) as c1, httpx.Client(timeout=30) as c2:
             with c1.stream("POST", srv.url + "/v1/completions", json=body) as running:
-                wait_until(lambda: srv.engine.num_running == 1, 5)
+                wait_until(lambda: srv.engine.stats().num_running == 1, 5)
                 with c2.stream("POST", srv.url + "/v1/completions", json=body) as waiting:
-                    wait_until(lambda: srv.engine.num_waiting == 1, 5)
+                    wait_until(lambda: srv.engine.stats().num_waiting == 1, 5)
                     start = time.monotonic()
                     refused = post(srv, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
                     assert time.monotonic() - start < 1.0

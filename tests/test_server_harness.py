@@ -88,10 +88,9 @@ class ServerThread:
     def engine_idle(self) -> bool:
         """No request left anywhere in the engine, and every KV block free."""
         def check():
-            core = self.engine.engine  # an LLMEngine, or the client of an engine process (its last snapshot)
-            return (self.engine.num_unfinished_requests == 0 and not core.has_unfinished_requests()
-                    and self.engine.num_running == 0 and self.engine.num_waiting == 0
-                    and self.engine.kv_cache_usage == 0)
+            stats = self.engine.stats()  # an engine process's: its last snapshot
+            return (self.engine.num_unfinished_requests == 0 and not self.engine.client.has_unfinished_requests()
+                    and stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0)
 
         return self.on_loop(check)
 

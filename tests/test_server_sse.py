@@ -62,7 +62,7 @@ def test_error_before_streaming_is_a_plain_json_error(server):  # noqa: F811
 def slow_execute(engine, delay: float, fail_after: int | None = None):
     """Wrap the engine's device step (`LLMEngine.run`, formerly `execute`): sleep `delay` s per step; raise after
     `fail_after` steps. Returns the live call count."""
-    core = engine.engine
+    core = engine.client.engine
     name = "run" if hasattr(core, "run") else "execute"
     original = getattr(core, name)
     calls = {"n": 0}

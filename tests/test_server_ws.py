@@ -102,7 +102,7 @@ def test_closing_the_socket_aborts_everything_it_started(llama_dir, requests):
             for i in range(requests):
                 ws.send(json.dumps({"id": i, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True}))
             json.loads(ws.recv(timeout=10))
-            wait_until(lambda: srv.engine.num_running == requests, 5)
+            wait_until(lambda: srv.engine.stats().num_running == requests, 5)
         closed_at = calls["n"]
         wait_until(srv.engine_idle, 5)
         assert calls["n"] - closed_at <= 5
