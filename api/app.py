@@ -5,6 +5,7 @@
     GET  /v1/models, /version, /metrics, /openapi.json
     POST /tokenize, /detokenize                    vLLM's shapes
     GET  /health                                   200, or 503 when the engine is dead or the server stopping
+    GET  /, /ui/...                                the chat page (api/static/; `ui=False` leaves it out)
 
 Lifecycle: `ServerState` counts in-flight generations. `await app.state.server.shutdown(timeout)` refuses new
 requests (503), lets in-flight ones finish for up to `timeout` seconds, aborts the rest (their streams end with
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 import msgspec
@@ -24,11 +26,12 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 import asyncengine
-from asyncengine.api.auth import APIKeyMiddleware
+from asyncengine.api.auth import APIKeyMiddleware, WebSocketOriginMiddleware
 from asyncengine.api.errors import APIError, bad_request, from_decode_error, unavailable
 from asyncengine.api.inputs import chat_prompt
 from asyncengine.api.metrics import Metrics
@@ -267,6 +270,28 @@ async def _until_disconnect(request: Request, work):
     return task.result()
 
 
+# The chat page is plain files (api/static/), shipped as package data. It must load without a key (it asks for
+# one); the CSP keeps it to its own origin, so it works offline and cannot pull in anything from elsewhere.
+_PAGE_HEADERS = {
+    "content-security-policy": "default-src 'self'; connect-src 'self'; img-src 'self' data:; "
+                               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "x-content-type-options": "nosniff",
+    "cache-control": "no-cache",
+}
+_UI_PREFIX = "/ui/"
+
+
+def _chat_page_routes() -> list:
+    """`/` (the page) and `/ui/*` (its script and style sheet)."""
+    static = StaticFiles(packages=[("asyncengine.api", "static")])
+    page = (Path(static.all_directories[0]) / "index.html").read_bytes()
+
+    async def index(request: Request) -> Response:
+        return Response(page, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
+
+    return [Route("/", index, methods=["GET"]), Mount(_UI_PREFIX.rstrip("/"), app=static)]
+
+
 async def _api_error(request, exc: APIError) -> Response:
     return exc.response()
 
@@ -287,12 +312,15 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ping_interval: Optional[float] = DEFAULT_PING_INTERVAL,
     max_ws_requests: int = DEFAULT_MAX_WS_REQUESTS,
+    ui: bool = True,
+    allowed_origins: Optional[Sequence[str]] = None,
 ) -> Starlette:
     """The OpenAI-compatible app over `engine` (which it does not own: shut the engine down yourself).
 
     served_model_name: the name(s) clients use as `model` (default: the engine's model name); the first is the
     one reported. api_key: required as a Bearer token on every route except /health. ping_interval: seconds of
-    silence after which an SSE stream gets a `: ping` comment (None: never).
+    silence after which an SSE stream gets a `: ping` comment (None: never). ui: serve the chat page at `/`.
+    allowed_origins: the Origins a WebSocket handshake may come from ("*": any; None: no check), see auth.py.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [engine.model_name]
@@ -312,8 +340,13 @@ def create_app(
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/openapi.json", routes.openapi, methods=["GET"]),
             WebSocketRoute("/v1/ws", routes.websocket),
+            *(_chat_page_routes() if ui else []),
         ],
-        middleware=[Middleware(APIKeyMiddleware, api_key=api_key)],
+        middleware=[
+            Middleware(WebSocketOriginMiddleware, allowed_origins=allowed_origins),
+            Middleware(APIKeyMiddleware, api_key=api_key, exempt_paths=("/health", "/") if ui else ("/health",),
+                       exempt_prefixes=(_UI_PREFIX,) if ui else ()),
+        ],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
     )
     app.state.server = state

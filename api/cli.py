@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest request body (and WebSocket message)")
     server.add_argument("--ping-interval", type=float, default=DEFAULT_PING_INTERVAL,
                         help="seconds of silence before an SSE ': ping' comment (0: never)")
+    server.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = serve.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
@@ -202,7 +203,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"asyncengine: error: {exc}", file=sys.stderr)
         return 2
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
-                     max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None)
+                     max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None,
+                     ui=not args.no_ui)
     print(f"asyncengine serving on {url_of(sock)}", flush=True)
     return _run(_serve_until_signal(app, engine, sock, args))
 

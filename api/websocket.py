@@ -9,6 +9,8 @@ Server -> client:
     An error for one request is {"id": <id>, "type": "error", "error": {...}}, then its "done"; the socket stays
     open. A message refused before it becomes a request (no id, an id already in flight, too many requests on
     this connection, unreadable JSON) gets the error only, with "id": null when none could be read.
+Subprotocol: a client that offers `asyncengine.v1` (browsers authenticate with `Sec-WebSocket-Protocol:
+asyncengine.v1, bearer.<key>`, see auth.py) gets it back as the selected subprotocol; the `bearer.` one never is.
 Closing the socket aborts every request it started. On server shutdown the socket is closed with code 1001 once
 in-flight requests have finished or been aborted.
 """
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 ClientId = Union[str, int]
 _KINDS = {"completion": CompletionRequest, "chat.completion": ChatCompletionRequest}
 _MAX_ID_CHARS = 256
+SUBPROTOCOL = "asyncengine.v1"
 
 
 class _Closed(Exception):
@@ -59,7 +62,8 @@ class WebSocketSession:
         self._closed = False
 
     async def run(self) -> None:
-        await self.ws.accept()
+        offered = self.ws.scope.get("subprotocols") or []
+        await self.ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
         closing = asyncio.ensure_future(self.state.closing.wait())
         try:
             await self._read_loop(closing)
