@@ -17,7 +17,9 @@ import os
 import re
 import shutil
 import signal
-import time
+import socket
+import struct
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from asyncengine.config import default_model_path
 pytestmark = pytest.mark.timeout(240)
 
 API_KEY = "webui-test-key.0123"
-MODEL_NAME = "asyncengine-default-never-ending"
+MODEL_NAME = "asyncengine-default-no-eot"
 SCREENSHOT = Path(__file__).parent.parent / "docs" / "chat-page.png"
 END_TOKENS = (1, 5)  # <|end_of_text|>, <|eot_id|> (asyncengine/default_model/SOURCE.md)
 ANSWER_TIMEOUT = 90.0  # seconds; the shared 2-core test machine decodes a few dozen tokens per second here
@@ -80,9 +82,9 @@ def chat_server(never_ending_model, tmp_path_factory):
         stop_server(server)
 
 
-def start_server(model: Path, log_dir: Path, port: int = 0) -> CLIServer:
+def start_server(model: Path, log_dir: Path) -> CLIServer:
     return CLIServer(model, "--api-key", API_KEY, "--served-model-name", MODEL_NAME, "--max-model-len", "2048",
-                     "--port", str(port), log_dir=log_dir)  # the last --port wins over CLIServer's "--port 0"
+                     log_dir=log_dir)
 
 
 def stop_server(server: CLIServer) -> None:
@@ -112,7 +114,7 @@ def browser(tmp_path_factory):
     options = webdriver.ChromeOptions()
     options.binary_location = binary
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1000,720", "--no-first-run", "--disable-extensions",
+                "--window-size=1200,720", "--no-first-run", "--disable-extensions",
                 f"--user-data-dir={tmp_path_factory.mktemp('chromium_profile')}"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
@@ -151,11 +153,12 @@ def wait_for(driver, condition, timeout: float = 20.0, message: str = ""):
     return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d), message)
 
 
-def open_page(driver, server, *, forget_key: bool = False) -> None:
-    driver.get(server.url + "/")
-    if forget_key:
-        driver.execute_script("sessionStorage.clear()")
-        driver.get(server.url + "/")
+def open_page(driver, url: str, key: str | None = None) -> None:
+    """Load the chat page at `url` with `key` already in its sessionStorage (None: no key kept)."""
+    driver.get(url + "/")
+    driver.execute_script("sessionStorage.clear(); if (arguments[0] !== null) "
+                          "sessionStorage.setItem('asyncengine.apiKey', arguments[0]);", key)
+    driver.get(url + "/")
 
 
 def key_dialog_open(driver) -> bool:
@@ -186,7 +189,10 @@ def ask(driver, text: str) -> None:
 
     driver.execute_script(RECORDER)
     prompt = by_css(driver, "#prompt")
-    prompt.send_keys(text)
+    if len(text) > 200:  # typing key by key would take most of a minute
+        driver.execute_script("arguments[0].value = arguments[1]", prompt, text)
+    else:
+        prompt.send_keys(text)
     prompt.send_keys(Keys.ENTER)
 
 
@@ -214,7 +220,7 @@ def metrics(server) -> dict[str, float]:
 # -- the tests ------------------------------------------------------------------------------------------------------
 def test_page_asks_for_the_key_once_and_streams_answers_in_a_conversation(chat_server, browser, tmp_path):
     with screenshot_on_failure(browser, tmp_path):
-        open_page(browser, chat_server, forget_key=True)
+        open_page(browser, chat_server.url)
         enter_key(browser, API_KEY)
         wait_connected(browser)
         assert browser.execute_script("return sessionStorage.getItem('asyncengine.apiKey')") == API_KEY
@@ -260,7 +266,7 @@ def test_page_asks_for_the_key_once_and_streams_answers_in_a_conversation(chat_s
 
 def test_stop_ends_a_long_answer_and_frees_the_engine(chat_server, browser, tmp_path):
     with screenshot_on_failure(browser, tmp_path):
-        open_page(browser, chat_server)
+        open_page(browser, chat_server.url, API_KEY)
         wait_connected(browser)
         set_field(browser, "#max-tokens", "1500")
         ask(browser, "Tell me a long story.")
@@ -291,7 +297,7 @@ ws.onclose = () => done("refused");
 def test_a_wrong_key_shows_an_authentication_error_and_reaches_no_engine(chat_server, browser, tmp_path):
     with screenshot_on_failure(browser, tmp_path):
         before = metrics(chat_server)
-        open_page(browser, chat_server, forget_key=True)
+        open_page(browser, chat_server.url)
         enter_key(browser, "not-the-key")
         wait_for(browser, lambda d: by_css(d, "#key-error").is_displayed(), message="no authentication error shown")
         assert by_css(browser, "#key-error").text == "Authentication failed: the server refused this API key."
@@ -308,11 +314,78 @@ def test_a_wrong_key_shows_an_authentication_error_and_reaches_no_engine(chat_se
         wait_connected(browser)
 
 
-def test_errors_show_as_messages_and_a_dropped_connection_reconnects(chat_server, never_ending_model, browser,
-                                                                    tmp_path):
-    """Last in this module: it kills the module's server (and starts another on the same port)."""
+class TCPProxy:
+    """127.0.0.1:<ephemeral port> forwarded to `target`, so a test can cut the network under a live page.
+
+    `drop()` resets every open connection (as a failed network would) and refuses new ones until `restore()`.
+    """
+
+    def __init__(self, target_url: str):
+        host, port = target_url.split("://", 1)[1].rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.refusing = False
+        self.open: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, name="test-proxy", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            if self.refusing:
+                _reset(client)
+                continue
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.open.update((client, upstream))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                _reset(sock)
+                with self.lock:
+                    self.open.discard(sock)
+
+    def drop(self) -> None:
+        self.refusing = True
+        with self.lock:
+            for sock in list(self.open):
+                _reset(sock)
+            self.open.clear()
+
+    def restore(self) -> None:
+        self.refusing = False
+
+    def close(self) -> None:
+        self.drop()
+        self.listener.close()
+
+
+def _reset(sock: socket.socket) -> None:
+    """Cut the connection: shutdown wakes the thread blocked in recv() on it (close alone would not), and with
+    SO_LINGER 0 the close sends a TCP reset rather than a polite FIN."""
+    for cut in (lambda: sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)),
+                lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+        try:
+            cut()
+        except OSError:
+            pass
+
+
+def test_errors_show_as_messages_and_a_dropped_connection_reconnects(chat_server, browser, tmp_path):
     with screenshot_on_failure(browser, tmp_path):
-        open_page(browser, chat_server)
+        open_page(browser, chat_server.url, API_KEY)
         wait_connected(browser)
         set_field(browser, "#max-tokens", "4")
         ask(browser, "word " * 2100)  # more tokens than --max-model-len
@@ -320,23 +393,26 @@ def test_errors_show_as_messages_and_a_dropped_connection_reconnects(chat_server
         assert answer.get_attribute("data-state") == "failed"
         assert "The request was refused" in answer.text and "max_model_len" in answer.text, answer.text
 
-        set_field(browser, "#max-tokens", "1500")
-        ask(browser, "Speak on.")
-        wait_for(browser, lambda d: last_answer(d).find_element("css selector", ".body").text, ANSWER_TIMEOUT)
-        port = int(chat_server.url.rsplit(":", 1)[1])
-        chat_server.proc.kill()  # the connection drops mid-answer
-        chat_server.proc.wait(10)
-        answer = wait_answer_finished(browser, timeout=10)
-        assert answer.get_attribute("data-state") == "failed" and "Connection lost" in answer.text, answer.text
-        wait_for(browser, lambda d: "reconnecting" in by_css(d, "#banner").text, 10)
-        assert by_css(browser, "#send").get_attribute("disabled") is not None
-
-        restarted = start_server(never_ending_model, tmp_path, port)
+        proxy = TCPProxy(chat_server.url)
         try:
-            wait_connected(browser, timeout=30)  # the page reconnects by itself, with the key it kept
+            open_page(browser, proxy.url, API_KEY)
+            wait_connected(browser)
+            set_field(browser, "#max-tokens", "1500")
+            ask(browser, "Speak on.")
+            wait_for(browser, lambda d: last_answer(d).find_element("css selector", ".body").text, ANSWER_TIMEOUT)
+            proxy.drop()  # the network fails mid-answer
+            answer = wait_answer_finished(browser, timeout=10)
+            assert answer.get_attribute("data-state") == "failed" and "Connection lost" in answer.text, answer.text
+            wait_for(browser, lambda d: "reconnecting" in by_css(d, "#banner").text, 10)
+            assert by_css(browser, "#send").get_attribute("disabled") is not None
+            # the server saw the socket go and aborted its request
+            wait_until(lambda: metrics(chat_server)["vllm:num_requests_running"] == 0, 5.0)
+
+            proxy.restore()
+            wait_connected(browser, timeout=15)  # the page reconnects by itself, with the key it kept
             assert not by_css(browser, "#banner").is_displayed()
             set_field(browser, "#max-tokens", "3")
             ask(browser, "Again?")
             assert wait_answer_finished(browser).get_attribute("data-state") == "done"
         finally:
-            stop_server(restarted)
+            proxy.close()
