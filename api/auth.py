@@ -82,7 +82,8 @@ class WebSocketOriginMiddleware:
         origin = _header(scope, b"origin")
         if origin is None or _normal_origin(origin.decode("latin-1")) in self.allowed:
             return await self.app(scope, receive, send)
-        error = APIError(403, "this WebSocket's Origin is not allowed (see --allowed-origins)", code="origin_not_allowed")
+        error = APIError(403, "this WebSocket's Origin is not allowed (see --allowed-origins)",
+                         code="origin_not_allowed")
         await refuse_websocket(scope, receive, send, error)
 
 
@@ -92,14 +93,18 @@ def _normal_origin(origin: str) -> str:
 
 
 def _without_bearer_subprotocols(scope) -> tuple[dict, list[bytes]]:
-    """The scope without its `bearer.<key>` subprotocols, and the keys they carried."""
+    """The scope without its `bearer.<key>` subprotocols (in `subprotocols` and in the Sec-WebSocket-Protocol
+    header), and the keys they carried."""
     offered = scope.get("subprotocols") or []
     keys = [p[len(BEARER_SUBPROTOCOL_PREFIX):].encode("utf-8", "replace") for p in offered
             if p.startswith(BEARER_SUBPROTOCOL_PREFIX)]
     if not keys:
         return scope, []
     kept = [p for p in offered if not p.startswith(BEARER_SUBPROTOCOL_PREFIX)]
-    return {**scope, "subprotocols": kept}, keys
+    headers = [(name, value) for name, value in scope.get("headers", ()) if name != b"sec-websocket-protocol"]
+    if kept:
+        headers.append((b"sec-websocket-protocol", ", ".join(kept).encode("latin-1")))
+    return {**scope, "subprotocols": kept, "headers": headers}, keys
 
 
 def _route_path(scope) -> str:

@@ -15,7 +15,7 @@ import websockets.sync.client as ws_client
 from test_server_harness import MAX_MODEL_LEN, ServerThread, ws_collect
 
 from asyncengine.api import create_app
-from asyncengine.api.auth import WebSocketOriginMiddleware
+from asyncengine.api.auth import APIKeyMiddleware, WebSocketOriginMiddleware
 from asyncengine.api.cli import build_parser
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.config import EngineConfig
@@ -129,6 +129,25 @@ def test_origin_check_is_off_without_allowed_origins_and_star_allows_all():
     assert origin_verdict(["*"], "https://any.example") == "app"
     assert origin_verdict([], "https://any.example") == 403
     assert origin_verdict([], None) == "app"
+
+
+def test_the_app_never_sees_the_key_from_the_subprotocol():
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope)
+
+    async def run(api_key):
+        scope = {"type": "websocket", "path": "/v1/ws", "subprotocols": ["asyncengine.v1", f"bearer.{KEY}"],
+                 "headers": [(b"host", b"x"), (b"sec-websocket-protocol", f"asyncengine.v1, bearer.{KEY}".encode())]}
+        await APIKeyMiddleware(app, api_key)(scope, None, None)
+
+    for api_key in (KEY, None):  # stripped whether or not the server checks keys
+        asyncio.run(run(api_key))
+    assert len(seen) == 2
+    for scope in seen:
+        assert scope["subprotocols"] == ["asyncengine.v1"] and KEY not in repr(scope)
+        assert (b"sec-websocket-protocol", b"asyncengine.v1") in scope["headers"]
 
 
 def test_the_chat_page_loads_without_a_key_and_everything_else_still_needs_one(server):

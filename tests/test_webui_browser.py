@@ -25,7 +25,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 from test_server_cli import CLIServer
 from test_server_harness import wait_until
