@@ -12,8 +12,10 @@ Exempt paths (default: /health, for load balancers) and path prefixes (the chat 
 
 WebSocketOriginMiddleware, with allowed_origins set: a WebSocket handshake whose `Origin` header is not in the
 list is refused (403). Browsers do not apply CORS to WebSockets, so without this check any web page a user visits
-could open a socket to the server; "*" allows every origin. A handshake without `Origin` passes: only browsers
-send it, and a non-browser client could send any value anyway.
+could open a socket to the server; "*" allows every origin. Two handshakes always pass: one without `Origin`
+(only browsers send it, and a non-browser client could send any value anyway), and a same-origin one, whose
+`Origin` names the host it connects to (the `Host` header): the server's own chat page, as same-origin HTTP
+requests pass CORS.
 
 Refusals: HTTP 401 / 403 with OpenAI's envelope; a WebSocket handshake is refused with an HTTP response when the
 server supports the `websocket.http.response` extension (hypercorn does), else closed with code 1008.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import hmac
 from typing import Iterable, Optional, Sequence
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from asyncengine.api.errors import APIError
 
@@ -80,11 +82,17 @@ class WebSocketOriginMiddleware:
         if self.allowed is None or scope["type"] != "websocket" or "*" in self.allowed:
             return await self.app(scope, receive, send)
         origin = _header(scope, b"origin")
-        if origin is None or _normal_origin(origin.decode("latin-1")) in self.allowed:
+        if origin is None or self._allowed(origin.decode("latin-1"), _header(scope, b"host")):
             return await self.app(scope, receive, send)
         error = APIError(403, "this WebSocket's Origin is not allowed (see --allowed-origins)",
                          code="origin_not_allowed")
         await refuse_websocket(scope, receive, send, error)
+
+
+    def _allowed(self, origin: str, host: Optional[bytes]) -> bool:
+        origin = _normal_origin(origin)
+        same_origin = host is not None and urlsplit(origin).netloc == host.decode("latin-1").strip().lower()
+        return same_origin or origin in self.allowed
 
 
 def _normal_origin(origin: str) -> str:

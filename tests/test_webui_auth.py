@@ -88,10 +88,12 @@ def test_a_key_in_both_places_must_be_right_in_both(server):
 
 def test_the_origin_must_be_allowed_when_allowed_origins_is_set(server):
     right = {"subprotocols": ["asyncengine.v1", f"bearer.{KEY}"]}
-    for origin in (ALLOWED, "HTTPS://Chat.Example/", "http://localhost:8000", None):  # None: not a browser
+    same_origin = server.url  # the server's own page (the Host header names the same host and port)
+    for origin in (ALLOWED, "HTTPS://Chat.Example/", "http://localhost:8000", same_origin, None):  # None: no browser
         with connect(server, origin=origin, **right) as ws:
             assert_serves(ws)
-    for origin in ("https://evil.example", "http://localhost:8001", "https://chat.example.evil", "null"):
+    for origin in ("https://evil.example", "http://localhost:8001", "https://chat.example.evil", "null",
+                   server.url.replace("127.0.0.1", "127.0.0.2")):
         status, error = refusal(server, origin=origin, **right)
         assert (status, error["code"]) == (403, "origin_not_allowed"), origin
     # checked before the key: a page from another origin learns nothing about keys
@@ -129,6 +131,7 @@ def test_origin_check_is_off_without_allowed_origins_and_star_allows_all():
     assert origin_verdict(["*"], "https://any.example") == "app"
     assert origin_verdict([], "https://any.example") == 403
     assert origin_verdict([], None) == "app"
+    assert origin_verdict([], "http://x") == "app"  # same origin: its Host header is "x"
 
 
 def test_the_app_never_sees_the_key_from_the_subprotocol():

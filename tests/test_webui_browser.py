@@ -27,7 +27,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 from test_server_cli import CLIServer
-from test_server_harness import wait_until
+from test_server_harness import ServerThread, wait_until
 
 from asyncengine.config import default_model_path
 
@@ -415,3 +415,18 @@ def test_errors_show_as_messages_and_a_dropped_connection_reconnects(chat_server
             assert wait_answer_finished(browser).get_attribute("data-state") == "done"
         finally:
             proxy.close()
+
+
+def test_without_a_key_the_page_does_not_ask_and_its_own_origin_is_always_allowed(llama_dir, browser, tmp_path):
+    # allowed_origins names another site only: the page's socket is same-origin, which always passes
+    with ServerThread(llama_dir, app_kwargs={"allowed_origins": ["https://elsewhere.example"]}) as server:
+        with screenshot_on_failure(browser, tmp_path):
+            open_page(browser, server.url)
+            wait_connected(browser)
+            assert not key_dialog_open(browser) and not by_css(browser, "#change-key").is_displayed()
+            set_field(browser, "#max-tokens", "5")
+            ask(browser, "Hello")
+            answer = wait_answer_finished(browser)
+            assert answer.get_attribute("data-state") == "done", answer.text
+            tokens = int(re.search(r"(\d+) tokens", answer.find_element("css selector", ".stats").text).group(1))
+            assert 1 <= tokens <= 5
