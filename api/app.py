@@ -318,9 +318,10 @@ def create_app(
     """The OpenAI-compatible app over `engine` (which it does not own: shut the engine down yourself).
 
     served_model_name: the name(s) clients use as `model` (default: the engine's model name); the first is the
-    one reported. api_key: required as a Bearer token on every route except /health. ping_interval: seconds of
-    silence after which an SSE stream gets a `: ping` comment (None: never). ui: serve the chat page at `/`.
-    allowed_origins: the Origins a WebSocket handshake may come from ("*": any; None: no check), see auth.py.
+    one reported. api_key: required on every route except /health and the chat page (see auth.py).
+    ping_interval: seconds of silence after which an SSE stream gets a `: ping` comment (None: never).
+    ui: serve the chat page at `/`. allowed_origins: the Origins a WebSocket handshake may come from besides the
+    server's own ("*": any; None: no check), see auth.py.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [engine.model_name]
