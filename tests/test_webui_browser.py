@@ -28,6 +28,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from test_server_cli import CLIServer
 from test_server_harness import ServerThread, wait_until
+from test_server_sse import slow_execute
 
 from asyncengine.config import default_model_path
 
@@ -417,9 +418,10 @@ def test_errors_show_as_messages_and_a_dropped_connection_reconnects(chat_server
             proxy.close()
 
 
-def test_without_a_key_the_page_does_not_ask_and_its_own_origin_is_always_allowed(llama_dir, browser, tmp_path):
+def test_without_a_key_the_page_does_not_ask_and_a_full_queue_shows_as_busy(llama_dir, browser, tmp_path):
     # allowed_origins names another site only: the page's socket is same-origin, which always passes
-    with ServerThread(llama_dir, app_kwargs={"allowed_origins": ["https://elsewhere.example"]}) as server:
+    with ServerThread(llama_dir, app_kwargs={"allowed_origins": ["https://elsewhere.example"]}, max_num_seqs=1,
+                      max_queue_len=1) as server:
         with screenshot_on_failure(browser, tmp_path):
             open_page(browser, server.url)
             wait_connected(browser)
@@ -430,3 +432,18 @@ def test_without_a_key_the_page_does_not_ask_and_its_own_origin_is_always_allowe
             assert answer.get_attribute("data-state") == "done", answer.text
             tokens = int(re.search(r"(\d+) tokens", answer.find_element("css selector", ".stats").text).group(1))
             assert 1 <= tokens <= 5
+
+            # other clients hold the only running slot and the only waiting one for a few seconds ...
+            slow_execute(server.engine, 0.02)
+            body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+            occupants = [threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),
+                                          kwargs={"json": body, "timeout": 60}, daemon=True) for _ in range(2)]
+            for occupant in occupants:
+                occupant.start()
+            wait_until(lambda: (server.engine.num_running, server.engine.num_waiting) == (1, 1), 10)
+            ask(browser, "Are you there?")  # ... so the page's request is refused with 429
+            answer = wait_answer_finished(browser)
+            assert answer.get_attribute("data-state") == "failed"
+            assert answer.find_element("css selector", ".error").text.startswith("The server is busy: "), answer.text
+            for occupant in occupants:
+                occupant.join(30)
