@@ -440,7 +440,7 @@ def test_without_a_key_the_page_does_not_ask_and_a_full_queue_shows_as_busy(llam
                                           kwargs={"json": body, "timeout": 60}, daemon=True) for _ in range(2)]
             for occupant in occupants:
                 occupant.start()
-            wait_until(lambda: (server.engine.num_running, server.engine.num_waiting) == (1, 1), 10)
+            wait_until(lambda: (server.engine.stats().num_running, server.engine.stats().num_waiting) == (1, 1), 10)
             ask(browser, "Are you there?")  # ... so the page's request is refused with 429
             answer = wait_answer_finished(browser)
             assert answer.get_attribute("data-state") == "failed"
