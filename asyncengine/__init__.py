@@ -18,7 +18,7 @@ from asyncengine.config import EngineConfig, default_model_path  # noqa: E402
 from asyncengine.engine import LLMEngine  # noqa: E402
 from asyncengine.llm import LLM  # noqa: E402
 from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from asyncengine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "LLMEngine",
     "EngineConfig",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",

@@ -204,6 +204,8 @@ class AsyncLLMEngine:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         prompt_ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        if params.structured_outputs is not None:  # compile (cached) off the loop; ValueError if it cannot
+            await asyncio.get_running_loop().run_in_executor(None, self.client.check_structured_outputs, params)
         self.client.start(asyncio.get_running_loop(), self._deliver_all, self._fail_all)
         try:
             self.client.add_request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
@@ -28,14 +29,16 @@ from asyncengine.config import EngineConfig, load_model_config, resolve_max_mode
 from asyncengine.model_runner import LaunchedStep, ModelRunner, StepInputs, StepResult
 from asyncengine.output_processor import OutputProcessor, UserRequest
 from asyncengine.outputs import RequestOutput
-from asyncengine.request import Request, validate_request
+from asyncengine.request import Request, RequestStatus, validate_request
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduler import Scheduler, SchedulerOutput
+from asyncengine.structured_output import RequestGrammar, StructuredOutputManager
 from asyncengine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list[int]]
+GRAMMAR_POLL_S = 0.005  # with nothing to run but requests awaiting their grammar, wait this long for one
 
 
 @dataclass
@@ -95,6 +98,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill, config.min_prefill_batch)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.stop)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
+        self.awaiting_grammar: list[Request] = []  # constrained requests whose grammar is compiling (not scheduled)
         self.stats_listeners: list[Callable[[StepStats], None]] = []
         self._stats = StepStats()  # observations since the last emit
         self._ids = itertools.count()
@@ -132,13 +137,23 @@ class LLMEngine:
         the scheduler. ValueError for a request id that is in use. `params` is not modified."""
         if request_id in self.output_processor.user_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        compiled = None
+        if params.structured_outputs is not None:  # compiles in the background; a failure known now is raised now
+            compiled = self.structured.submit(params.structured_outputs)
+            if compiled.done() and compiled.exception() is not None:
+                raise compiled.exception()
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_token_ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = [self._make_child(request_id, i, params, prompt_token_ids, max_tokens, arrival)
                     for i in range(params.n)]
+        for child in children if compiled is not None else ():
+            child.grammar = RequestGrammar(compiled)  # one matcher per child, one compiled grammar
         self.output_processor.add(UserRequest(request_id, prompt, prompt_token_ids, params.output_kind, children))
         for child in children:
-            self.scheduler.add(child)
+            if child.grammar is not None and not child.grammar.ready:
+                self.awaiting_grammar.append(child)  # scheduled once compiled (_admit_compiled)
+            else:
+                self.scheduler.add(child)
 
     def _make_child(self, parent_id, index, params, prompt_ids, max_tokens, arrival) -> Request:
         child_params = params
@@ -153,6 +168,32 @@ class LLMEngine:
         child.detokenizer = IncrementalDetokenizer(self.tokenizer, len(prompt_ids), child_params)
         return child
 
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError (naming structured_outputs) if the request's constraint does not compile. Blocks while it
+        compiles (cached): call it off the event loop."""
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
+
+    def _admit_compiled(self) -> None:
+        """Move constrained requests whose grammar is ready into the scheduler; fail those that did not compile
+        (callers validate first with check_structured_outputs, so this is the rare background failure)."""
+        still = []
+        for request in self.awaiting_grammar:
+            if request.finished:
+                continue
+            if not request.grammar.ready:
+                still.append(request)
+            elif request.grammar.failure() is not None:
+                logger.error("request %s: %s", request.request_id, request.grammar.failure())
+                request.status = RequestStatus.FINISHED_ABORTED
+                request.stop_reason = str(request.grammar.failure())
+                self.output_processor.user_requests[request.parent_id].changed = True
+            else:
+                self.scheduler.add(request)
+        self.awaiting_grammar = still
+        if still and not self.scheduler.has_unfinished():
+            wait([r.grammar.compiled for r in still], timeout=GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
+
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[RequestOutput]:
         """Finish the given requests with finish_reason "abort" and free their blocks now. Unknown ids are
         ignored. Returns their final outputs."""
@@ -163,6 +204,10 @@ class LLMEngine:
             user = self.output_processor.user_requests.get(request_id)
             if user is None:
                 continue
+            for child in user.children:
+                if child in self.awaiting_grammar:  # not in the scheduler yet
+                    self.awaiting_grammar.remove(child)
+                    child.status = RequestStatus.FINISHED_ABORTED
             self.scheduler.abort(c for c in user.children if not c.finished)
             outputs.append(self.output_processor.output(user))
             self.output_processor.forget(user)
@@ -181,6 +226,8 @@ class LLMEngine:
 
     def prepare_step(self) -> Optional[PreparedStep]:
         """Schedule and build the step's inputs (host work, on the caller's thread); None if nothing to run."""
+        if self.awaiting_grammar:
+            self._admit_compiled()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return None
@@ -239,7 +286,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + len(self.awaiting_grammar),
             kv_cache_usage=self.block_manager.usage,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.block_manager.prefix_queries,

@@ -43,6 +43,10 @@ class EngineClient(Protocol):
         """Queue a request that has passed validate_request. ValueError for an id in use; BrokenPipeError when an
         engine process has exited."""
 
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError (naming structured_outputs) when the request's constraint does not compile. Blocks while it
+        compiles (cached by constraint): call it off the event loop."""
+
     def abort_request(self, request_ids: list[str]) -> None:
         """End these requests before the engine's next step (finish_reason "abort"); their final outputs come
         through on_outputs. Unknown or finished ids are ignored. Never blocks."""
@@ -87,6 +91,9 @@ class InProcessClient:
                     params: SamplingParams) -> None:
         self.engine.enqueue(request_id, prompt, prompt_token_ids, params)
         self._wake()
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        self.engine.check_structured_outputs(params)
 
     def abort_request(self, request_ids: list[str]) -> None:
         self._pending_aborts.update(request_ids)

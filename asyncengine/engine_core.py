@@ -49,6 +49,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.engine import EngineStats, LLMEngine, StepPipeline, StepStats
 from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.structured_output import StructuredOutputManager
 from asyncengine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,10 @@ class EngineCoreClient:
             raise
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
+        # Compiles constraints here only to validate them before the request is accepted (the core compiles
+        # its own copy, from its cache or in its background pool).
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                  [t for t in [self.tokenizer.eos_token_id] if t is not None])
 
     def _wait_until_ready(self) -> CoreFacts:
         while not self._from_core.poll(STARTUP_POLL_S):
@@ -265,6 +270,10 @@ class EngineCoreClient:
         self._to_core.send(("add", request_id, prompt, prompt_token_ids, params, arrival))
         self._prompts[request_id] = (prompt, prompt_token_ids)
         self._adds_sent += 1
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Send the abort; the final outputs come back with the core's next outputs."""

@@ -79,6 +79,8 @@ class LLM:
         return list(prompts)
 
     def _add_all(self, prompts: list[PromptType], params_list: list[SamplingParams]) -> list[str]:
+        for params in {id(p): p for p in params_list}.values():  # bad constraints fail before anything is added
+            self.engine.check_structured_outputs(params)
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):

@@ -92,6 +92,8 @@ class ModelRunner:
         self._num_prepared = 0
         self._last_launched = -1  # step_index of the last launched step
         self._last_sampled: Optional[torch.Tensor] = None  # [S] its sampled tokens, on the device
+        self.grammar_mask_seconds = 0.0  # host time spent building structured-output masks (device thread)
+        self.grammar_masked_steps = 0  # steps that had constrained rows
         if self.device.type == "cuda":
             self._warm_up_kernels()
             if self.graphs is not None:
@@ -281,14 +283,23 @@ class ModelRunner:
             if not inputs.sampling_requests:
                 return LaunchedStep(inputs)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        grammar = inputs.sampling.grammar
+        if grammar is not None:  # the forward is queued: build the mask while the device runs it
+            inputs.sampling.grammar_bitmask = grammar.mask(self.device)
+            self.grammar_mask_seconds += grammar.fill_seconds
+            self.grammar_masked_steps += 1
         out = self.sampler(logits, inputs.sampling)
         self._last_sampled = out.token_ids
         if self.device.type == "cpu":
+            if grammar is not None:
+                grammar.record_sampled(out.token_ids, None)
             return LaunchedStep(inputs, out)
         host = SamplerOutput(*(None if t is None else self._copy_to_pinned(t)
                                for t in (out.token_ids, out.logprobs, out.logprob_ids, out.ranks)))
         event = torch.cuda.Event()
         event.record()
+        if grammar is not None:
+            grammar.record_sampled(host.token_ids, event)
         return LaunchedStep(inputs, host, event)
 
     @staticmethod

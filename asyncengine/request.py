@@ -91,6 +91,7 @@ class Request:
         self.last_token_time: Optional[float] = None
         self.generator: Optional[torch.Generator] = None  # per-request RNG when params.seed is set
         self.detokenizer = None  # set at creation by the engine (tokenizer.IncrementalDetokenizer)
+        self.grammar = None  # structured_output.RequestGrammar when params.structured_outputs is set
 
     @property
     def num_tokens(self) -> int:

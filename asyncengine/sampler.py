@@ -5,6 +5,7 @@ Order of operations (as in vLLM):
   2. logit_bias is added; min_tokens masks EOS and stop_token_ids to -inf
   3. penalties: repetition (over prompt and output: positive logits divided, negative multiplied),
      frequency (minus f * count in output) and presence (minus p * [count > 0])
+  3b. structured outputs: tokens the row's grammar forbids become -inf (constrained rows only)
   4. greedy rows (temperature 0) take the argmax here
   5. other rows: divide by temperature, keep the top_k, keep the smallest set with mass >= top_p,
      drop tokens with prob < min_p * max prob, then sample by the exponential race argmax(p / q), q ~ Exp(1),
@@ -23,6 +24,7 @@ import torch
 
 from asyncengine.request import Request
 from asyncengine.stops import banned_ids
+from asyncengine.structured_output import GrammarBatch
 
 
 def to_device(values, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -53,6 +55,8 @@ class SamplingBatch:
     penalties: Optional["PenaltyBatch"] = None
     # [S] each row's last input token on the device, set by the runner at launch when penalties need it
     last_input_ids: Optional[torch.Tensor] = None
+    grammar: Optional[GrammarBatch] = None  # the constrained rows; None when no row is constrained
+    grammar_bitmask: Optional[torch.Tensor] = None  # [C, ceil(V/32)] int32, set by the runner at launch
 
     @classmethod
     def build(cls, requests: list[Request], vocab_size: int, device: torch.device,
@@ -88,6 +92,7 @@ class SamplingBatch:
             if banned:
                 batch.banned.append((row, to_device(banned, device, torch.int64)))
         batch.penalties = PenaltyBatch.build(requests, inflight, vocab_size, device)
+        batch.grammar = GrammarBatch.build(requests, vocab_size)
         return batch
 
 
@@ -220,6 +225,10 @@ class Sampler:
             logits[row, ids] = float("-inf")
         if batch.penalties is not None:
             batch.penalties.apply(logits, batch.last_input_ids)
+        if batch.grammar is not None:
+            if batch.grammar_bitmask is None:
+                raise ValueError("constrained rows need the step's grammar bitmask")
+            batch.grammar.apply(logits, batch.grammar_bitmask)
         tokens = logits.argmax(dim=-1)
         if not batch.all_greedy:
             probs = apply_filters(logits, batch).softmax(dim=-1)

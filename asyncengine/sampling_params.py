@@ -8,6 +8,8 @@ must lie in. The semantics follow vLLM (and through it the OpenAI API):
   CTRL-style multiplicative penalty over prompt and generated tokens (divide positive logits, multiply negative).
 - max_tokens None means "the rest of max_model_len"; min_tokens suppresses EOS and stop_token_ids until reached.
 - stop strings are cut from the text unless include_stop_str_in_output.
+- structured_outputs (StructuredOutputsParams, vLLM's shape) constrains the output to a JSON schema, any JSON
+  object, a regular expression, a choice among strings or an EBNF grammar (asyncengine.structured_output).
 """
 
 from __future__ import annotations
@@ -26,6 +28,75 @@ class RequestOutputKind(enum.Enum):
 
 
 _MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, in vLLM's shape: exactly one of json (a JSON schema, as a dict or a JSON
+    string), regex, choice (a list of strings), grammar (EBNF / GBNF) or json_object=True (any JSON object).
+
+    disable_any_whitespace: whether JSON may hold free whitespace between its tokens. Unlike vLLM, the default
+    (None) is compact JSON (separators ", " and ": "): free whitespace lets a weak model spend all of max_tokens
+    on blanks (the default model does, at temperature 1, in every sample). False asks for free whitespace."""
+
+    json: Optional[dict | str] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = None
+
+    _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self._KINDS if getattr(self, k) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs",
+               f"must set exactly one of {', '.join(self._KINDS)}, got {', '.join(given) or 'none'}")
+        name = "structured_outputs." + given[0]
+        if self.json is not None:
+            _check(isinstance(self.json, (dict, str)), name, "must be a JSON schema (an object or a JSON string)")
+            if isinstance(self.json, str):
+                import json
+
+                try:
+                    json.loads(self.json)
+                except ValueError as exc:
+                    raise ValueError(f"{name} is not valid JSON: {exc}") from None
+        for field_name in ("regex", "grammar"):
+            value = getattr(self, field_name)
+            _check(value is None or (isinstance(value, str) and value), f"structured_outputs.{field_name}",
+                   "must be a non-empty string")
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and self.choice
+                   and all(isinstance(c, str) and c for c in self.choice), name,
+                   "must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        _check(self.json_object in (None, True, False), "structured_outputs.json_object", "must be a boolean")
+        _check(self.disable_any_whitespace in (None, True, False), "structured_outputs.disable_any_whitespace",
+               "must be a boolean")
+
+    @property
+    def any_whitespace(self) -> bool:
+        return self.disable_any_whitespace is False
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self._KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def value(self):
+        return getattr(self, self.kind)
+
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        import json
+
+        value = self.value
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        elif isinstance(value, list):
+            value = tuple(value)
+        return self.kind, value, self.any_whitespace
 
 
 def _check(condition: bool, field_name: str, message: str) -> None:
@@ -54,6 +125,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,6 +226,12 @@ class SamplingParams:
         for token_id, bias in (self.logit_bias or {}).items():
             _check(-100.0 <= bias <= 100.0, "logit_bias", f"values must be in [-100, 100], got {bias} for token {token_id}")
             _check(token_id >= 0, "logit_bias", f"keys must be non-negative token ids, got {token_id}")
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                   "must be a StructuredOutputsParams")
+            # The grammar ends the output with EOS; these would forbid it.
+            _check(not self.ignore_eos, "ignore_eos", "cannot be combined with structured_outputs")
+            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured_outputs")
 
     @property
     def greedy(self) -> bool:
