@@ -13,7 +13,7 @@ from typing import Optional, Union
 from asyncengine.api.errors import APIError, bad_request, from_engine_error
 from asyncengine.api.protocol import ChatCompletionRequest, ChatMessageParam, CompletionRequest
 from asyncengine.async_engine import AsyncLLMEngine
-from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_BATCH_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_TOP_LOGPROBS = 20
@@ -21,7 +21,9 @@ MAX_TOP_LOGPROBS = 20
 # SamplingParams fields; a ValueError starting with one of these names it as the error's `param`.
 PARAM_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "logit_bias", "prompt",
+    "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "logit_bias", "prompt", "ignore_eos",
+    "structured_outputs", "structured_outputs.json", "structured_outputs.regex", "structured_outputs.choice",
+    "structured_outputs.grammar", "structured_outputs.json_object",
 )
 CHAT_RENAMES = {"logprobs": "top_logprobs", "prompt": "messages"}
 # chat_template_kwargs may not override how the template is called, only feed it variables.
@@ -62,9 +64,38 @@ def sampling_params(request: Union[CompletionRequest, ChatCompletionRequest], *,
             logit_bias=_logit_bias(request.logit_bias),
             skip_special_tokens=request.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs(request),
         )
     except ValueError as exc:
-        raise from_engine_error(exc, PARAM_FIELDS, renames) from exc
+        raise from_engine_error(exc, PARAM_FIELDS, {**structured_renames(request), **(renames or {})}) from exc
+
+
+# -- structured outputs ---------------------------------------------------------------------------------------
+def structured_outputs(request: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutputsParams]:
+    """The request's constraint, from OpenAI's response_format or vLLM's structured_outputs (not both); None for
+    none or response_format {"type": "text"}. Raises ValueError naming the field (turned into a 400)."""
+    fmt, body = request.response_format, request.structured_outputs
+    if body is not None:
+        if fmt is not None and fmt.type != "text":
+            raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
+        return StructuredOutputsParams(json=body.json, regex=body.regex, choice=body.choice, grammar=body.grammar,
+                                       json_object=body.json_object,
+                                       disable_any_whitespace=body.disable_any_whitespace)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise bad_request('response_format of type "json_schema" needs json_schema.schema', "response_format")
+    return StructuredOutputsParams(json=fmt.json_schema.schema)
+
+
+def structured_renames(request: Union[CompletionRequest, ChatCompletionRequest]) -> dict[str, str]:
+    """Errors about the constraint name response_format when that is where it came from."""
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text" or request.structured_outputs is not None:
+        return {}
+    return {name: "response_format" for name in PARAM_FIELDS if name.startswith("structured_outputs")}
 
 
 def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:

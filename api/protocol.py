@@ -50,6 +50,39 @@ class _GenerationRequest(Struct, kw_only=True):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs (see the block "Structured outputs" below)
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Structured outputs: OpenAI's response_format and vLLM's structured_outputs extra body
+# --------------------------------------------------------------------------------------------------------------
+
+
+class JsonSchemaFormat(Struct, kw_only=True):
+    """OpenAI's response_format.json_schema. The output is always constrained to `schema` (strict or not)."""
+
+    name: str
+    description: Optional[str] = None
+    schema: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(Struct, kw_only=True):
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar (EBNF), json_object."""
+
+    json: Union[dict[str, Any], str, None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = None  # default: compact JSON (see SamplingParams' StructuredOutputsParams)
 
 
 # A completions prompt: a string, a list of strings (a batch), a list of token ids, or a list of token-id lists.

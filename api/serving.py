@@ -28,6 +28,7 @@ from asyncengine.api.inputs import (
     chat_prompt,
     completion_params,
     completion_prompts,
+    structured_renames,
 )
 from asyncengine.api.protocol import ChatCompletionRequest, CompletionRequest
 from asyncengine.async_engine import AsyncLLMEngine, RequestStream
@@ -149,8 +150,9 @@ class OpenAIServing:
         model = self.check_model(request.model)
         params = completion_params(request)
         prompts = await completion_prompts(self.engine, request)
+        renames = structured_renames(request)
         info = self._info(response_id or f"cmpl-{uuid.uuid4().hex}", model, params, prompts, request, stream)
-        streams = await self._add(info.response_id, prompts, params, {})
+        streams = await self._add(info.response_id, prompts, params, renames)
         if request.echo:  # decoded once the engine has accepted (validated) the ids
             info.echo_texts = [p.text if p.text is not None else self.engine.tokenizer.decode(p.token_ids)
                                for p in prompts]
@@ -162,7 +164,7 @@ class OpenAIServing:
         params = chat_params(request)
         prompt = await chat_prompt(self.engine, request.messages, request.add_generation_prompt,
                                    request.chat_template_kwargs)
-        renames = dict(CHAT_RENAMES)
+        renames = {**structured_renames(request), **CHAT_RENAMES}
         if request.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         info = self._info(response_id or f"chatcmpl-{uuid.uuid4().hex}", model, params, [prompt], request, stream)

@@ -120,11 +120,11 @@ class StructuredOutputManager:
         try:
             if kind == "json":
                 schema = value if isinstance(value, str) else json.dumps(value)
-                return compiler.compile_json_schema(schema, any_whitespace=not constraint.disable_any_whitespace,
+                return compiler.compile_json_schema(schema, any_whitespace=constraint.any_whitespace,
                                                     strict_mode=True)
             if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar allows any value)
                 return compiler.compile_json_schema('{"type": "object"}',
-                                                    any_whitespace=not constraint.disable_any_whitespace)
+                                                    any_whitespace=constraint.any_whitespace)
             if kind == "regex":
                 return compiler.compile_regex(value)
             if kind == "choice":

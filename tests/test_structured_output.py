@@ -80,14 +80,14 @@ def texts(outputs) -> list[str]:
 
 
 def test_sampled_json_completions_all_validate_against_the_schema(llm):
-    params = json_params(temperature=1.0, n=10, seed=3)
-    outputs = llm.generate(PROMPTS + ["Now is the winter"], params, use_tqdm=False)
+    params = json_params(temperature=1.0, n=5, seed=3)  # (50 more over the API: test_server_structured.py)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     results = texts(outputs)
-    assert len(results) == 50
+    assert len(results) == 20
     for text in results:
         jsonschema.validate(json.loads(text), PERSON_SCHEMA)
     assert all(c.finish_reason == "stop" for o in outputs for c in o.outputs)
-    assert len(set(results)) > 10, "temperature 1 should give varied outputs"
+    assert len(set(results)) > 5, "temperature 1 should give varied outputs"
     assert_no_leaks(llm.engine)
 
 
