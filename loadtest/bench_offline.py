@@ -8,6 +8,8 @@ bf16 weights, runs the transformers peers on W2 first (then frees them), then th
   W2 fixed: 1000 requests of 512 in, 128 out
   W3 batch-1 decode at 1,000 tokens of context: ms per output token (and the roofline for it)
   W4 prefill: 64 prompts of 2,048 tokens, max_tokens=1: tokens/s and model FLOP utilisation
+  W1-structured (--only): W1 with every 4th request under a JSON schema against plain W1, and the per-step mask
+  cost (--tiny: a CPU smoke run of it on the embedded default model)
 Prints one table and writes JSON. Each section is timed after a warm-up with the same shapes.
 """
 
@@ -63,11 +65,16 @@ def measure_matmul_flops(n: int = 8192) -> float:
 
 # -- the checkpoint --------------------------------------------------------------------------------------------
 def build_tokenizer(folder: Path, vocab_size: int) -> None:
-    """A word-level tokenizer covering every id of the model, so each generated token detokenizes to text."""
+    """A word-level tokenizer covering every id of the model, so each generated token detokenizes to text (words
+    "w<id>", and single characters at the end of a large vocabulary)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"w{i}": i for i in range(vocab_size)}
+    if vocab_size >= 1024:  # the last 95 ids are the printable ASCII characters, so grammars (JSON) can be written
+        for i, char in enumerate(chr(c) for c in range(32, 127)):
+            vocab.pop(f"w{vocab_size - 95 + i}")
+            vocab[char] = vocab_size - 95 + i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w0", eos_token="w1", unk_token="w2")
@@ -195,12 +202,19 @@ class PhaseTimer:
         return out
 
 
-def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False, **sampling) -> dict:
-    """Generate max_tokens=outs[i] for each prompt (ignore_eos); `sampling`: more SamplingParams fields."""
+def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False, constrain_every: int = 0,
+               **sampling) -> dict:
+    """Generate max_tokens=outs[i] for each prompt (ignore_eos); `sampling`: more SamplingParams fields.
+    constrain_every k > 0: every k-th request is under STRUCTURED_SCHEMA instead (no ignore_eos: the grammar ends
+    it; the schema's unbounded last string makes most run to max_tokens anyway)."""
     from asyncengine import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True, seed=None, **sampling) for o in outs]
-    torch.cuda.synchronize()
+    constrained = set(range(0, len(outs), constrain_every)) if constrain_every else set()
+    for i in constrained:
+        params[i] = structured_params(temperature, outs[i], **sampling)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     counter = {"steps": 0}
     original_prepare = llm.engine.prepare_step
 
@@ -224,14 +238,82 @@ def run_engine(llm, prompts, outs, temperature=1.0, profile: bool = False, **sam
     llm.engine.prepare_step = original_prepare
     out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
     in_tokens = sum(len(p) for p in prompts)
-    assert out_tokens == sum(outs), "every request must produce exactly max_tokens (ignore_eos)"
+    assert all(len(r.outputs[0].token_ids) == o for i, (r, o) in enumerate(zip(results, outs)) if i not in constrained), \
+        "every unconstrained request must produce exactly max_tokens (ignore_eos)"
     res = dict(seconds=elapsed, requests=len(prompts), req_per_s=len(prompts) / elapsed,
                output_tok_per_s=out_tokens / elapsed, total_tok_per_s=(in_tokens + out_tokens) / elapsed,
                preemptions=llm.engine.scheduler.num_preemptions, steps=counter["steps"],
                prefix_cache_hit_tokens=llm.engine.stats().prefix_cache_hits - hits_before)
     if timer is not None:
         res["profile"] = timer.summary(counter["steps"])
+    if constrained:
+        finished = [results[i].outputs[0].finish_reason for i in sorted(constrained)]
+        res["constrained_requests"] = len(constrained)
+        res["constrained_finished_by_grammar"] = finished.count("stop")
     return res
+
+
+# A JSON schema for W1's constrained quarter: bounded fields, an array of enums, then an unbounded string, so
+# that a request goes through several grammar states and usually runs to max_tokens like its peers.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "title": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"enum": ["drama", "comedy", "history"]}, "maxItems": 4},
+        "body": {"type": "string"},
+    },
+    "required": ["id", "title", "tags", "body"],
+    "additionalProperties": False,
+}
+
+
+def structured_params(temperature: float, max_tokens: int, **sampling):
+    from asyncengine import SamplingParams, StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=None, structured_outputs=so, **sampling)
+
+
+def run_w1_structured(llm, prompts, outs) -> dict:
+    """W1 with a quarter of its requests under STRUCTURED_SCHEMA against plain W1, same prompts, same process,
+    and the host time per step spent building the grammar bitmask (device thread, overlapped with the forward)."""
+    runner = llm.engine.runner
+    run_engine(llm, prompts[:16], [min(o, 16) for o in outs[:16]], constrain_every=4)  # warm: compile, matchers
+    plain, mixed = None, None
+    for _ in range(2):  # alternated, best of two each: a drifting machine favours neither
+        run = run_engine(llm, prompts, outs)
+        plain = run if plain is None or run["req_per_s"] > plain["req_per_s"] else plain
+        seconds_before, steps_before = runner.grammar_mask_seconds, runner.grammar_masked_steps
+        run = run_engine(llm, prompts, outs, constrain_every=4)
+        masked_steps = runner.grammar_masked_steps - steps_before
+        run["mask_ms_per_masked_step"] = (runner.grammar_mask_seconds - seconds_before) / max(masked_steps, 1) * 1e3
+        run["masked_steps"] = masked_steps
+        mixed = run if mixed is None or run["req_per_s"] > mixed["req_per_s"] else mixed
+    return {"W1_plain": plain, "W1_quarter_json": mixed,
+            "W1_quarter_json_req_per_s_ratio": mixed["req_per_s"] / plain["req_per_s"],
+            "W1_quarter_json_output_tok_per_s_ratio": mixed["output_tok_per_s"] / plain["output_tok_per_s"]}
+
+
+def print_structured(r: dict) -> None:
+    plain, mixed = r["W1_plain"], r["W1_quarter_json"]
+    print(f"W1 plain            {plain['req_per_s']:8.2f} req/s {plain['output_tok_per_s']:10.0f} out tok/s "
+          f"{plain['steps']:6d} steps")
+    print(f"W1 1/4 JSON schema  {mixed['req_per_s']:8.2f} req/s {mixed['output_tok_per_s']:10.0f} out tok/s "
+          f"{mixed['steps']:6d} steps  ({r['W1_quarter_json_req_per_s_ratio']:.2f}x req/s, "
+          f"{r['W1_quarter_json_output_tok_per_s_ratio']:.2f}x tok/s)")
+    print(f"mask: {mixed['mask_ms_per_masked_step']:.3f} ms host time per masked step over {mixed['masked_steps']} "
+          f"steps; {mixed['constrained_finished_by_grammar']}/{mixed['constrained_requests']} constrained requests "
+          f"ended by their grammar before max_tokens")
+
+
+def ensure_json_characters(folder: Path, vocab_size: int) -> None:
+    """The structured workload needs tokens for JSON's characters; a checkpoint built before they were part of
+    build_tokenizer gets its tokenizer rewritten (weights untouched)."""
+    from transformers import AutoTokenizer
+
+    if "{" not in AutoTokenizer.from_pretrained(str(folder)).get_vocab():
+        build_tokenizer(folder, vocab_size)
 
 
 def w1_ablations(llm, w1) -> dict:
@@ -299,6 +381,9 @@ def run_selected(llm, only: list[str], n: int, vocab: int, results: dict, save) 
     if "W1" in only:
         results["W1"] = run_engine(llm, *w1_workload(n, vocab), profile=True)
         print(f"W1 on {results['gpu']}: {results['W1']['req_per_s']:.1f} req/s")
+    if "W1-structured" in only:
+        results.update(run_w1_structured(llm, *w1_workload(n, vocab)))
+        print_structured(results)
     if "W1-penalties" in only:
         w1, penalties = w1_workload(n, vocab), dict(frequency_penalty=0.5, presence_penalty=0.5)
         saved = llm.engine.config.async_scheduling
@@ -392,13 +477,18 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--w1-only", action="store_true", help="stop after W1 (the served benchmark's reference)")
-    parser.add_argument("--only", nargs="+", choices=["W1", "W2", "W3", "W4", "W1-penalties"], default=None,
+    parser.add_argument("--only", nargs="+", choices=["W1", "W2", "W3", "W4", "W1-penalties", "W1-structured"],
+                        default=None,
                         help="run just these workloads (no W1 ablations, no table); W1-penalties: W1 with frequency "
                              "and presence penalties on every request, with and without lookahead")
     parser.add_argument("--max-num-seqs", type=int, default=1024,
                         help="1024 since run 23; 256 before (run 22, H200: W1 1.10x, W2 1.03x at 1024)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--tiny", action="store_true",
+                        help="W1-structured as a CPU smoke run: 32 short requests on the embedded default model")
     args = parser.parse_args(argv)
+    if args.tiny:
+        return run_tiny_structured(Path(args.out))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
@@ -411,6 +501,8 @@ def main(argv=None) -> int:
     save()
     t0 = time.perf_counter()
     folder = build_checkpoint(Path(args.checkpoint))
+    if "W1-structured" in (args.only or []):
+        ensure_json_characters(folder, LLAMA3_8B["vocab_size"])
     results["build_checkpoint_s"] = time.perf_counter() - t0
     vocab = LLAMA3_8B["vocab_size"]
     n = 200 if args.quick else 1000
@@ -454,6 +546,19 @@ def main(argv=None) -> int:
                                        512, 128, results["matmul_TFLOPs"] * 1e12, results["copy_bandwidth_GBps"] * 1e9)
     save()
     print_table(results)
+    return 0
+
+
+def run_tiny_structured(out_dir: Path) -> int:
+    """W1-structured at a tiny size on whatever device the engine picks (CPU here): a smoke run of the mode."""
+    from asyncengine import LLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    llm = LLM(max_model_len=512, max_num_seqs=16)
+    prompts, outs = sharegpt_like(32, 20, 40, seed=1, vocab=llm.engine.vocab_size)
+    results = {"device": str(llm.engine.runner.device), **run_w1_structured(llm, prompts, outs)}
+    (out_dir / "bench_offline_structured_tiny.json").write_text(json.dumps(results, indent=2))
+    print_structured(results)
     return 0
 
 
