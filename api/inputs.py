@@ -146,7 +146,17 @@ async def completion_prompts(engine: AsyncLLMEngine, request: CompletionRequest)
 
 
 # -- chat -----------------------------------------------------------------------------------------------------
+def check_tools(request: ChatCompletionRequest) -> None:
+    """This server does not call tools yet: tools (or a tool_choice other than "none") are a 400, so that a client
+    never takes free text for a refusal to call."""
+    if request.tools:
+        raise bad_request("tools are not supported by this server (it was not started with tool calling)", "tools")
+    if request.tool_choice is not None and request.tool_choice != "none":
+        raise bad_request("tool_choice needs tools, which this server does not support", "tool_choice")
+
+
 def chat_params(request: ChatCompletionRequest) -> SamplingParams:
+    check_tools(request)
     top = request.top_logprobs
     if top is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")

@@ -119,6 +119,10 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     # vLLM extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # tool calling (not supported yet: a request with tools is a 400, never a silent ignore)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class TokenizeRequest(Struct, kw_only=True):

@@ -152,3 +152,15 @@ def test_bad_constraints_are_400_naming_the_field(server, path, extra, param):
         {"messages": CHAT, "max_tokens": 5, **extra}
     assert_error(post(server, path, body), 400, param=param)
     assert server.engine_idle()
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+])
+def test_tools_sent_to_a_server_without_tool_support_are_400(server, extra, param):
+    assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, **extra}), 400, param=param)
+    ok = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "tools": [], "tool_choice": "none",
+                                               "parallel_tool_calls": False})
+    assert ok.status_code == 200, ok.text
