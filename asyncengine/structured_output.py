@@ -66,6 +66,13 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Through pinned memory without blocking on CUDA (a pageable copy would wait for the forward just queued)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class StructuredOutputManager:
     """Compiles constraints for one tokenizer and vocabulary, in a thread pool, with a cache by constraint key.
     Thread-safe: submit() may be called from any thread."""
@@ -200,6 +207,7 @@ class GrammarBatch:
     grammars: list[RequestGrammar]
     vocab_size: int
     fill_seconds: float = 0.0  # time spent in mask() (catching up, filling, copying): the per-step mask cost
+    _rows_on_device: Optional[torch.Tensor] = None  # [C] int64, sent by mask()
 
     @classmethod
     def build(cls, requests, vocab_size: int) -> Optional["GrammarBatch"]:
@@ -216,8 +224,8 @@ class GrammarBatch:
         bitmask = xgr.allocate_token_bitmask(len(self.rows), self.vocab_size)
         for index, grammar in enumerate(self.grammars):
             grammar.fill(bitmask, index)
-        if device.type == "cuda":
-            bitmask = bitmask.pin_memory().to(device, non_blocking=True)
+        self._rows_on_device = _to_device(torch.tensor(self.rows, dtype=torch.int64), device)
+        bitmask = _to_device(bitmask, device)
         self.fill_seconds = time.perf_counter() - start
         return bitmask
 
@@ -229,7 +237,7 @@ class GrammarBatch:
         if len(self.rows) == logits.shape[0]:
             apply(logits, bitmask, vocab_size=self.vocab_size)
             return
-        rows = torch.tensor(self.rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        rows = self._rows_on_device  # [C]
         constrained = logits.index_select(0, rows)  # [C, V]
         apply(constrained, bitmask, vocab_size=self.vocab_size)
         logits.index_copy_(0, rows, constrained)

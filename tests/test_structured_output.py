@@ -91,7 +91,7 @@ def test_sampled_json_completions_all_validate_against_the_schema(llm):
     assert_no_leaks(llm.engine)
 
 
-def test_regex_choice_grammar_and_json_object_are_obeyed(llm):
+def test_regex_choice_and_grammar_are_obeyed(llm):
     cases = {
         "regex": (StructuredOutputsParams(regex=r"[A-Z][a-z]{2,6} (of|and) [0-9]{1,3}"),
                   lambda t: re.fullmatch(r"[A-Z][a-z]{2,6} (of|and) [0-9]{1,3}", t)),
@@ -99,16 +99,11 @@ def test_regex_choice_grammar_and_json_object_are_obeyed(llm):
                    lambda t: t in ("Romeo", "Juliet", "Mercutio \"the bold\"")),
         "grammar": (StructuredOutputsParams(grammar='root ::= "yes" | "no" | ("maybe " [0-9])'),
                     lambda t: re.fullmatch(r"yes|no|maybe [0-9]", t)),
-        "json_object": (StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
-                        lambda t: isinstance(json.loads(t), dict)),
-    }
+    }  # (json_object: test_server_structured.py)
     for name, (so, check) in cases.items():
-        # json_object allows unbounded strings: the bound is max_tokens, and then the object must be closed in time
-        params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=200, structured_outputs=so)
+        params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=40, structured_outputs=so)
         outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
         for completion in (c for o in outputs for c in o.outputs):
-            if name == "json_object" and completion.finish_reason == "length":
-                continue  # a string the model never closed within max_tokens: cut, as OpenAI does
             assert completion.finish_reason == "stop", (name, completion)
             assert check(completion.text), (name, completion.text)
 
@@ -219,7 +214,7 @@ def test_async_engine_constrains_in_process_and_in_the_engine_process(engine_pro
                     final = output
                 return final.outputs[0].text
 
-            results = await asyncio.gather(*(one(seed) for seed in range(6)))
+            results = await asyncio.gather(*(one(seed) for seed in range(3)))
             for text in results:
                 jsonschema.validate(json.loads(text), PERSON_SCHEMA)
         finally:
