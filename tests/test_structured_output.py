@@ -174,7 +174,7 @@ def test_a_request_waiting_for_its_grammar_does_not_hold_up_the_batch(llm):
             if "fast" in finished:
                 break
         assert "fast" in finished and "slow" not in finished
-        assert engine.num_waiting == 1 and engine.children["slow"].num_computed_tokens == 0
+        assert engine.stats().num_waiting == 1 and engine.output_processor.children["slow"].num_computed_tokens == 0
         gate.set_result(real_submit(StructuredOutputsParams(json=PERSON_SCHEMA,
                                                              disable_any_whitespace=True)).result())
         while engine.has_unfinished_requests():
