@@ -46,6 +46,7 @@ def assert_no_leaks(engine) -> None:
     assert not engine.scheduler.running, engine.scheduler.running
     assert not engine.scheduler.waiting, engine.scheduler.waiting
     assert not engine.output_processor.user_requests and not engine.output_processor.children
+    assert not engine.awaiting_grammar, engine.awaiting_grammar
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks leaked"
     assert all(b.ref_count == 0 for b in bm.blocks)
