@@ -3,6 +3,7 @@
     POST /v1/completions, /v1/chat/completions     JSON, or SSE with "stream": true
     WS   /v1/ws                                    many streamed requests per connection (see websocket.py)
     GET  /v1/models, /version, /metrics, /openapi.json
+    POST /v1/embeddings                            float or base64 (models served with the pooling runner)
     POST /tokenize, /detokenize                    vLLM's shapes
     GET  /health                                   200, or 503 when the engine is dead or the server stopping
     GET  /, /ui/...                                the chat page (api/static/; `ui=False` leaves it out)
@@ -32,10 +33,12 @@ from starlette.websockets import WebSocket
 
 import asyncengine
 from asyncengine.api.auth import APIKeyMiddleware, WebSocketOriginMiddleware
+from asyncengine.api.embeddings import EmbeddingServing
 from asyncengine.api.errors import APIError, bad_request, from_decode_error, unavailable
 from asyncengine.api.inputs import chat_prompt
 from asyncengine.api.metrics import Metrics
 from asyncengine.api.openapi import openapi_schema
+from asyncengine.api.protocol_embeddings import EmbeddingRequest
 from asyncengine.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -160,6 +163,21 @@ class Routes:
             return Response(status_code=499)  # the client left; nobody reads this
         return _json(result)
 
+    # -- embeddings -------------------------------------------------------------------------------------------
+    async def embeddings(self, request: Request) -> Response:
+        body = await self._decode(request, EmbeddingRequest)
+        state = self.state
+        model = state.serving.check_model(body.model)
+        state.check_accepting()
+        release = state.track()
+        try:
+            result = await _until_disconnect(request, EmbeddingServing(state.engine).create(body, model))
+        finally:
+            release()
+        if result is None:
+            return Response(status_code=499)  # the client left; nobody reads this
+        return _json(result)
+
     # -- the rest ---------------------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         engine = self.state.engine
@@ -175,7 +193,7 @@ class Routes:
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await engine.encode(body.prompt, add_special_tokens=add_special)
+            ids = await engine.tokenize(body.prompt, add_special_tokens=add_special)
         else:
             prompt = await chat_prompt(engine, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                                        add_special_tokens=bool(body.add_special_tokens))
@@ -333,6 +351,7 @@ def create_app(
         routes=[
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),

@@ -71,17 +71,22 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="prepare and launch the next step before the last one's tokens are read back "
                              "(default: on CUDA)")
-    engine.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+    engine.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in a process of its own, so HTTP framing and the engine's steps use "
                              "two cores (measured: 1.1-1.25x the requests/s of one process under load on an H100, "
-                             "1.1x the tokens/s on 2 CPU cores; loadtest/RESULTS.md)")
+                             "1.1x the tokens/s on 2 CPU cores; loadtest/RESULTS.md). Default: on, except with "
+                             "the pooling runner, which does not support it")
+    engine.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                        help="generate text, or pool embeddings (/v1/embeddings); auto: pooling for encoder "
+                             "checkpoints (BERT) and sentence-transformers checkpoints, else generate")
     return parser
 
 
 def engine_config(args: argparse.Namespace):
     from asyncengine.config import EngineConfig
+    from asyncengine.pooling_engine import pooling_runner_for
 
-    return EngineConfig(
+    config = EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         dtype=args.dtype,
@@ -96,8 +101,12 @@ def engine_config(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         min_prefill_batch=args.min_prefill_batch,
         async_scheduling=args.async_scheduling,
-        engine_process=args.engine_process,
+        engine_process=bool(args.engine_process),
+        runner=args.runner,
     )
+    if args.engine_process is None:
+        config.engine_process = not pooling_runner_for(config)
+    return config
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

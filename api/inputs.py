@@ -139,7 +139,7 @@ async def completion_prompts(engine: AsyncLLMEngine, request: CompletionRequest)
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompts.append(EnginePrompt(await engine.encode(item), item))
+            prompts.append(EnginePrompt(await engine.tokenize(item), item))
         else:
             prompts.append(EnginePrompt(item, None))  # text decoded later, for echo, once the ids are validated
     return prompts
@@ -210,4 +210,4 @@ async def chat_prompt(engine: AsyncLLMEngine, messages: list[ChatMessageParam], 
         raise
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
-    return EnginePrompt(await engine.encode(text, add_special_tokens=add_special_tokens), text)
+    return EnginePrompt(await engine.tokenize(text, add_special_tokens=add_special_tokens), text)

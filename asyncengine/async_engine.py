@@ -31,6 +31,8 @@ from asyncengine.engine import EngineStats, PromptType, StepStats
 from asyncengine.engine_client import EngineClient, InProcessClient
 from asyncengine.engine_core import EngineCoreClient
 from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.pooling_engine import PoolingEngine, pooling_runner_for, pooling_token_ids
+from asyncengine.pooling_params import EmbeddingRequestOutput, PoolingParams
 from asyncengine.request import validate_request
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.tokenizer import apply_chat_template
@@ -109,7 +111,13 @@ class RequestStream:
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        # The pooling runner (embedding models): its engine is stepped by the same in-process client.
+        self.pooling = pooling_runner_for(config)
+        if self.pooling and config.engine_process:
+            raise ValueError("engine_process is not supported with the pooling runner (embedding models)")
         self.client: EngineClient = EngineCoreClient(config) if config.engine_process else InProcessClient(config)
+        # A pooling request's validation needs the pooler's limits (dimensions, the checkpoint's max length).
+        self._pooling_engine: Optional[PoolingEngine] = self.client.engine if self.pooling else None
         # Loading a model leaves millions of long-lived objects; a full garbage collection over them stalls the
         # loop for a few hundred ms. Move them out of the collector's sight (as vLLM does after start-up).
         gc.collect()
@@ -160,7 +168,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine is dead: {self._dead!r}") from self._dead
 
     # -- tokenization, off the loop for long inputs -----------------------------------------------------------
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         def run() -> list[int]:
             return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
@@ -188,6 +196,44 @@ class AsyncLLMEngine:
         async for output in self.iterate(stream):
             yield output
 
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: Optional[PoolingParams] = None,
+        request_id: Optional[str] = None,
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """Embed one prompt (text or token ids) with the pooling runner; yields one EmbeddingRequestOutput (vLLM's
+        shape: `.outputs.embedding`, `.prompt_token_ids`). Raises (at the first iteration) ValueError for bad input
+        or a model loaded to generate, QueueFullError and EngineDeadError as generate() does. Stopping early
+        aborts the request."""
+        if not self.pooling:
+            raise ValueError("encode needs the pooling runner: this model was loaded to generate "
+                             "(start the engine with runner='pooling' to embed with it)")
+        params = pooling_params or PoolingParams()
+        [prompt_ids] = await self.pooling_prompt_ids([prompt], params)
+        stream = await self.add_request(prompt_ids, params, request_id)
+        async for output in self.iterate(stream):
+            yield output
+
+    async def pooling_prompt_ids(self, prompts: list[PromptType], params: PoolingParams) -> list[list[int]]:
+        """The token ids each pooling prompt embeds, truncated as params ask; tokenized off the loop when the texts
+        are long or many."""
+        def run() -> list[list[int]]:
+            return pooling_token_ids(self.tokenizer, prompts, params, self.max_model_len)
+
+        if sum(len(p) for p in prompts if isinstance(p, str)) > _OFF_LOOP_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(None, run)
+        return run()
+
+    def _validate(self, prompt_ids: list[int], params) -> None:
+        """The one validation of a request at the edge: ValueError naming the field."""
+        if self._pooling_engine is not None:
+            self._pooling_engine.check_prompt(prompt_ids, params)  # also refuses SamplingParams: cannot generate
+        elif isinstance(params, PoolingParams):
+            raise ValueError("pooling requests need the pooling runner: this model was loaded to generate")
+        else:
+            validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+
     async def add_request(
         self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None, request_id: Optional[str] = None
     ) -> RequestStream:
@@ -202,9 +248,9 @@ class AsyncLLMEngine:
         limit = self.config.max_queue_len
         if limit is not None and self.client.stats().num_waiting >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
-        prompt_ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
-        if params.structured_outputs is not None:  # compile (cached) off the loop; ValueError if it cannot
+        prompt_ids = await self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(prompt_ids, params)
+        if getattr(params, "structured_outputs", None) is not None:  # compile (cached) off the loop; ValueError if it cannot
             await asyncio.get_running_loop().run_in_executor(None, self.client.check_structured_outputs, params)
         self.client.start(asyncio.get_running_loop(), self._deliver_all, self._fail_all)
         try:

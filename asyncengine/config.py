@@ -85,6 +85,8 @@ class EngineConfig:
     # and model families reach it through plugins' entry points (or the script's top level), not a runtime call.
     engine_process: bool = False
     tensor_parallel_size: int = 1
+    # generate | pooling (embeddings) | auto: pooling for encoders and sentence-transformers checkpoints
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -114,6 +116,8 @@ class EngineConfig:
         self._check_positive("min_prefill_batch")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be one of auto, generate, pooling; got {self.runner!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (layers are written for it)")
 

@@ -1,7 +1,7 @@
 """The contract between AsyncLLMEngine and the engine it drives (`EngineClient`), and its in-process kind.
 
-Two kinds keep it: `InProcessClient` (an LLMEngine stepped by a task on the caller's event loop, its device work
-in a thread) and `engine_core.EngineCoreClient` (an LLMEngine in a process of its own). AsyncLLMEngine holds one
+Two kinds keep it: `InProcessClient` (an LLMEngine, or a PoolingEngine for embedding models, stepped by a task on
+the caller's event loop, its device work in a thread) and `engine_core.EngineCoreClient` (an LLMEngine in a process of its own). AsyncLLMEngine holds one
 and never asks which.
 """
 
@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Union
 
 from asyncengine.config import EngineConfig
 from asyncengine.engine import EngineStats, LLMEngine, StepPipeline, StepStats
 from asyncengine.outputs import RequestOutput
+from asyncengine.pooling_engine import PoolingEngine, build_engine
 from asyncengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class InProcessClient:
     for that step."""
 
     def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
+        self.engine: Union[LLMEngine, PoolingEngine] = build_engine(config)  # pooling: the same stepping
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size

@@ -10,6 +10,8 @@ from tqdm.auto import tqdm
 from asyncengine.config import EngineConfig
 from asyncengine.engine import LLMEngine, PromptType
 from asyncengine.outputs import RequestOutput
+from asyncengine.pooling_engine import PoolingEngine, build_engine
+from asyncengine.pooling_params import EmbeddingRequestOutput, PoolingParams
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.tokenizer import apply_chat_template
 
@@ -18,10 +20,11 @@ Conversation = list[dict[str, Any]]
 
 class LLM:
     """Runs batches of prompts to completion. Keyword arguments are EngineConfig fields (block_size,
-    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, ...)."""
+    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, runner, ...). An embedding
+    model (runner "pooling", chosen from the checkpoint or by runner=...) is used through `embed`."""
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine: Union[LLMEngine, PoolingEngine] = build_engine(EngineConfig(model=model, **kwargs))
         self._counter = 0
         # Device work runs here so that detokenizing one step overlaps the next step on the GPU.
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-llm")
@@ -68,6 +71,39 @@ class LLM:
         token_lists = [self.engine.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         return self.generate(token_lists, sampling_params, use_tqdm)
 
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[PoolingParams] = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string or a list of token ids), in the order of `prompts`; each output's
+        `.outputs.embedding` is a list of floats. Needs the pooling runner. Bad input raises ValueError before
+        anything runs."""
+        if not isinstance(self.engine, PoolingEngine):
+            raise ValueError("embed needs the pooling runner: this model was loaded to generate "
+                             "(pass runner='pooling' to LLM(...) to embed with it)")
+        params = pooling_params or PoolingParams()
+        ids = []
+        try:
+            for prompt in self._as_list(prompts):
+                ids.append(self._next_id())
+                self.engine.add_request(ids[-1], prompt, params)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        results: dict[str, EmbeddingRequestOutput] = {}
+        with tqdm(total=len(ids), desc="Embedded prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                results.update((o.request_id, o) for o in outputs)
+                bar.update(len(outputs))
+        return [results[i] for i in ids]
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return f"llm-{self._counter - 1}"
+
     @staticmethod
     def _as_list(prompts) -> list[PromptType]:
         if isinstance(prompts, str):
@@ -86,8 +122,7 @@ class LLM:
             for prompt, params in zip(prompts, params_list):
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY
-                request_id = f"llm-{self._counter}"
-                self._counter += 1
+                request_id = self._next_id()
                 self.engine.add_request(request_id, prompt, params)
                 ids.append(request_id)
         except Exception:

@@ -76,3 +76,12 @@ def paged_attention(q, k_cache, v_cache, metadata, scale: float) -> torch.Tensor
         max_query_len=metadata.max_query_len,
         max_seq_len=metadata.max_seq_len,
     )
+
+
+def encoder_attention(q, k, v, metadata, scale: float) -> torch.Tensor:
+    """Bidirectional attention within each whole sequence, no KV cache (encoders). q: [T, H, D], k, v: [T, KVH, D];
+    metadata: a models.bert.EncoderMetadata (query_start_loc on the device and on the host, max_len)."""
+    impl = _impl(q, "attention")
+    if impl is reference:
+        return reference.varlen_attention(q, k, v, metadata.query_start_loc_cpu, scale)
+    return impl.varlen_attention(q, k, v, metadata.query_start_loc, scale, max_len=metadata.max_len)

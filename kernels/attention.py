@@ -5,6 +5,7 @@ Shapes (T = query tokens, B = sequences, H = query heads, KVH = kv heads, G = H 
     query_start_loc: [B + 1]       seq_lens: [B] (context after this step, new tokens included)
 
 Query row i of sequence b sits at absolute position seq_len - q_len + i and attends to keys 0..that position.
+`varlen_attention` (encoders) runs the 2D kernel without the causal mask over k and v seen as one-token pages.
 
 Paths:
   * 2D (prefill, chunked prefill, mixed batches): one program per (tile of query rows of one sequence, kv head).
@@ -199,6 +200,7 @@ def _prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,  # False: every query sees its sequence's every key (encoders; context is then 0)
 ):
     # Last tiles first: they have the most keys under the causal mask, so the grid ends on short work.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -223,15 +225,22 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    q_pos = context + token  # [ROWS]; padded rows see at least key 0, so no row is fully masked
+    if CAUSAL:
+        q_pos = context + token  # [ROWS]; padded rows see at least key 0, so no row is fully masked
+    else:
+        q_pos = token * 0 + seq_len  # past every key: only the context length masks
 
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * GROUP_PAD], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Keys <= context + first_token are visible to every row of the tile: no mask for whole blocks of them.
-    unmasked_end = (context + first_token + 1) // BLOCK_N * BLOCK_N
-    tile_end = context + tl.minimum(first_token + BLOCK_Q, q_len)  # one past the last key any row sees
+    if CAUSAL:
+        # Keys <= context + first_token are visible to every row of the tile: no mask for whole blocks of them.
+        unmasked_end = (context + first_token + 1) // BLOCK_N * BLOCK_N
+        tile_end = context + tl.minimum(first_token + BLOCK_Q, q_len)  # one past the last key any row sees
+    else:
+        unmasked_end = seq_len // BLOCK_N * BLOCK_N
+        tile_end = seq_len
     for start in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
@@ -440,7 +449,8 @@ def decode_tiles(fp32: bool) -> tuple[int, int, int]:
     return (DECODE_BLOCK_N // 2, 4, 2) if fp32 else (DECODE_BLOCK_N, 4, 3)
 
 
-def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out):
+def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
+                    causal: bool = True):
     """The 2D kernel over a grid sized from host values only: cdiv(T, BLOCK_Q) + B tiles per kv head."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -460,7 +470,7 @@ def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, DOT_F32=_dot_f32(q),
-        PRECISION=_precision(), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=_precision(), CAUSAL=causal, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -564,4 +574,36 @@ def paged_attention_decode(
     return out
 
 
-__all__ = ["paged_attention", "paged_attention_decode", "decode_num_splits"]
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bidirectional attention within each sequence of a flat batch, without a KV cache (encoders); the
+    semantics of `reference.varlen_attention`.
+
+    q: [T, H, D]; k, v: [T, KVH, D] (token and head strides free, last dim contiguous, e.g. views of a fused qkv);
+    query_start_loc: [B + 1] int32 on q's device; max_len: host bound of the longest sequence. The 2D prefill
+    kernel runs without its causal mask over k and v seen as a paged cache of one-token pages, so no copy is
+    made: page j of sequence b is token query_start_loc[b] + j.
+    """
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = query_start_loc.shape[0] - 1
+    if q.shape[0] == 0 or num_seqs == 0:
+        return out
+    k_pages, v_pages = k.unsqueeze(1), v.unsqueeze(1)  # [T, 1, KVH, D]
+    seq_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)  # [B]
+    pages = torch.arange(max_len, dtype=torch.int32, device=q.device)
+    block_tables = (query_start_loc[:-1, None] + pages[None, :]).clamp_(max=q.shape[0] - 1).to(torch.int32)
+    _check_inputs(q, k_pages, v_pages, block_tables)
+    _launch_prefill(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, scale, max_len, out, causal=False)
+    return out
+
+
+__all__ = ["paged_attention", "paged_attention_decode", "decode_num_splits", "varlen_attention"]

@@ -145,3 +145,30 @@ def _decode_attention(q, k_cache, v_cache, lens: list[int], block_tables, scale:
     valid = torch.arange(max_len, device=q.device) < torch.tensor(lens, device=q.device).unsqueeze(1)  # [Bd, L]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale)
     return out.squeeze(2)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Bidirectional attention within each sequence of a flat batch (encoders), no KV cache.
+
+    q: [T, H, D]; k, v: [T, KVH, D]; query_start_loc: [B + 1] (host); -> [T, H, D]. Every token of sequence b
+    attends to every token of b. The sequences are padded to the longest one and masked, one SDPA call in all.
+    """
+    starts = query_start_loc.tolist()
+    lens = torch.tensor([b - a for a, b in zip(starts[:-1], starts[1:])], dtype=torch.int64)
+    num_seqs, max_len = len(lens), int(lens.max()) if len(lens) else 0
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lens).to(q.device)  # [T]
+    index_in_seq = (torch.arange(q.shape[0]) - torch.repeat_interleave(query_start_loc[:-1].long(), lens)).to(q.device)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, h, D] -> [B, L, h, D], zeros past each sequence's end
+        out = x.new_zeros(num_seqs, max_len, x.shape[1], x.shape[2])
+        out[seq_of_token, index_in_seq] = x
+        return out
+
+    num_heads = q.shape[1]
+    key_valid = (torch.arange(max_len)[None, :] < lens[:, None]).to(q.device)  # [B, L]
+    out = F.scaled_dot_product_attention(
+        padded(q).transpose(1, 2), _expand_kv(padded(k), num_heads), _expand_kv(padded(v), num_heads),
+        attn_mask=key_valid[:, None, None, :], scale=scale,
+    )  # [B, H, L, D]
+    return out.transpose(1, 2)[seq_of_token, index_in_seq]

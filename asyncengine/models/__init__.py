@@ -5,9 +5,11 @@ Third parties add families through `asyncengine.plugins` (`register_model`), whi
 
 from __future__ import annotations
 
+from asyncengine.models.bert import BertModel
 from asyncengine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 _REGISTRY: dict[str, type] = {
+    "BertModel": BertModel,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -1,0 +1,271 @@
+"""PoolingEngine: the sans-IO core of a model served for embeddings (the pooling runner).
+
+A pooling request is prefill-only: one forward pass over its whole input, then one pooled vector. Its life:
+
+    add_request    validate (length, vocabulary, PoolingParams against the model), queue it
+    prepare_step   take queued requests in arrival order while the step's token budget and sequence slots last
+    launch/collect the pass on the device (pooling_runner), thread-safe like LLMEngine's
+    book           attach each embedding to its request (after dimensions / normalisation)
+    emit           EmbeddingRequestOutput for every request booked, then forget it
+
+The engine answers to the names the step drivers use for an LLMEngine (prepare_step, run, launch, collect, book,
+emit, abort_request, has_unfinished_requests, stats_listeners and the introspection properties), so
+`AsyncLLMEngine` and `engine.StepPipeline` drive it unchanged.
+
+Budget: a step takes up to max_num_seqs requests and max(max_num_batched_tokens, max_model_len) tokens, so that
+any admissible input fits one step. Requests are never chunked: an encoder's bidirectional attention needs the
+whole sequence in one pass (and a decoder's last-token pooling gains nothing from chunks here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from asyncengine.config import EngineConfig, load_model_config, resolve_max_model_len
+from asyncengine.engine import PromptType, StepStats
+from asyncengine.models import model_class_for
+from asyncengine.pooler import PoolerConfig, choose_runner, load_pooler_config
+from asyncengine.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from asyncengine.pooling_runner import LaunchedPooling, PoolingInputs, PoolingRunner
+from asyncengine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PoolingRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: PoolingParams
+    prompt: Optional[str]
+    arrival_time: float
+    embedding: Optional[list[float]] = None  # set by book()
+    aborted: bool = False
+
+
+@dataclass
+class PoolingStep:
+    requests: list[PoolingRequest]
+    inputs: PoolingInputs
+    launched: Optional[LaunchedPooling] = None
+
+
+def pooling_runner_for(config: EngineConfig) -> bool:
+    """True when `config` asks for (or its checkpoint implies) the pooling runner; see pooler.choose_runner."""
+    from asyncengine.models import supported_architectures
+    from asyncengine.plugins import load_plugins
+
+    load_plugins()
+    folder = Path(config.model)
+    raw = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    archs = [a for a in raw.get("architectures") or [] if a in supported_architectures()]
+    is_encoder = bool(archs) and bool(getattr(model_class_for(archs[0]), "is_encoder", False))
+    return choose_runner(config.runner, folder, is_encoder) == "pooling"
+
+
+def build_engine(config: EngineConfig):
+    """An LLMEngine, or a PoolingEngine when the pooling runner applies (`config.runner`, else the checkpoint)."""
+    from asyncengine.engine import LLMEngine
+
+    return PoolingEngine(config) if pooling_runner_for(config) else LLMEngine(config)
+
+
+class PoolingEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        device = config.torch_device()
+        self.model_config = load_model_config(config, device)
+        model_class = model_class_for(self.model_config.architecture)
+        self.is_encoder = bool(getattr(model_class, "is_encoder", False))
+        self.pooler: PoolerConfig = load_pooler_config(Path(config.model), self.is_encoder,
+                                                       self.model_config.hf_config)
+        self.max_model_len = self._max_model_len()
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.runner = PoolingRunner(config, self.model_config, self.max_model_len, self.pooler)
+        self.max_step_tokens = max(config.max_num_batched_tokens, self.max_model_len)
+        self.waiting: deque[PoolingRequest] = deque()
+        self.requests: dict[str, PoolingRequest] = {}  # every live request, waiting or in a pass
+        self.num_in_pass = 0
+        self.stats_listeners: list[Callable[[StepStats], None]] = []
+        self._stats = StepStats()
+        logger.info("pooling engine ready: %s (%s pooling%s) on %s", self.model_config.architecture,
+                    self.pooler.mode, ", normalised" if self.pooler.normalize else "", device)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "PoolingEngine":
+        return cls(config)
+
+    def _max_model_len(self) -> int:
+        """The model's limit, lowered to sentence-transformers' max_seq_length unless max_model_len is given."""
+        max_len = resolve_max_model_len(self.config, self.model_config)
+        if self.config.max_model_len is None and self.pooler.max_seq_length:
+            max_len = min(max_len, self.pooler.max_seq_length)
+        return max_len
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType, params: PoolingParams) -> list[int]:
+        """Token ids of a text or id prompt, cut as params.truncate_prompt_tokens says (see PoolingParams)."""
+        limit = params.truncation_length(self.max_model_len)
+        if not isinstance(prompt, str):
+            ids = list(prompt)
+            return ids[-limit:] if limit is not None else ids
+        if limit is None:
+            return self.tokenizer(prompt).input_ids
+        return self.tokenizer(prompt, truncation=True, max_length=limit).input_ids
+
+    def check_prompt(self, prompt_ids: list[int], params: PoolingParams) -> None:
+        """ValueError when the input or the params cannot run on this model; the message names the field."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError("this model is served with the pooling runner: it embeds (encode / embed / "
+                             "/v1/embeddings) and cannot generate")
+        if not prompt_ids:
+            raise ValueError("input must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"input token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"input is {len(prompt_ids)} tokens but this model takes at most {self.max_model_len}; "
+                             "pass truncate_prompt_tokens to cut it")
+        params.check_for_model(self.pooler, self.model_config.hidden_size)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[PoolingParams] = None,
+                    arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None) -> None:
+        """Queue a request. prompt: text, or token ids (already cut when prompt_token_ids is given). Raises
+        ValueError on bad input or a duplicate live id."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params if params is not None else PoolingParams()
+        if prompt_token_ids is None:
+            prompt_token_ids = self.tokenize(prompt, params) if isinstance(params, PoolingParams) else []
+        self.check_prompt(prompt_token_ids, params)
+        request = PoolingRequest(request_id, list(prompt_token_ids), params, prompt if isinstance(prompt, str) else None,
+                                 arrival_time if arrival_time is not None else time.monotonic())
+        self.requests[request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[EmbeddingRequestOutput]:
+        """End the given requests now (their pass, if running, is discarded); unknown ids are ignored. Returns
+        their final outputs (finish_reason "abort")."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            request.aborted = True
+            if request in self.waiting:
+                self.waiting.remove(request)
+            outputs.append(EmbeddingRequestOutput(request_id, None, request.prompt_token_ids, True, request.prompt,
+                                                  "abort"))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[EmbeddingRequestOutput]:
+        """One whole step, serially: take a batch, run the pass, book the embeddings, emit outputs."""
+        step = self.prepare_step()
+        if step is None:
+            return self.emit([])
+        return self.emit(self.book(step, self.run(step)))
+
+    def prepare_step(self) -> Optional[PoolingStep]:
+        """Take waiting requests in arrival order under the budget (see the module docstring); None if none."""
+        batch: list[PoolingRequest] = []
+        tokens = 0
+        while self.waiting and len(batch) < self.config.max_num_seqs:
+            n = len(self.waiting[0].prompt_token_ids)
+            if batch and tokens + n > self.max_step_tokens:
+                break
+            batch.append(self.waiting.popleft())
+            tokens += n
+        if not batch:
+            return None
+        self.num_in_pass += len(batch)
+        return PoolingStep(batch, self.runner.prepare([r.prompt_token_ids for r in batch]))
+
+    def run(self, step: PoolingStep) -> torch.Tensor:
+        """The device work of a step, launched and collected; reads no engine state (thread-safe)."""
+        return self.collect(self.launch(step))
+
+    def launch(self, step: PoolingStep) -> PoolingStep:
+        step.launched = self.runner.launch(step.inputs)
+        return step
+
+    def collect(self, step: PoolingStep) -> torch.Tensor:
+        """The step's embeddings [B, hidden] float32 on the host, in the order of step.requests."""
+        return self.runner.collect(step.launched)
+
+    def book(self, step: PoolingStep, embeddings: torch.Tensor) -> list[PoolingRequest]:
+        """Attach each embedding to its request (aborted ones are skipped); returns the requests booked."""
+        self.num_in_pass -= len(step.requests)
+        booked = []
+        for request, vector in zip(step.requests, embeddings):
+            if request.aborted:
+                continue
+            request.embedding = self._finish_vector(vector, request.params).tolist()
+            booked.append(request)
+        self._stats.prompt_tokens += sum(len(r.prompt_token_ids) for r in booked)
+        return booked
+
+    def _finish_vector(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """The request's view of a pooled vector [hidden]: first `dimensions` values, then (re)normalised when
+        the model normalises (or the request asks to)."""
+        normalize = self.pooler.normalize if params.normalize is None else params.normalize
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        elif normalize == self.pooler.normalize:
+            return vector  # pooled as asked
+        if normalize:
+            vector = F.normalize(vector, p=2, dim=-1)
+        return vector
+
+    def emit(self, booked: list[PoolingRequest]) -> list[EmbeddingRequestOutput]:
+        """Final outputs of the booked requests, which are then forgotten."""
+        now = time.monotonic()
+        stats, self._stats = self._stats, StepStats()
+        outputs = []
+        for request in booked:
+            if self.requests.pop(request.request_id, None) is None:
+                continue  # aborted after booking
+            outputs.append(EmbeddingRequestOutput(request.request_id, EmbeddingOutput(request.embedding),
+                                                  request.prompt_token_ids, True, request.prompt))
+            stats.e2e_latency.append(now - request.arrival_time)
+            stats.time_to_first_token.append(now - request.arrival_time)
+            stats.finished_reasons.append("stop")
+        for listener in self.stats_listeners:
+            listener(stats)
+        return outputs
+
+    # -- introspection (the names LLMEngine answers to) ---------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self.num_in_pass
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 0.0  # no persistent KV cache
+
+    num_preemptions = prefix_cache_queries = prefix_cache_hits = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to reset: pooling keeps no prefix cache."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size

@@ -1,0 +1,128 @@
+"""The pooling runner: one forward pass over whole sequences, then one pooled vector per sequence.
+
+Batch layout of one pass (B sequences, T tokens laid end to end):
+    input_ids, positions: [T]    query_start_loc: [B + 1]    -> hidden [T, hidden] -> embeddings [B, hidden] fp32
+Encoders (BERT family) attend bidirectionally and keep no KV cache at all. Decoders used for embeddings run
+their usual causal forward over a scratch paged cache just big enough for this pass (each sequence's blocks in a
+row), allocated for the pass and dropped after it: pooling needs no KV once the pass is done.
+
+`launch` queues the device work (on CUDA the copy of the embeddings into pinned host memory behind an event);
+`collect` waits for it: the pass's one host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from asyncengine.config import EngineConfig, ModelConfig
+from asyncengine.models.bert import EncoderMetadata
+from asyncengine.models.layers import AttentionMetadata
+from asyncengine.models.loader import load_model
+from asyncengine.pooler import PoolerConfig, pool
+from asyncengine.sampler import to_device
+
+
+@dataclass
+class PoolingInputs:
+    input_ids: torch.Tensor  # [T] on the device
+    positions: torch.Tensor  # [T] on the device
+    query_start_loc: torch.Tensor  # [B + 1] int32 on the device
+    query_start_loc_cpu: torch.Tensor  # [B + 1] int32
+    max_len: int
+
+
+@dataclass
+class LaunchedPooling:
+    embeddings: torch.Tensor  # [B, hidden] float32, on the host once `event` completes
+    event: Optional[torch.cuda.Event] = None  # None on CPU, where launching computes everything
+
+
+class PoolingRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, pooler: PoolerConfig):
+        self.device = config.torch_device()
+        self.model_config = model_config
+        self.block_size = config.block_size
+        self.pooler = pooler
+        self.model = load_model(model_config, self.device, max_positions=max_model_len)
+        self.is_encoder = bool(getattr(self.model, "is_encoder", False))
+        if self.device.type == "cuda":
+            self._warm_up(min(max_model_len, config.max_num_batched_tokens))
+
+    def _warm_up(self, longest: int) -> None:
+        """Compile the attention kernel's tile variants (they follow the longest sequence, in power-of-two
+        buckets) now, not while serving."""
+        n = 1
+        while n <= min(longest, 128):
+            self.collect(self.launch(self.prepare([[0] * n])))
+            n *= 2
+
+    def prepare(self, token_lists: list[list[int]]) -> PoolingInputs:
+        """Flat batch tensors for whole sequences (numpy on the host, then one copy each)."""
+        lens = np.fromiter((len(t) for t in token_lists), np.int64, len(token_lists))
+        qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl[1:])
+        ids = np.fromiter((t for tokens in token_lists for t in tokens), np.int64, int(qsl[-1]))
+        positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1].astype(np.int64), lens)
+        return PoolingInputs(
+            input_ids=to_device(ids, self.device),
+            positions=to_device(positions, self.device),
+            query_start_loc=to_device(qsl, self.device),
+            query_start_loc_cpu=torch.from_numpy(qsl),
+            max_len=int(lens.max()),
+        )
+
+    @torch.inference_mode()
+    def launch(self, inputs: PoolingInputs) -> LaunchedPooling:
+        """Queue the forward pass and pooling; touches no request, so it may run in a worker thread."""
+        if self.is_encoder:
+            metadata = EncoderMetadata(inputs.query_start_loc, inputs.query_start_loc_cpu, inputs.max_len)
+            hidden = self.model(inputs.input_ids, inputs.positions, metadata)
+        else:
+            caches, metadata = self._scratch_cache(inputs)
+            hidden = self.model(inputs.input_ids, inputs.positions, caches, metadata)
+        embeddings = pool(hidden, inputs.query_start_loc, self.pooler)  # [B, hidden] float32
+        if self.device.type == "cpu":
+            return LaunchedPooling(embeddings)
+        host = torch.empty(embeddings.shape, dtype=embeddings.dtype, pin_memory=True)
+        host.copy_(embeddings, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedPooling(host, event)
+
+    def collect(self, launched: LaunchedPooling) -> torch.Tensor:
+        """Wait for a launched pass; its embeddings [B, hidden] float32 on the host."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        return launched.embeddings
+
+    def _scratch_cache(self, inputs: PoolingInputs):
+        """A paged KV cache for this pass only: sequence b owns blocks [first_b, first_b + ceil(len_b / BS))."""
+        mc, dev, bs = self.model_config, self.device, self.block_size
+        qsl = inputs.query_start_loc_cpu.long()
+        lens = qsl[1:] - qsl[:-1]
+        blocks = (lens + bs - 1) // bs  # [B]
+        first_block = torch.cumsum(blocks, 0) - blocks
+        num_blocks, width = int(blocks.sum()), int(blocks.max())
+        shape = (num_blocks, bs, mc.num_kv_heads, mc.head_dim)
+        caches = [(torch.empty(shape, dtype=mc.dtype, device=dev), torch.empty(shape, dtype=mc.dtype, device=dev))
+                  for _ in range(mc.num_layers)]
+        tables = (first_block[:, None] + torch.arange(width)[None, :]).clamp_(max=num_blocks - 1).to(torch.int32)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        offset = torch.arange(int(qsl[-1])) - qsl[:-1][seq_of_token]
+        slots = first_block[seq_of_token] * bs + offset  # [T]: contiguous within each sequence's blocks
+        lens32 = lens.to(torch.int32)
+        metadata = AttentionMetadata(
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=lens32.to(dev),
+            block_tables=tables.to(dev),
+            slot_mapping=slots.to(dev),
+            query_start_loc_cpu=inputs.query_start_loc_cpu,
+            seq_lens_cpu=lens32,
+            max_query_len=inputs.max_len,
+            max_seq_len=inputs.max_len,
+        )
+        return caches, metadata

@@ -1,0 +1,151 @@
+"""POST /v1/embeddings on a real server through the official `openai` client: all-MiniLM-L6-v2's embeddings equal
+sentence-transformers' (float and base64), OpenAI's input shapes, usage, and errors naming their field."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from test_embeddings import COSINE_MIN, cosines, minilm_folder, sentences
+from test_server_harness import ServerThread
+
+from asyncengine import LLM
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(str(minilm_folder()), served_model_name="minilm") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """texts -> sentence-transformers' embeddings [N, 384] (float32, CPU)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(minilm_folder()), device="cpu")
+    return lambda texts: model.encode(texts, convert_to_tensor=True)
+
+
+def vectors(response) -> torch.Tensor:
+    assert [d.index for d in response.data] == list(range(len(response.data)))
+    assert all(d.object == "embedding" for d in response.data)
+    return torch.tensor([d.embedding for d in response.data])
+
+
+def test_float_and_base64_equal_sentence_transformers(client, reference):
+    texts = sentences(100, seed=10)
+    expected = reference(texts)
+    as_float = client.embeddings.create(model="minilm", input=texts, encoding_format="float")
+    assert as_float.object == "list" and as_float.model == "minilm"
+    assert cosines(vectors(as_float), expected).min() >= COSINE_MIN
+    # Without encoding_format the client asks for base64 and decodes it into floats itself.
+    decoded_by_client = client.embeddings.create(model="minilm", input=texts)
+    assert torch.equal(vectors(decoded_by_client), vectors(as_float))
+    raw = client.embeddings.create(model="minilm", input=texts[:3], encoding_format="base64")
+    ours = np.stack([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in raw.data])
+    assert np.array_equal(ours, vectors(as_float)[:3].numpy())
+
+
+def test_usage_counts_prompt_tokens(client, server):
+    tokenizer = server.engine.tokenizer
+    texts = ["hello world", "a somewhat longer sentence to embed"]
+    response = client.embeddings.create(model="minilm", input=texts, encoding_format="float")
+    tokens = sum(len(tokenizer(t).input_ids) for t in texts)
+    assert response.usage.prompt_tokens == response.usage.total_tokens == tokens
+
+
+def test_token_id_inputs_equal_text_inputs(client, server):
+    tokenizer = server.engine.tokenizer
+    texts = sentences(3, seed=11)
+    ids = [tokenizer(t).input_ids for t in texts]
+    by_text = vectors(client.embeddings.create(model="minilm", input=texts, encoding_format="float"))
+    by_ids = vectors(client.embeddings.create(model="minilm", input=ids, encoding_format="float"))
+    single = vectors(client.embeddings.create(model="minilm", input=ids[0], encoding_format="float"))
+    one_text = vectors(client.embeddings.create(model="minilm", input=texts[0], encoding_format="float"))
+    assert torch.allclose(by_ids, by_text, atol=1e-6)
+    assert torch.allclose(single[0], by_text[0], atol=1e-6) and torch.allclose(one_text[0], by_text[0], atol=1e-6)
+
+
+def bad_request(client, **kwargs) -> dict:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model="minilm", encoding_format="float", **kwargs)
+    return info.value.body
+
+
+def test_errors_name_their_field(client):
+    assert bad_request(client, input="hi", dimensions=32)["param"] == "dimensions"
+    too_long = " ".join(["word"] * 400)
+    body = bad_request(client, input=["fine", too_long])
+    assert body["param"] == "input" and "256" in body["message"] and "truncate_prompt_tokens" in body["message"]
+    assert bad_request(client, input=[])["param"] == "input"
+    assert bad_request(client, input=[""])["param"] == "input"
+    assert bad_request(client, input=[[1, 2], "mixed"])["param"] == "input"
+    assert bad_request(client, input=[[10**9]])["param"] == "input"
+    body = bad_request(client, input="hi", extra_body={"truncate_prompt_tokens": 0})
+    assert body["param"] == "truncate_prompt_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="missing", input="hi")
+
+
+def test_truncate_prompt_tokens_cuts_long_inputs(client, server):
+    too_long = " ".join(["word"] * 400)
+    response = client.embeddings.create(model="minilm", input=too_long, encoding_format="float",
+                                        extra_body={"truncate_prompt_tokens": 100})
+    assert response.usage.prompt_tokens == 100
+    cut = server.engine.tokenizer(too_long, truncation=True, max_length=100).input_ids
+    by_ids = client.embeddings.create(model="minilm", input=cut, encoding_format="float")
+    assert torch.allclose(vectors(response), vectors(by_ids), atol=1e-6)
+
+
+def test_1000_mixed_length_inputs_in_one_request(client, reference, server):
+    texts = sentences(1000, seed=12, max_words=120)
+    response = client.embeddings.create(model="minilm", input=texts, encoding_format="float")
+    assert len(response.data) == 1000
+    assert cosines(vectors(response), reference(texts)).min() >= COSINE_MIN
+    assert server.engine_idle()
+
+
+@pytest.mark.slow
+def test_1000_concurrent_requests(server, reference):
+    texts = sentences(1000, seed=13, max_words=120)
+
+    async def main():
+        limits = httpx.Limits(max_connections=1000)
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300,
+                                      http_client=httpx.AsyncClient(limits=limits, timeout=300)) as aclient:
+            responses = await asyncio.gather(*(
+                aclient.embeddings.create(model="minilm", input=t, encoding_format="float") for t in texts))
+        return torch.tensor([r.data[0].embedding for r in responses])
+
+    ours = asyncio.run(main())
+    assert cosines(ours, reference(texts)).min() >= COSINE_MIN
+    assert server.engine_idle()
+
+
+def test_generate_model_refuses_embeddings_and_pooling_model_refuses_completions(client, llama_dir):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="minilm", prompt="hi", max_tokens=2)
+    assert "pooling runner" in info.value.body["message"]
+    with ServerThread(str(llama_dir)) as generating:
+        other = openai.OpenAI(base_url=generating.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as info:
+            other.embeddings.create(model=generating.engine.model_name, input="hi")
+        assert info.value.body["param"] == "model" and "--runner pooling" in info.value.body["message"]
+
+
+def test_offline_llm_and_server_agree(client):
+    texts = sentences(5, seed=14)
+    offline = LLM(str(minilm_folder())).embed(texts, use_tqdm=False)
+    served = vectors(client.embeddings.create(model="minilm", input=texts, encoding_format="float"))
+    assert torch.allclose(torch.tensor([o.outputs.embedding for o in offline]), served, atol=1e-6)
