@@ -44,6 +44,17 @@ def minilm_dir() -> Path:
     return minilm_folder()
 
 
+@pytest.fixture(scope="session")
+def st_reference(minilm_dir) -> dict[str, torch.Tensor]:
+    """sentences(100) -> sentence-transformers' embedding of each (float32, CPU), computed once per session: the
+    reference every MiniLM test compares with (larger batches draw their inputs from these sentences)."""
+    from sentence_transformers import SentenceTransformer
+
+    texts = sentences(100)
+    vectors = SentenceTransformer(str(minilm_dir), device="cpu").encode(texts, convert_to_tensor=True)
+    return dict(zip(texts, vectors))
+
+
 @pytest.fixture(scope="module")
 def minilm(minilm_dir):
     return LLM(str(minilm_dir), dtype="float32")
@@ -56,11 +67,9 @@ def cosines(a, b) -> torch.Tensor:
 # -- encoders: all-MiniLM-L6-v2 against sentence-transformers ------------------------------------------------------
 
 
-def test_minilm_embeddings_equal_sentence_transformers_on_100_sentences(minilm, minilm_dir):
-    from sentence_transformers import SentenceTransformer
-
-    texts = sentences(100)
-    reference = SentenceTransformer(str(minilm_dir), device="cpu").encode(texts, convert_to_tensor=True)
+def test_minilm_embeddings_equal_sentence_transformers_on_100_sentences(minilm, st_reference):
+    texts = list(st_reference)
+    reference = torch.stack(list(st_reference.values()))
     outputs = minilm.embed(texts, use_tqdm=False)
     ours = torch.tensor([o.outputs.embedding for o in outputs])
     assert ours.shape == reference.shape == (100, 384)
@@ -203,9 +212,8 @@ def test_bad_pooling_params_name_their_field():
 # -- the async engine ---------------------------------------------------------------------------------------------
 
 
-def test_async_encode_concurrent_requests_equal_offline(minilm, minilm_dir):
-    texts = sentences(40, seed=4)
-    offline = [o.outputs.embedding for o in minilm.embed(texts, use_tqdm=False)]
+def test_async_encode_concurrent_requests_equal_sentence_transformers(minilm_dir, st_reference):
+    texts = list(st_reference)[:40]
 
     async def main():
         engine = AsyncLLMEngine(EngineConfig(model=str(minilm_dir), max_num_seqs=8))
@@ -235,4 +243,4 @@ def test_async_encode_concurrent_requests_equal_offline(minilm, minilm_dir):
 
     results = asyncio.run(main())
     ours = torch.tensor([r.outputs.embedding for r in results])
-    assert cosines(ours, offline).min() >= 1 - 1e-6  # batching differs (max_num_seqs 8): same vectors
+    assert cosines(ours, torch.stack([st_reference[t] for t in texts])).min() >= COSINE_MIN

@@ -273,6 +273,36 @@ def test_cache_write_then_attention_over_it():
     check_attention((q, k_cache, v_cache, qsl, lens, block_tables), 0.125, max_query_len=5, max_seq_len=40)
 
 
+def naive_bidirectional(q, k, v, lens, scale):
+    """Per sequence, every query over every key of its own sequence (plain softmax), as encoders attend."""
+    out, start = [], 0
+    for n in lens:
+        qs, ks, vs = (t[start : start + n].float().transpose(0, 1) for t in (q, k, v))  # [h, n, D]
+        ks = ks.repeat_interleave(q.shape[1] // k.shape[1], dim=0)
+        vs = vs.repeat_interleave(q.shape[1] // k.shape[1], dim=0)
+        out.append((torch.softmax(qs @ ks.transpose(1, 2) * scale, -1) @ vs).transpose(0, 1))
+        start += n
+    return torch.cat(out).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 32), (4, 2, 64)], ids=["mha-d32", "gqa2-d64"])
+def test_varlen_attention_sees_the_whole_sequence_in_both_directions(dtype, heads, kv_heads, head_dim):
+    """Encoders: the 2D kernel without its causal mask, over k and v read in place from a fused qkv tensor."""
+    from asyncengine.kernels import attention, reference
+
+    lens = [1, 37, 70, 5]  # off tile boundaries, one sequence longer than a KV tile
+    tokens = sum(lens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                               kv_heads * head_dim], dim=-1))
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    ref = reference.varlen_attention(q, k, v, qsl, 0.125)
+    assert_matches(ref, naive_bidirectional(q, k, v, lens, 0.125), ATTENTION_TOLERANCE)
+    out = attention.varlen_attention(q, k, v, qsl.to(DEVICE), 0.125, max_len=max(lens))
+    assert_matches(out, ref, ATTENTION_TOLERANCE)
+
+
 def test_available_reports_true_here():
     from asyncengine import kernels
 
