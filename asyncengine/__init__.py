@@ -18,6 +18,7 @@ from asyncengine.config import EngineConfig, default_model_path  # noqa: E402
 from asyncengine.engine import LLMEngine  # noqa: E402
 from asyncengine.llm import LLM  # noqa: E402
 from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from asyncengine.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams  # noqa: E402
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
@@ -32,6 +33,9 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "PoolingParams",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "default_model_path",
     "__version__",
 ]

@@ -84,18 +84,18 @@ class LLM:
             raise ValueError("embed needs the pooling runner: this model was loaded to generate "
                              "(pass runner='pooling' to LLM(...) to embed with it)")
         params = pooling_params or PoolingParams()
+        prompt_list = self._as_list(prompts)
         ids = []
         try:
-            for prompt in self._as_list(prompts):
+            for prompt, token_ids in zip(prompt_list, self.engine.tokenize(prompt_list, params)):
                 ids.append(self._next_id())
-                self.engine.add_request(ids[-1], prompt, params)
+                self.engine.add_request(ids[-1], prompt, params, prompt_token_ids=token_ids)
         except Exception:
             self.engine.abort_request(ids)
             raise
         results: dict[str, EmbeddingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Embedded prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            while self.engine.has_unfinished_requests():
-                outputs = self.engine.step()
+            for outputs in self.engine.run_pipelined(self._device_thread):
                 results.update((o.request_id, o) for o in outputs)
                 bar.update(len(outputs))
         return [results[i] for i in ids]

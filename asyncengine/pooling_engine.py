@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.config import EngineConfig, load_model_config, resolve_max_model_len
-from asyncengine.engine import PromptType, StepStats
+from asyncengine.engine import LLMEngine, PromptType, StepStats
 from asyncengine.models import model_class_for
 from asyncengine.pooler import PoolerConfig, choose_runner, load_pooler_config
 from asyncengine.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
@@ -74,8 +74,6 @@ def pooling_runner_for(config: EngineConfig) -> bool:
 
 def build_engine(config: EngineConfig):
     """An LLMEngine, or a PoolingEngine when the pooling runner applies (`config.runner`, else the checkpoint)."""
-    from asyncengine.engine import LLMEngine
-
     return PoolingEngine(config) if pooling_runner_for(config) else LLMEngine(config)
 
 
@@ -112,15 +110,19 @@ class PoolingEngine:
         return max_len
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def tokenize(self, prompt: PromptType, params: PoolingParams) -> list[int]:
-        """Token ids of a text or id prompt, cut as params.truncate_prompt_tokens says (see PoolingParams)."""
+    def tokenize(self, prompts: list[PromptType], params: PoolingParams) -> list[list[int]]:
+        """Token ids of text or id prompts, cut as params.truncate_prompt_tokens says (see PoolingParams). The
+        texts go through the tokenizer in one batch call."""
         limit = params.truncation_length(self.max_model_len)
-        if not isinstance(prompt, str):
-            ids = list(prompt)
-            return ids[-limit:] if limit is not None else ids
-        if limit is None:
-            return self.tokenizer(prompt).input_ids
-        return self.tokenizer(prompt, truncation=True, max_length=limit).input_ids
+        texts = [p for p in prompts if isinstance(p, str)]
+        if not texts:
+            encoded = iter(())
+        elif limit is None:
+            encoded = iter(self.tokenizer(texts).input_ids)
+        else:
+            encoded = iter(self.tokenizer(texts, truncation=True, max_length=limit).input_ids)
+        return [next(encoded) if isinstance(p, str) else (list(p)[-limit:] if limit is not None else list(p))
+                for p in prompts]
 
     def check_prompt(self, prompt_ids: list[int], params: PoolingParams) -> None:
         """ValueError when the input or the params cannot run on this model; the message names the field."""
@@ -145,7 +147,7 @@ class PoolingEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params if params is not None else PoolingParams()
         if prompt_token_ids is None:
-            prompt_token_ids = self.tokenize(prompt, params) if isinstance(params, PoolingParams) else []
+            prompt_token_ids = self.tokenize([prompt], params)[0] if isinstance(params, PoolingParams) else []
         self.check_prompt(prompt_token_ids, params)
         request = PoolingRequest(request_id, list(prompt_token_ids), params, prompt if isinstance(prompt, str) else None,
                                  arrival_time if arrival_time is not None else time.monotonic())
@@ -179,6 +181,9 @@ class PoolingEngine:
         if step is None:
             return self.emit([])
         return self.emit(self.book(step, self.run(step)))
+
+    # The step loop that drives an LLMEngine drives this engine too (it only calls the step methods below).
+    run_pipelined = LLMEngine.run_pipelined
 
     def prepare_step(self) -> Optional[PoolingStep]:
         """Take waiting requests in arrival order under the budget (see the module docstring); None if none."""

