@@ -244,3 +244,47 @@ def test_async_encode_concurrent_requests_equal_sentence_transformers(minilm_dir
     results = asyncio.run(main())
     ours = torch.tensor([r.outputs.embedding for r in results])
     assert cosines(ours, torch.stack([st_reference[t] for t in texts])).min() >= COSINE_MIN
+
+
+def test_cli_runner_flag_and_its_default_engine_process(minilm_dir, llama_dir):
+    from asyncengine.api.cli import build_parser, engine_config
+
+    def config(*argv):
+        return engine_config(build_parser().parse_args(["serve", *argv]))
+
+    auto = config(str(minilm_dir))
+    assert auto.runner == "auto" and auto.engine_process is False  # pooling: no engine process
+    forced = config(str(llama_dir), "--runner", "pooling")
+    assert forced.runner == "pooling" and forced.engine_process is False
+    generating = config(str(llama_dir))
+    assert generating.runner == "auto" and generating.engine_process is True
+    assert config(str(llama_dir), "--no-engine-process").engine_process is False
+    with pytest.raises(ValueError, match="engine_process is not supported with the pooling runner"):
+        AsyncLLMEngine(EngineConfig(model=str(minilm_dir), engine_process=True))
+
+
+# -- GPU: the Triton paths (varlen bidirectional attention for encoders, paged prefill for decoders) ------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_minilm_equals_the_cpu_path(minilm_dir):
+    """float32 on the GPU (Triton attention, tf32x3 products) against the CPU path proven above; bf16 close."""
+    texts = sentences(200, seed=20, max_words=150)
+    params = PoolingParams(truncate_prompt_tokens=-1)
+    cpu = torch.tensor([o.outputs.embedding for o in LLM(str(minilm_dir), device="cpu").embed(texts, params)])
+    for dtype, floor in (("float32", COSINE_MIN), ("bfloat16", 0.999)):
+        gpu = LLM(str(minilm_dir), device="cuda", dtype=dtype).embed(texts, params, use_tqdm=False)
+        assert cosines([o.outputs.embedding for o in gpu], cpu).min() >= floor, dtype
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decoder_last_token_pooling_equals_transformers(checkpoint_dir):
+    folder = checkpoint_dir("Qwen3ForCausalLM")
+    llm = LLM(str(folder), runner="pooling", device="cuda", dtype="float32", max_model_len=256)
+    token_lists = [llm.get_tokenizer()(t).input_ids[:200] for t in sentences(32, seed=21, max_words=80)]
+    ours = torch.tensor([o.outputs.embedding for o in llm.embed(token_lists, use_tqdm=False)])
+    reference = F.normalize(transformers_last_hidden(folder, token_lists), dim=-1)
+    assert cosines(ours, reference).min() >= COSINE_MIN
