@@ -1,8 +1,8 @@
 """`POST /v1/embeddings`: OpenAI's request turned into pooling requests, and their embeddings into OpenAI's answer.
 
 Contract: `create` either returns an EmbeddingResponse or raises APIError (400 naming the field for bad input,
-429 / 503 from the engine); the inputs of one request are validated all together before any is queued, and all
-are aborted if the caller goes away (the task is cancelled) before they are done.
+429 / 503 from the engine). The engine's add_request is the one validation of each input; the inputs of one
+request are queued all or none, and all are aborted if the caller goes away (the task is cancelled) first.
 """
 
 from __future__ import annotations
@@ -69,11 +69,6 @@ class EmbeddingServing:
         params = pooling_params(request)
         items = embedding_inputs(request)
         token_lists = await engine.pooling_prompt_ids(items, params)
-        for ids in token_lists:
-            try:
-                engine.validate(ids, params)
-            except ValueError as exc:
-                raise from_engine_error(exc, EMBEDDING_FIELDS) from exc
         streams = await self._add(token_lists, params)
         vectors = await self._collect(streams)
         data = [Embedding(index=i, embedding=encode_embedding(v, request.encoding_format))
@@ -83,7 +78,7 @@ class EmbeddingServing:
                                                                               total_tokens=tokens))
 
     async def _add(self, token_lists: list[list[int]], params: PoolingParams) -> list[RequestStream]:
-        """One engine request per input, all or none (429 / 503 / 400 from the engine)."""
+        """One engine request per input, all or none (400 naming the field, 429 / 503 from the engine)."""
         streams: list[RequestStream] = []
         base = f"embd-{uuid.uuid4().hex}"
         try:

@@ -63,6 +63,8 @@ class LLM:
         chat_template_kwargs: Optional[dict] = None,
     ) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
+        if isinstance(self.engine, PoolingEngine):
+            raise ValueError("this model is served with the pooling runner: it embeds (LLM.embed) and cannot chat")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             apply_chat_template(self.engine.tokenizer, c, add_generation_prompt, **(chat_template_kwargs or {}))

@@ -8,9 +8,9 @@ A pooling request is prefill-only: one forward pass over its whole input, then o
     book           attach each embedding to its request (after dimensions / normalisation)
     emit           EmbeddingRequestOutput for every request booked, then forget it
 
-The engine answers to the names the step drivers use for an LLMEngine (prepare_step, run, launch, collect, book,
-emit, abort_request, has_unfinished_requests, stats_listeners and the introspection properties), so
-`AsyncLLMEngine` and `engine.StepPipeline` drive it unchanged.
+The engine answers to the names the step driver (engine.StepPipeline) and engine_client.InProcessClient use for an
+LLMEngine (enqueue, prepare_step, run, launch, collect, book, emit, abort_request, has_unfinished_requests,
+stats, stats_listeners), so both drive it unchanged.
 
 Budget: a step takes up to max_num_seqs requests and max(max_num_batched_tokens, max_model_len) tokens, so that
 any admissible input fits one step. Requests are never chunked: an encoder's bidirectional attention needs the
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.config import EngineConfig, load_model_config, resolve_max_model_len
-from asyncengine.engine import LLMEngine, PromptType, StepStats
+from asyncengine.engine import EngineStats, LLMEngine, PromptType, StepStats
 from asyncengine.models import model_class_for
 from asyncengine.pooler import PoolerConfig, choose_runner, load_pooler_config
 from asyncengine.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
@@ -57,6 +57,22 @@ class PoolingStep:
     requests: list[PoolingRequest]
     inputs: PoolingInputs
     launched: Optional[LaunchedPooling] = None
+
+
+def pooling_token_ids(tokenizer, prompts: list[PromptType], params: PoolingParams, max_model_len: int
+                      ) -> list[list[int]]:
+    """Token ids of text or id prompts, cut as params.truncate_prompt_tokens says (see PoolingParams): texts
+    through the tokenizer's own truncation (one batch call), ids by keeping the last ones."""
+    limit = params.truncation_length(max_model_len)
+    texts = [p for p in prompts if isinstance(p, str)]
+    if not texts:
+        encoded = iter(())
+    elif limit is None:
+        encoded = iter(tokenizer(texts).input_ids)
+    else:
+        encoded = iter(tokenizer(texts, truncation=True, max_length=limit).input_ids)
+    return [next(encoded) if isinstance(p, str) else (list(p)[-limit:] if limit is not None else list(p))
+            for p in prompts]
 
 
 def pooling_runner_for(config: EngineConfig) -> bool:
@@ -87,6 +103,7 @@ class PoolingEngine:
         self.pooler: PoolerConfig = load_pooler_config(Path(config.model), self.is_encoder,
                                                        self.model_config.hf_config)
         self.max_model_len = self._max_model_len()
+        self.vocab_size = self.model_config.vocab_size
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.runner = PoolingRunner(config, self.model_config, self.max_model_len, self.pooler)
         self.max_step_tokens = max(config.max_num_batched_tokens, self.max_model_len)
@@ -111,18 +128,8 @@ class PoolingEngine:
 
     # -- requests ---------------------------------------------------------------------------------------------
     def tokenize(self, prompts: list[PromptType], params: PoolingParams) -> list[list[int]]:
-        """Token ids of text or id prompts, cut as params.truncate_prompt_tokens says (see PoolingParams). The
-        texts go through the tokenizer in one batch call."""
-        limit = params.truncation_length(self.max_model_len)
-        texts = [p for p in prompts if isinstance(p, str)]
-        if not texts:
-            encoded = iter(())
-        elif limit is None:
-            encoded = iter(self.tokenizer(texts).input_ids)
-        else:
-            encoded = iter(self.tokenizer(texts, truncation=True, max_length=limit).input_ids)
-        return [next(encoded) if isinstance(p, str) else (list(p)[-limit:] if limit is not None else list(p))
-                for p in prompts]
+        """See pooling_token_ids."""
+        return pooling_token_ids(self.tokenizer, prompts, params, self.max_model_len)
 
     def check_prompt(self, prompt_ids: list[int], params: PoolingParams) -> None:
         """ValueError when the input or the params cannot run on this model; the message names the field."""
@@ -131,7 +138,7 @@ class PoolingEngine:
                              "/v1/embeddings) and cannot generate")
         if not prompt_ids:
             raise ValueError("input must not be empty")
-        vocab = self.model_config.vocab_size
+        vocab = self.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
             raise ValueError(f"input token ids must be integers in [0, {vocab})")
         if len(prompt_ids) > self.max_model_len:
@@ -143,13 +150,18 @@ class PoolingEngine:
                     arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None) -> None:
         """Queue a request. prompt: text, or token ids (already cut when prompt_token_ids is given). Raises
         ValueError on bad input or a duplicate live id."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         params = params if params is not None else PoolingParams()
         if prompt_token_ids is None:
             prompt_token_ids = self.tokenize([prompt], params)[0] if isinstance(params, PoolingParams) else []
         self.check_prompt(prompt_token_ids, params)
-        request = PoolingRequest(request_id, list(prompt_token_ids), params, prompt if isinstance(prompt, str) else None,
+        self.enqueue(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, params, arrival_time)
+
+    def enqueue(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int], params: PoolingParams,
+                arrival_time: Optional[float] = None) -> None:
+        """Queue a request that has passed check_prompt. ValueError for a request id that is in use."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = PoolingRequest(request_id, list(prompt_token_ids), params, prompt,
                                  arrival_time if arrival_time is not None else time.monotonic())
         self.requests[request_id] = request
         self.waiting.append(request)
@@ -253,24 +265,10 @@ class PoolingEngine:
             listener(stats)
         return outputs
 
-    # -- introspection (the names LLMEngine answers to) ---------------------------------------------------------
-    @property
-    def num_running(self) -> int:
-        return self.num_in_pass
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 0.0  # no persistent KV cache
-
-    num_preemptions = prefix_cache_queries = prefix_cache_hits = 0
+    # -- introspection ---------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Queue lengths after the latest step (no KV cache, preemption or prefix cache: those stay 0)."""
+        return EngineStats(num_running=self.num_in_pass, num_waiting=len(self.waiting))
 
     def reset_prefix_cache(self) -> None:
         """Nothing to reset: pooling keeps no prefix cache."""
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model_config.vocab_size

@@ -236,7 +236,7 @@ def test_async_encode_concurrent_requests_equal_sentence_transformers(minilm_dir
             await asyncio.gather(task, return_exceptions=True)
             await gen.aclose()
             assert await engine.wait_until_idle(10)
-            assert not engine.engine.requests and not engine.engine.waiting
+            assert not engine.client.engine.requests and not engine.client.engine.waiting
         finally:
             await engine.shutdown()
         return results
