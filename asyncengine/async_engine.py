@@ -250,7 +250,8 @@ class AsyncLLMEngine:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         prompt_ids = await self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(prompt_ids, params)
-        if getattr(params, "structured_outputs", None) is not None:  # compile (cached) off the loop; ValueError if it cannot
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            # compile (cached) off the loop; ValueError if it cannot
             await asyncio.get_running_loop().run_in_executor(None, self.client.check_structured_outputs, params)
         self.client.start(asyncio.get_running_loop(), self._deliver_all, self._fail_all)
         try:

@@ -44,6 +44,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A prompt is a string or a list of token ids; one SamplingParams
         for all, or one per prompt. Bad input raises ValueError before anything runs."""
+        self._check_generates()
         prompt_list = self._as_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompt_list):
@@ -63,8 +64,7 @@ class LLM:
         chat_template_kwargs: Optional[dict] = None,
     ) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
-        if isinstance(self.engine, PoolingEngine):
-            raise ValueError("this model is served with the pooling runner: it embeds (LLM.embed) and cannot chat")
+        self._check_generates()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             apply_chat_template(self.engine.tokenizer, c, add_generation_prompt, **(chat_template_kwargs or {}))
@@ -105,6 +105,11 @@ class LLM:
     def _next_id(self) -> str:
         self._counter += 1
         return f"llm-{self._counter - 1}"
+
+    def _check_generates(self) -> None:
+        if isinstance(self.engine, PoolingEngine):
+            raise ValueError("this model is served with the pooling runner: it embeds (LLM.embed) and cannot "
+                             "generate (pass runner='generate' for a decoder)")
 
     @staticmethod
     def _as_list(prompts) -> list[PromptType]:
