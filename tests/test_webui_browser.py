@@ -154,8 +154,10 @@ def wait_for(driver, condition, timeout: float = 20.0, message: str = ""):
 
 
 def open_page(driver, url: str, key: str | None = None) -> None:
-    """Load the chat page at `url` with `key` already in its sessionStorage (None: no key kept)."""
-    driver.get(url + "/")
+    """Load the chat page at `url` with `key` already in its sessionStorage (None: no key kept). The key is set
+    from /health, a page of the same origin that runs no script: set from the chat page itself, the page's own
+    first GET v1/models (401, no key yet) could land after the key was set and forget it again."""
+    driver.get(url + "/health")
     driver.execute_script("sessionStorage.clear(); if (arguments[0] !== null) "
                           "sessionStorage.setItem('asyncengine.apiKey', arguments[0]);", key)
     driver.get(url + "/")
