@@ -1,4 +1,4 @@
-"""`python -m asyncengine.api serve [MODEL] ...`: the same CLI as the `asyncengine` console script."""
+"""`python -m asyncengine.api ...`: the same command line as `asyncengine` and `python -m asyncengine`."""
 
 import sys
 

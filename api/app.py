@@ -25,6 +25,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -35,7 +36,6 @@ import asyncengine
 from asyncengine.api.auth import APIKeyMiddleware, WebSocketOriginMiddleware
 from asyncengine.api.embeddings import EmbeddingServing
 from asyncengine.api.errors import APIError, bad_request, from_decode_error, unavailable
-from asyncengine.api.inputs import chat_prompt
 from asyncengine.api.metrics import Metrics
 from asyncengine.api.openapi import openapi_schema
 from asyncengine.api.protocol_embeddings import EmbeddingRequest
@@ -51,7 +51,7 @@ from asyncengine.api.protocol import (
     VersionResponse,
     encoder,
 )
-from asyncengine.api.serving import Generation, OpenAIServing
+from asyncengine.api.serving import Generation, OpenAIServing, ServingOptions
 from asyncengine.api.sse import SSEResponse, _wait_disconnect, sse_frames
 from asyncengine.api.websocket import WebSocketSession
 from asyncengine.async_engine import AsyncLLMEngine
@@ -195,8 +195,8 @@ class Routes:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await engine.tokenize(body.prompt, add_special_tokens=add_special)
         else:
-            prompt = await chat_prompt(engine, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-                                       add_special_tokens=bool(body.add_special_tokens))
+            prompt = await self.state.serving.chat_prompt(body.messages, body.add_generation_prompt,
+                                                          body.chat_template_kwargs, bool(body.add_special_tokens))
             ids = prompt.token_ids
         strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return _json(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
@@ -223,8 +223,9 @@ class Routes:
         return Response(self.state.metrics.render(), media_type=self.state.metrics.content_type)
 
     async def openapi(self, request: Request) -> Response:
-        if self._openapi is None:
-            self._openapi = encoder.encode(openapi_schema("asyncengine", asyncengine.__version__))
+        if self._openapi is None:  # root_path: the prefix a proxy serves us under (--root-path)
+            self._openapi = encoder.encode(openapi_schema("asyncengine", asyncengine.__version__,
+                                                          root_path=request.scope.get("root_path", "")))
         return Response(self._openapi, media_type="application/json")
 
     async def websocket(self, websocket: WebSocket) -> None:
@@ -322,6 +323,12 @@ async def _server_error(request, exc: Exception) -> Response:
     return APIError(500, f"internal server error: {type(exc).__name__}").response()
 
 
+def _cors(allowed_origins: Optional[Sequence[str]]) -> list[Middleware]:
+    if allowed_origins is None:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])]
+
+
 def create_app(
     engine: AsyncLLMEngine,
     *,
@@ -332,19 +339,23 @@ def create_app(
     max_ws_requests: int = DEFAULT_MAX_WS_REQUESTS,
     ui: bool = True,
     allowed_origins: Optional[Sequence[str]] = None,
+    options: Optional[ServingOptions] = None,
 ) -> Starlette:
     """The OpenAI-compatible app over `engine` (which it does not own: shut the engine down yourself).
 
     served_model_name: the name(s) clients use as `model` (default: the engine's model name); the first is the
     one reported. api_key: required on every route except /health and the chat page (see auth.py).
     ping_interval: seconds of silence after which an SSE stream gets a `: ping` comment (None: never).
-    ui: serve the chat page at `/`. allowed_origins: the Origins a WebSocket handshake may come from besides the
-    server's own ("*": any; None: no check), see auth.py.
+    ui: serve the chat page at `/`. allowed_origins: the browser origins (besides the server's own) that may use
+    the API ("*": any; None: no CORS headers and no WebSocket check): they get CORS headers (CORSMiddleware,
+    outside the API-key check so that preflight requests get their answer), and a WebSocket handshake from any
+    other origin is refused (see auth.py). options: the front end's chat template, sampling defaults, logprobs
+    cap, request logging.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [engine.model_name]
     metrics = Metrics(engine, names[0])
-    state = ServerState(engine, OpenAIServing(engine, names), metrics, max_body_bytes=max_body_bytes,
+    state = ServerState(engine, OpenAIServing(engine, names, options), metrics, max_body_bytes=max_body_bytes,
                         ping_interval=ping_interval, max_ws_requests=max_ws_requests)
     routes = Routes(state)
     app = Starlette(
@@ -363,6 +374,7 @@ def create_app(
             *(_chat_page_routes() if ui else []),
         ],
         middleware=[
+            *_cors(allowed_origins),
             Middleware(WebSocketOriginMiddleware, allowed_origins=allowed_origins),
             Middleware(APIKeyMiddleware, api_key=api_key, exempt_paths=("/health", "/") if ui else ("/health",),
                        exempt_prefixes=(_UI_PREFIX,) if ui else ()),

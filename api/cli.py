@@ -1,10 +1,16 @@
-"""`asyncengine serve [MODEL]`: the OpenAI-compatible server on hypercorn + uvloop.
+"""The `asyncengine` command line: `serve`, `generate` and `bench serve`, the same from `asyncengine ...`,
+`python -m asyncengine ...` and `python -m asyncengine.api ...`.
 
-Flags follow vLLM's spelling. Startup prints `asyncengine serving on http://HOST:PORT` (the bound port, so
-`--port 0` works). Shutdown: the CLI, never the engine, installs SIGTERM / SIGINT handlers. The first signal stops
-accepting (new requests get 503), lets in-flight requests finish for up to --shutdown-timeout seconds, aborts the
-rest (their streams end with finish_reason "abort"), then stops hypercorn and the engine and exits 0. A second
-signal skips the wait.
+    asyncengine serve [MODEL] [--model MODEL] ...   the OpenAI-compatible server (hypercorn + uvloop)
+    asyncengine generate [--prompt P ...] ...       continue prompts with the offline engine and print the text
+    asyncengine bench serve --base-url URL ...      the load generator against any OpenAI-compatible server
+    asyncengine [--prompt P ...]                     no subcommand: `generate` (the README's first command)
+
+`serve`'s flags follow vLLM's spelling, and each does what vLLM's does (see serve_parser). Startup prints
+`asyncengine serving on http(s)://HOST:PORT` (the bound port, so `--port 0` works). Shutdown: the CLI, never
+the engine, installs SIGTERM / SIGINT handlers. The first signal stops accepting (new requests get 503), lets
+in-flight requests finish for up to --shutdown-timeout seconds, aborts the rest (their streams end with
+finish_reason "abort"), then stops hypercorn and the engine and exits 0. A second signal skips the wait.
 
 Engine failure: when a step fails the engine is dead for good. In-flight streams get an `data: {"error": ...}`
 event and `[DONE]`, /health and new requests get 503 at once; the CLI notices within ENGINE_WATCH_INTERVAL,
@@ -18,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import socket
 import sys
+import time
 from typing import Optional, Sequence
 
 from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, create_app
@@ -29,23 +37,51 @@ from asyncengine.engine_core import leave_a_core_for_the_event_loop
 
 logger = logging.getLogger("asyncengine.api")
 
+PROG = "asyncengine"
 ENGINE_WATCH_INTERVAL = 0.1  # seconds between checks of the engine's health
 ENGINE_DEAD_LINGER = 1.0  # seconds of 503s after the engine died, before the server shuts down
 ENGINE_DEAD_DRAIN = 2.0  # then at most this long for in-flight responses to finish sending their error
 EXIT_ENGINE_DEAD = 1
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's; trace logs as debug
+DEMO_PROMPTS = ["ROMEO:", "In the beginning", "To be, or not to be,"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncengine", description="asyncengine: LLM inference and serving")
+    parser = argparse.ArgumentParser(prog=PROG, description="asyncengine: LLM inference and serving. With no "
+                                     "subcommand, runs `generate` (the offline demo).")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = commands.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP / WebSocket API")
+    serve_parser(commands.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP / WebSocket API",
+                                     description="Serve a model over the OpenAI-compatible HTTP / WebSocket API."))
+    generate_parser(commands.add_parser("generate", help="continue prompts with the offline engine (the demo)",
+                                        description="Continue a few prompts with the offline engine and print "
+                                                    "the text."))
+    bench = commands.add_parser("bench", help="benchmarks (needs the 'bench' extra)")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    bench_serve = bench_commands.add_parser(
+        "serve", help="stream completions from a running server under load; report TTFT, TPOT, ITL, throughput",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from asyncengine.loadtest.__main__ import DESCRIPTION, add_arguments  # needs only the core install
+
+    bench_serve.description = DESCRIPTION
+    add_arguments(bench_serve)
+    bench_serve.set_defaults(bench_parser=bench_serve)  # run() reports usage errors through it
+    return parser
+
+
+def serve_parser(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model", nargs="?", default=None,
                        help="local Hugging Face checkpoint folder (default: the model shipped with the package)")
-    server = serve.add_argument_group("server")
+    serve.add_argument("--model", dest="model_option", metavar="MODEL", default=None,
+                       help="the same as the positional MODEL (vLLM's older spelling)")
+    _server_args(serve.add_argument_group("server"))
+    _frontend_args(serve.add_argument_group("OpenAI front end"))
+    _engine_args(serve.add_argument_group("engine"))
+
+
+def _server_args(server) -> None:
     server.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     server.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (all but /health)")
-    server.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use")
     server.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may run on after SIGTERM before they are aborted")
     server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -53,8 +89,37 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--ping-interval", type=float, default=DEFAULT_PING_INTERVAL,
                         help="seconds of silence before an SSE ': ping' comment (0: never)")
     server.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
-    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    engine = serve.add_argument_group("engine")
+    server.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info", choices=LOG_LEVELS)
+    server.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
+                        help='origins allowed to use the API from a browser (CORS headers; WebSocket handshakes '
+                             'from other origins than these and our own get a 403), a JSON list such as '
+                             '\'["https://app.example"]\' or \'["*"]\' (default: no CORS headers; vLLM\'s default '
+                             'is ["*"])')
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    server.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
+    server.add_argument("--root-path", default="", help="the path prefix a proxy serves us under (ASGI root_path); "
+                        "requests work with or without it, /openapi.json names it as the server URL")
+
+
+def _frontend_args(front) -> None:
+    front.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use")
+    front.add_argument("--chat-template", default=None,
+                       help="chat template for /v1/chat/completions: a file, or the template itself (Jinja)")
+    front.add_argument("--generation-config", default="auto",
+                       help="sampling defaults for requests that leave them unset: 'auto' reads the model's "
+                            "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                            "max_new_tokens), 'vllm' ignores it, a folder reads that folder's")
+    front.add_argument("--max-logprobs", type=int, default=20,
+                       help="most logprobs (top_logprobs for chat) a request may ask for; more gets a 400")
+    logs = front.add_mutually_exclusive_group()
+    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
+                      help="log one line per request: id, prompt tokens, sampling parameters")
+    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                      help="do not log requests (the default)")
+
+
+def _engine_args(engine) -> None:
+    engine.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
     engine.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     engine.add_argument("--seed", type=int, default=0)
@@ -63,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 on CUDA, 2048 on CPU")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--num-kv-blocks", type=int, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of the GPU's memory the engine may use (weights, activations, KV cache)")
+    engine.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     engine.add_argument("--max-queue-len", type=int, default=None, help="waiting requests beyond this get 429")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--min-prefill-batch", type=int, default=None,
@@ -79,15 +147,40 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                         help="generate text, or pool embeddings (/v1/embeddings); auto: pooling for encoder "
                              "checkpoints (BERT) and sentence-transformers checkpoints, else generate")
-    return parser
+
+
+def _json_list(text: str) -> list[str]:
+    """argparse type of --allowed-origins: a JSON list of strings (as vLLM takes it)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+    return value
+
+
+def generate_parser(generate: argparse.ArgumentParser) -> None:
+    generate.add_argument("--model", default=None, help="local HF checkpoint folder (default: the embedded model)")
+    generate.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few demo prompts")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.8)
+    generate.add_argument("--top-p", type=float, default=0.95)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--max-model-len", type=int, default=None)
+    generate.add_argument("--dtype", default="auto")
 
 
 def engine_config(args: argparse.Namespace):
+    """The EngineConfig that `serve`'s arguments name (ValueError when they are inconsistent)."""
     from asyncengine.config import EngineConfig
     from asyncengine.pooling_engine import pooling_runner_for
 
+    if args.model_option is not None and args.model is not None and args.model_option != args.model:
+        raise ValueError(f"model given twice: {args.model!r} and --model {args.model_option!r}")
     config = EngineConfig(
-        model=args.model,
+        model=args.model or args.model_option,
+        tokenizer=args.tokenizer,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         dtype=args.dtype,
         device=args.device,
@@ -97,6 +190,8 @@ def engine_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         max_queue_len=args.max_queue_len,
         enable_prefix_caching=args.enable_prefix_caching,
         min_prefill_batch=args.min_prefill_batch,
@@ -109,6 +204,19 @@ def engine_config(args: argparse.Namespace):
     return config
 
 
+def serving_options(args: argparse.Namespace, model_path: str):
+    """The OpenAI front end's settings that `serve`'s arguments name (ValueError naming a bad flag)."""
+    from asyncengine.api.inputs import SamplingPolicy
+    from asyncengine.api.serving import ServingOptions
+    from asyncengine.tokenizer import resolve_chat_template
+
+    return ServingOptions(
+        chat_template=resolve_chat_template(args.chat_template) if args.chat_template is not None else None,
+        policy=SamplingPolicy.from_generation_config(args.generation_config, model_path, args.max_logprobs),
+        log_requests=args.log_requests,
+    )
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket (bound now, so the real port is known before serving)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -117,13 +225,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url_of(sock: socket.socket) -> str:
+def url_of(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def hypercorn_config(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-    """Hypercorn settings for serving on `sock`, which is handed over (detached) to hypercorn."""
+def hypercorn_config(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                     ssl_keyfile: Optional[str] = None, ssl_certfile: Optional[str] = None, root_path: str = ""):
+    """Hypercorn settings for serving on `sock`, which is handed over (detached) to hypercorn. With a key and
+    a certificate, hypercorn wraps the socket in TLS (and speaks HTTP/2 to clients that offer it)."""
     from hypercorn.config import Config
 
     config = Config()
@@ -133,13 +243,29 @@ def hypercorn_config(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_B
     config.websocket_max_message_size = max_body_bytes
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # through the application's logging, not a 2nd handler
+    config.keyfile, config.certfile = ssl_keyfile, ssl_certfile
+    config.root_path = root_path
     return config
 
 
+def _check_tls(args: argparse.Namespace) -> None:
+    """Both TLS files or neither, and readable: hypercorn would only fail once serving."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+    if args.ssl_keyfile is not None:
+        import ssl
+
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"--ssl-certfile / --ssl-keyfile: cannot load them: {exc}") from None
+
+
 async def serve_app(app, sock: socket.socket, stop: asyncio.Event, *, shutdown_timeout: float = 10.0,
-                    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                    **hypercorn_options) -> None:
     """Serve `app` (from create_app) on `sock` until `stop` is set; then drain the app
-    (`app.state.server.shutdown`) and only then let hypercorn stop, so streams end with their last chunks."""
+    (`app.state.server.shutdown`) and only then let hypercorn stop, so streams end with their last chunks.
+    hypercorn_options: keyword arguments of hypercorn_config."""
     from hypercorn.asyncio import serve
 
     async def shutdown_trigger() -> None:
@@ -148,7 +274,7 @@ async def serve_app(app, sock: socket.socket, stop: asyncio.Event, *, shutdown_t
         await app.state.server.shutdown(shutdown_timeout)
         logger.info("in-flight requests ended; stopping the HTTP server")
 
-    await serve(app, hypercorn_config(sock, max_body_bytes=max_body_bytes), shutdown_trigger=shutdown_trigger)
+    await serve(app, hypercorn_config(sock, **hypercorn_options), shutdown_trigger=shutdown_trigger)
 
 
 async def _watch_engine(engine, app, stop: asyncio.Event, died: asyncio.Event) -> None:
@@ -178,7 +304,8 @@ async def _serve_until_signal(app, engine, sock: socket.socket, args: argparse.N
         loop.add_signal_handler(sig, on_signal)
     watcher = loop.create_task(_watch_engine(engine, app, stop, died), name="asyncengine-engine-watch")
     try:
-        await serve_app(app, sock, stop, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes)
+        await serve_app(app, sock, stop, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
+                        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path)
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -197,25 +324,74 @@ def _run(coro):
     return uvloop.run(coro)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def serve(args: argparse.Namespace) -> int:
+    """`asyncengine serve`: exit status 0 after a signal, 1 when the engine died, 2 on bad flags."""
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from asyncengine.async_engine import AsyncLLMEngine
 
     try:
+        _check_tls(args)
         config = engine_config(args)
+        options = serving_options(args, config.model)
         if not config.engine_process:  # an engine process does this itself
             leave_a_core_for_the_event_loop(config)
         engine = AsyncLLMEngine(config)
         sock = bind_socket(args.host, args.port)
     except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: an engine process that died starting
-        print(f"asyncengine: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None,
-                     ui=not args.no_ui)
-    print(f"asyncengine serving on {url_of(sock)}", flush=True)
+                     ui=not args.no_ui, allowed_origins=args.allowed_origins, options=options)
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"asyncengine serving on {url_of(sock, scheme)}", flush=True)
     return _run(_serve_until_signal(app, engine, sock, args))
+
+
+def generate(args: argparse.Namespace) -> int:
+    """`asyncengine generate`: continue the prompts (or the demo's) and print each text, then the speed."""
+    from asyncengine import LLM, SamplingParams
+
+    try:
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                seed=args.seed)
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    prompts = args.prompt or DEMO_PROMPTS
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = 0
+    for out in outputs:
+        completion = out.outputs[0]
+        tokens += len(completion.token_ids)
+        print(f"--- {out.prompt!r}\n{out.prompt}{completion.text}\n")
+    print(f"[{len(outputs)} prompts, {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.0f} tokens/s on "
+          f"{llm.engine.runner.device}, model {llm.engine.config.model}]")
+    return 0
+
+
+def with_default_command(argv: Sequence[str]) -> list[str]:
+    """`generate` when no subcommand is named: nothing at all, or options first (`asyncengine --prompt X`)."""
+    argv = list(argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        return ["generate", *argv]
+    return argv
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(with_default_command(sys.argv[1:] if argv is None else argv))
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "generate":
+        return generate(args)
+    from asyncengine.loadtest.__main__ import run
+
+    return run(args.bench_parser, args)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ which becomes the error's `param`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Union
 
 from asyncengine.api.errors import APIError, bad_request, from_engine_error
@@ -34,25 +35,97 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
+# generation_config.json fields that become request defaults (vLLM's list); max_new_tokens is max_tokens
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+@dataclass
+class SamplingPolicy:
+    """The server's values for sampling fields a request leaves unset, and its cap on logprobs.
+
+    `defaults` maps SamplingParams field names (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
+    to values; a request's own value always wins. A default max_tokens is cut to what the longest prompt leaves
+    of max_model_len (as vLLM does), so it never turns a request that fits into a 400. max_logprobs: most
+    `logprobs` (completions) or `top_logprobs` (chat) a request may ask for; more gets a 400."""
+
+    defaults: dict = field(default_factory=dict)
+    max_logprobs: int = MAX_TOP_LOGPROBS
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (the engine returns at most "
+                             f"{MAX_TOP_LOGPROBS}), got {self.max_logprobs}")
+        try:  # bad defaults fail at startup, not as a puzzling 400 on every request
+            SamplingParams(**self.defaults)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"generation_config: the defaults {self.defaults} are not valid: {exc}") from None
+
+    @classmethod
+    def from_generation_config(cls, generation_config: str, model_path: str,
+                               max_logprobs: int = MAX_TOP_LOGPROBS) -> "SamplingPolicy":
+        """vLLM's --generation-config: 'auto' takes the defaults from the model folder's generation_config.json
+        (if it has one), 'vllm' ignores it, any other value names a folder holding one. Only the fields the file
+        sets to something other than transformers' defaults count (GenerationConfig.to_diff_dict, as in vLLM)."""
+        if generation_config == "vllm":
+            return cls(max_logprobs=max_logprobs)
+        folder = Path(model_path if generation_config == "auto" else generation_config)
+        if generation_config != "auto" and not (folder / "generation_config.json").is_file():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder with a generation_config.json; "
+                             f"{generation_config!r} is none of these")
+        if not (folder / "generation_config.json").is_file():
+            return cls(max_logprobs=max_logprobs)
+        from transformers import GenerationConfig
+
+        try:
+            diff = GenerationConfig.from_pretrained(str(folder), local_files_only=True).to_diff_dict()
+        except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; name the file and the cause
+            raise ValueError(f"generation_config: cannot read {folder / 'generation_config.json'}: {exc}") from exc
+        defaults = {("max_tokens" if k == "max_new_tokens" else k): diff[k]
+                    for k in GENERATION_CONFIG_FIELDS if diff.get(k) is not None}
+        return cls(defaults=defaults, max_logprobs=max_logprobs)
+
+    def value(self, name: str, requested, fallback):
+        """The request's value, else the server's default, else the engine's."""
+        if requested is not None:
+            return requested
+        return self.defaults.get(name, fallback)
+
+    def check_logprobs(self, requested: Optional[int], param: str) -> None:
+        if requested is not None and requested > self.max_logprobs:
+            raise bad_request(f"{param} must be at most {self.max_logprobs} on this server (--max-logprobs), "
+                              f"got {requested}", param)
+
+    def default_max_tokens(self, prompts: list["EnginePrompt"], max_model_len: int) -> Optional[int]:
+        """The default max_tokens for a request that sets none, cut to the room the longest prompt leaves;
+        None (the rest of max_model_len) when there is no default or no room."""
+        default = self.defaults.get("max_tokens")
+        if default is None:
+            return None
+        room = max_model_len - max(len(p.token_ids) for p in prompts)
+        return min(default, room) if room >= 1 else None
+
+
 @dataclass
 class EnginePrompt:
     token_ids: list[int]
     text: Optional[str]  # the prompt as text (for echo); None when given as ids and not needed
 
 
-def sampling_params(request: Union[CompletionRequest, ChatCompletionRequest], *, max_tokens: Optional[int],
-                    logprobs: Optional[int], renames: Optional[dict] = None) -> SamplingParams:
-    """SamplingParams with output_kind DELTA (the server streams deltas; slow readers merge them)."""
+def sampling_params(request: Union[CompletionRequest, ChatCompletionRequest], policy: SamplingPolicy, *,
+                    max_tokens: Optional[int], logprobs: Optional[int],
+                    renames: Optional[dict] = None) -> SamplingParams:
+    """SamplingParams with output_kind DELTA (the server streams deltas; slow readers merge them); fields the
+    request leaves unset take the policy's defaults. max_tokens None: filled in later (SamplingPolicy)."""
     try:
         return SamplingParams(
             n=request.n,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=-1 if request.top_k is None else request.top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
+            temperature=policy.value("temperature", request.temperature, 1.0),
+            top_p=policy.value("top_p", request.top_p, 1.0),
+            top_k=policy.value("top_k", request.top_k, -1),
+            min_p=policy.value("min_p", request.min_p, 0.0),
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            repetition_penalty=policy.value("repetition_penalty", request.repetition_penalty, 1.0),
             seed=request.seed,
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
@@ -112,14 +185,15 @@ def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
 
 
 # -- completions ----------------------------------------------------------------------------------------------
-def completion_params(request: CompletionRequest) -> SamplingParams:
+def completion_params(request: CompletionRequest, policy: SamplingPolicy) -> SamplingParams:
     if request.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
-    return sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs)
+    policy.check_logprobs(request.logprobs, "logprobs")
+    return sampling_params(request, policy, max_tokens=request.max_tokens, logprobs=request.logprobs)
 
 
 async def completion_prompts(engine: AsyncLLMEngine, request: CompletionRequest) -> list[EnginePrompt]:
@@ -155,19 +229,20 @@ def check_tools(request: ChatCompletionRequest) -> None:
         raise bad_request("tool_choice needs tools, which this server does not support", "tool_choice")
 
 
-def chat_params(request: ChatCompletionRequest) -> SamplingParams:
+def chat_params(request: ChatCompletionRequest, policy: SamplingPolicy) -> SamplingParams:
     check_tools(request)
     top = request.top_logprobs
     if top is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    policy.check_logprobs(top, "top_logprobs")
     max_tokens, renames = request.max_tokens, dict(CHAT_RENAMES)
     if request.max_completion_tokens is not None:
         max_tokens = request.max_completion_tokens
         renames["max_tokens"] = "max_completion_tokens"
     logprobs = (top or 0) if request.logprobs else None
-    return sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, renames=renames)
+    return sampling_params(request, policy, max_tokens=max_tokens, logprobs=logprobs, renames=renames)
 
 
 def chat_messages(messages: list[ChatMessageParam]) -> list[dict]:
@@ -200,12 +275,14 @@ def template_kwargs(kwargs: Optional[dict]) -> dict:
 
 
 async def chat_prompt(engine: AsyncLLMEngine, messages: list[ChatMessageParam], add_generation_prompt: bool = True,
-                      kwargs: Optional[dict] = None, add_special_tokens: bool = False) -> EnginePrompt:
-    """Render the chat template and tokenize it (the template adds BOS itself: by default no special tokens
-    are added)."""
+                      kwargs: Optional[dict] = None, add_special_tokens: bool = False,
+                      chat_template: Optional[str] = None) -> EnginePrompt:
+    """Render the chat template (the server's `chat_template` if given, else the tokenizer's) and tokenize it
+    (the template adds BOS itself: by default no special tokens are added)."""
+    template = {} if chat_template is None else {"chat_template": chat_template}
     try:
         text = await engine.apply_chat_template(chat_messages(messages), add_generation_prompt,
-                                                **template_kwargs(kwargs))
+                                                **template_kwargs(kwargs), **template)
     except APIError:
         raise
     except ValueError as exc:

@@ -42,7 +42,8 @@ def _get(summary: str, response=None, content_type: str = "application/json") ->
     return {"get": {"summary": summary, "responses": {"200": ok, **_errors(401, 503)}}}
 
 
-def openapi_schema(title: str = "asyncengine", version: str = "0") -> dict:
+def openapi_schema(title: str = "asyncengine", version: str = "0", root_path: str = "") -> dict:
+    """The document; with a root_path (a proxy's prefix) it names that as the server URL, as FastAPI does."""
     _, components = msgspec.json.schema_components(p.REQUEST_TYPES + p.RESPONSE_TYPES, ref_template=_REF)
     paths = {
         "/v1/completions": _post("Create a completion (stream=true: SSE of chunks)", p.CompletionRequest,
@@ -56,8 +57,10 @@ def openapi_schema(title: str = "asyncengine", version: str = "0") -> dict:
         "/health": _get("200 when serving; 503 when the engine is dead or shutting down"),
         "/metrics": _get("Prometheus metrics", content_type="text/plain"),
     }
+    servers = {"servers": [{"url": root_path}]} if root_path else {}
     return {
         "openapi": "3.1.0",
+        **servers,
         "info": {"title": title, "version": version,
                  "description": "OpenAI-compatible API. WebSocket at /v1/ws: send completion or chat bodies "
                                 "with a client-chosen `id`; chunks come back tagged with it."},

@@ -13,9 +13,12 @@ prompt, so memory stays bounded: a slow reader only makes the engine merge delta
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
 from asyncengine.api.errors import APIError, from_engine_error
@@ -24,6 +27,7 @@ from asyncengine.api.inputs import (
     CHAT_RENAMES,
     PARAM_FIELDS,
     EnginePrompt,
+    SamplingPolicy,
     chat_params,
     chat_prompt,
     completion_params,
@@ -34,6 +38,8 @@ from asyncengine.api.protocol import ChatCompletionRequest, CompletionRequest
 from asyncengine.async_engine import AsyncLLMEngine, RequestStream
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class Generation:
@@ -126,12 +132,24 @@ async def _next(iterator: AsyncIterator) -> tuple[bool, object]:
         return True, None
 
 
+@dataclass
+class ServingOptions:
+    """The OpenAI front end's settings (`asyncengine serve`'s --chat-template, --generation-config,
+    --max-logprobs, --enable-log-requests). chat_template: the template text (not a path) that replaces the
+    tokenizer's for chat and /tokenize; None keeps the tokenizer's."""
+
+    chat_template: Optional[str] = None
+    policy: SamplingPolicy = field(default_factory=SamplingPolicy)
+    log_requests: bool = False
+
+
 class OpenAIServing:
     """Validates requests and starts Generations on one engine, under the served model names."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str]):
+    def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str], options: Optional[ServingOptions] = None):
         self.engine = engine
         self.model_names = list(model_names)
+        self.options = options or ServingOptions()
 
     @property
     def model_name(self) -> str:
@@ -148,8 +166,9 @@ class OpenAIServing:
     async def completion(self, request: CompletionRequest, response_id: Optional[str] = None,
                          stream: Optional[bool] = None) -> Generation:
         model = self.check_model(request.model)
-        params = completion_params(request)
+        params = completion_params(request, self.options.policy)
         prompts = await completion_prompts(self.engine, request)
+        params = self._default_max_tokens(params, prompts)
         renames = structured_renames(request)
         info = self._info(response_id or f"cmpl-{uuid.uuid4().hex}", model, params, prompts, request, stream)
         streams = await self._add(info.response_id, prompts, params, renames)
@@ -161,15 +180,30 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest, response_id: Optional[str] = None,
                    stream: Optional[bool] = None) -> Generation:
         model = self.check_model(request.model)
-        params = chat_params(request)
-        prompt = await chat_prompt(self.engine, request.messages, request.add_generation_prompt,
-                                   request.chat_template_kwargs)
+        params = chat_params(request, self.options.policy)
+        prompt = await self.chat_prompt(request.messages, request.add_generation_prompt,
+                                        request.chat_template_kwargs)
+        params = self._default_max_tokens(params, [prompt])
         renames = {**structured_renames(request), **CHAT_RENAMES}
         if request.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         info = self._info(response_id or f"chatcmpl-{uuid.uuid4().hex}", model, params, [prompt], request, stream)
         streams = await self._add(info.response_id, [prompt], params, renames)
         return Generation(self.engine, streams, ChatFormatter(info, self.engine.tokenizer))
+
+    async def chat_prompt(self, messages, add_generation_prompt: bool = True, kwargs: Optional[dict] = None,
+                          add_special_tokens: bool = False) -> EnginePrompt:
+        """The messages rendered with the server's chat template (or the tokenizer's), as token ids."""
+        return await chat_prompt(self.engine, messages, add_generation_prompt, kwargs, add_special_tokens,
+                                 chat_template=self.options.chat_template)
+
+    def _default_max_tokens(self, params: SamplingParams, prompts: list[EnginePrompt]) -> SamplingParams:
+        if params.max_tokens is not None:
+            return params
+        default = self.options.policy.default_max_tokens(prompts, self.engine.max_model_len)
+        if default is None:
+            return params
+        return dataclasses.replace(params, max_tokens=max(default, params.min_tokens))  # min_tokens: its own 400
 
     def _info(self, response_id, model, params: SamplingParams, prompts: list[EnginePrompt], request,
               stream: Optional[bool]) -> RequestInfo:
@@ -192,6 +226,9 @@ class OpenAIServing:
         cannot fit, 429 / 503 from the engine): the engine's add_request is the one validation."""
         streams: list[RequestStream] = []
         base = f"{str(response_id)[:64]}-{uuid.uuid4().hex[:8]}"
+        if self.options.log_requests:
+            logger.info("request %s: %d prompt(s) of %s tokens, %s", base, len(prompts),
+                        ", ".join(str(len(p.token_ids)) for p in prompts), params)
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.engine.add_request(prompt.token_ids, params, f"{base}-{i}"))

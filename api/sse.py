@@ -12,6 +12,8 @@ chunk iterator raises after the stream has started, an `data: {"error": {...}}` 
 A pinger sends `: ping` comments when nothing was sent for `ping_interval` seconds; a lock keeps pings and frames
 from interleaving. Departures from sse-starlette, on purpose: no `event:`/`id:` fields (OpenAI sends bare `data:`),
 no send timeout (a slow reader only makes the engine merge deltas), shutdown driven by the app, not by uvicorn.
+So sse-starlette itself is not used: its drain hooks uvicorn's exit (process-global state), every send runs in a
+timeout scope, and its framing differs; what is left of it would be a layer around this pump (pyproject.toml).
 """
 
 from __future__ import annotations

@@ -22,18 +22,49 @@ from asyncengine.sampling_params import SamplingParams
 _WINDOW = 6  # tokens of context kept before the read offset; enough for any merge-sensitive decoder
 
 
+_JINJA_MARKS = "{}\n"  # a --chat-template value holding any of these is a template, not a path (as in vLLM)
+
+
 def load_tokenizer(path: str):
+    """The folder's tokenizer. Its `model_max_length` is lifted: the engine enforces max_model_len itself (a
+    ValueError / 400 stating the numbers), and the tokenizer's own limit would only make transformers also
+    warn of "indexing errors" for every prompt longer than it, rejected or not."""
     from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises many types here; name the folder and the cause
         raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    tokenizer.model_max_length = VERY_LARGE_INTEGER
+    return tokenizer
+
+
+def resolve_chat_template(value: str) -> str:
+    """The chat template that `--chat-template value` names: the file's text if `value` is a file, else `value`
+    itself if it looks like a Jinja template (holds a brace or a newline). ValueError for anything else (a
+    mistyped path) and for a template that does not parse."""
+    from pathlib import Path
+
+    import jinja2
+
+    if Path(value).is_file():
+        template = Path(value).read_text()
+    elif any(mark in value for mark in _JINJA_MARKS):
+        template = value
+    else:
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not parse: {exc}") from None
+    return template
 
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs) -> str:
-    """Render messages with the checkpoint's chat template (ValueError if it has none or messages are bad)."""
-    if not getattr(tokenizer, "chat_template", None):
+    """Render messages with `kwargs["chat_template"]` if given, else the checkpoint's chat template (ValueError
+    if there is none or the messages are bad)."""
+    if not kwargs.get("chat_template") and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use completions instead of chat")
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")

@@ -1,33 +1,43 @@
-"""`python -m loadtest`: the command-line front of `run_benchmark`.
+"""`asyncengine bench serve` (installed) and `python -m loadtest` (checkout): the command-line front of
+`run_benchmark`.
 
-Exit status: 0 when at least one request completed, 1 when none did, 2 on a usage error (argparse).
+Exit status: 0 when at least one request completed, 1 when none did (or the `bench` extra is missing), 2 on a
+usage error (argparse). Building the parser needs nothing beyond the core install; running needs httpx (and
+matplotlib for --plot), the `bench` extra: without it the command says so in one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import importlib.util
 import json
 import math
 import os
 import sys
 
-from loadtest.config import CHAT_COMPLETIONS, COMPLETIONS, DATASETS, LEN_DISTS, BenchmarkConfig, parse_goodput
-from loadtest.report import format_table, write_json, write_plot
-from loadtest.runner import run_benchmark
+from .config import CHAT_COMPLETIONS, COMPLETIONS, DATASETS, LEN_DISTS, BenchmarkConfig, parse_goodput
+
+MISSING_EXTRA = "needs the 'bench' extra ({module} is not installed): pip install 'asyncengine[bench]'"
 
 DESCRIPTION = ("Stream completions from an OpenAI-compatible server under a chosen load and report TTFT, TPOT, "
                "ITL, end-to-end latency, throughput and goodput.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest", description=DESCRIPTION,
+def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The load generator's flags, on any parser (`asyncengine bench serve` adds them to its subcommand)."""
     _add_target_args(p.add_argument_group("target"))
     _add_dataset_args(p.add_argument_group("prompts"))
     _add_load_args(p.add_argument_group("load"))
     _add_output_args(p.add_argument_group("output"))
-    return p
 
 
 def _add_target_args(g: argparse._ArgumentGroup) -> None:
@@ -73,7 +83,8 @@ def _add_output_args(g: argparse._ArgumentGroup) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
     """The BenchmarkConfig named by parsed arguments (ValueError when they are inconsistent)."""
-    fields = {k: v for k, v in vars(args).items() if k not in ("result_json", "plot", "goodput", "percentiles")}
+    known = {f.name for f in dataclasses.fields(BenchmarkConfig)} - {"goodput", "percentiles"}
+    fields = {k: v for k, v in vars(args).items() if k in known}  # not the output flags, nor a caller's own
     fields["api_key"] = args.api_key or os.environ.get("OPENAI_API_KEY")
     try:
         percentiles = tuple(float(p) for p in args.percentiles.split(",") if p.strip())
@@ -82,17 +93,29 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
     return BenchmarkConfig(**fields, goodput=parse_goodput(args.goodput), percentiles=percentiles)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m loadtest") -> int:
+    parser = build_parser(prog)
+    return run(parser, parser.parse_args(argv))
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run the benchmark that parsed `args` name; `parser` reports usage errors."""
     try:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    needed = ["httpx", *(["matplotlib"] if args.plot else [])]
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"{parser.prog}: error: {MISSING_EXTRA.format(module=missing[0])}", file=sys.stderr)
+        return 1
+    from .report import format_table, write_json, write_plot
+    from .runner import run_benchmark
+
     try:
         result = asyncio.run(run_benchmark(config))
     except (RuntimeError, OSError, ValueError) as exc:  # unreachable server, unreadable dataset, ...
-        print(f"loadtest: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 1
     print(format_table(result))
     if args.result_json:

@@ -31,9 +31,9 @@ from typing import Optional
 
 import numpy as np
 
-from loadtest.config import BenchmarkConfig
-from loadtest.datasets import WORDS
-from loadtest.runner import run_benchmark
+from .config import BenchmarkConfig
+from .datasets import WORDS
+from .runner import run_benchmark
 
 
 def make_prompts(n: int, input_words: int, seed: int) -> list[list[int]]:

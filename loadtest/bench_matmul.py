@@ -24,8 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from loadtest.bench_kernels import graph_ms
-from loadtest.bench_offline import measure_copy_bandwidth
+from .bench_kernels import graph_ms
+from .bench_offline import measure_copy_bandwidth
 
 DTYPE = torch.bfloat16
 # (name, N = output features, K = input features) of Llama-3-8B's linear layers

@@ -351,7 +351,7 @@ def batch1_decode_ms(llm, vocab: int, context: int = 1000, new_tokens: int = 200
 def run_w3(llm, vocab: int) -> dict:
     """W3, plus its floor under the issue's rule that matrix products stay with cuBLAS: the model's own batch-1
     matrix products alone, in one graph."""
-    from loadtest.bench_matmul import matmul_floor_ms
+    from .bench_matmul import matmul_floor_ms
 
     w3 = batch1_decode_ms(llm, vocab)
     return {"W3_ms_per_token": w3["ms_per_token"], "W3_graph_replay_gpu_ms": w3["graph_replay_gpu_ms"],

@@ -20,9 +20,9 @@ import time
 
 import httpx
 
-from loadtest.config import BenchmarkConfig
-from loadtest.datasets import SampleRequest
-from loadtest.records import FAILED, OK, RequestRecord
+from .config import BenchmarkConfig
+from .datasets import SampleRequest
+from .records import FAILED, OK, RequestRecord
 
 DONE = "[DONE]"
 MAX_ERROR_CHARS = 500

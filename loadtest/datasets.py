@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.config import BenchmarkConfig
+from .config import BenchmarkConfig
 
 # Common words that are single tokens in GPT-2/Llama/Qwen style vocabularies (with a leading space).
 WORDS = tuple("""

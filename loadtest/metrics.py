@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from loadtest.records import CANCELLED, FAILED, RequestRecord
+from .records import CANCELLED, FAILED, RequestRecord
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 

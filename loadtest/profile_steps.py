@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadtest.bench_offline import LLAMA3_8B, build_checkpoint, fixed, sharegpt_like, w1_workload
+from .bench_offline import LLAMA3_8B, build_checkpoint, fixed, sharegpt_like, w1_workload
 
 
 def kernel_family(name: str) -> str:

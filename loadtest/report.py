@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.config import BenchmarkConfig
-from loadtest.metrics import LATENCY_METRICS, error_counts, latency_samples, rolling_percentile, tpot_s
-from loadtest.runner import BenchmarkResult
+from .config import BenchmarkConfig
+from .metrics import LATENCY_METRICS, error_counts, latency_samples, rolling_percentile, tpot_s
+from .runner import BenchmarkResult
 
 RULE = "-" * 72
 MAX_ERRORS_SHOWN = 5

@@ -24,12 +24,12 @@ import anyio
 import httpx
 from tqdm import tqdm
 
-from loadtest.arrivals import arrival_offsets
-from loadtest.client import build_payload, fetch_first_model, make_http_client, send_request
-from loadtest.config import BenchmarkConfig
-from loadtest.datasets import SampleRequest, load_requests
-from loadtest.metrics import BenchmarkMetrics, summarize
-from loadtest.records import CANCELLED, RequestRecord
+from .arrivals import arrival_offsets
+from .client import build_payload, fetch_first_model, make_http_client, send_request
+from .config import BenchmarkConfig
+from .datasets import SampleRequest, load_requests
+from .metrics import BenchmarkMetrics, summarize
+from .records import CANCELLED, RequestRecord
 
 WORKER_START_S = 3.0  # with workers > 1: from now to the shared start, time for the client processes to start
 

@@ -55,7 +55,7 @@ from typing import Optional
 import httpx
 import numpy as np
 
-from loadtest.datasets import WORDS
+from .datasets import WORDS
 
 MiB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")
