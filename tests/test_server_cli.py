@@ -1,10 +1,13 @@
-"""The `asyncengine serve` CLI as a subprocess: it serves, and SIGTERM / SIGINT shut it down gracefully."""
+"""The `asyncengine serve` CLI as a subprocess: it serves, SIGTERM / SIGINT shut it down gracefully, and vLLM's
+flags do what vLLM's do (TLS, CORS, root path, tokenizer, chat template, generation config, logprobs cap, request
+logs) on a real server."""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -46,7 +49,7 @@ class CLIServer:
         except queue.Empty:
             self.kill()
             raise AssertionError("server printed no address within 90 s:\n" + self.logs())
-        assert line.startswith("asyncengine serving on http://127.0.0.1:"), line + self.logs()
+        assert re.match(r"asyncengine serving on https?://127\.0\.0\.1:\d+$", line.strip()), line + self.logs()
         self.url = line.split()[-1]
 
     def logs(self) -> str:
@@ -130,13 +133,113 @@ def test_bad_engine_flags_exit_2_with_the_reason(tmp_path):
     assert result.returncode == 2 and "block_size" in result.stderr
 
 
-def test_console_script_is_installed():
-    exe = shutil.which("asyncengine")
-    if exe is None:
-        pytest.skip("the asyncengine console script is not on PATH")
-    result = subprocess.run([exe, "serve", "--help"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0
-    for flag in ("--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
-                 "--block-size", "--dtype", "--max-queue-len", "--shutdown-timeout", "--seed", "--num-kv-blocks",
-                 "--no-enable-prefix-caching"):
-        assert flag in result.stdout, flag
+# -- vLLM's flags, on one real server ---------------------------------------------------------------------------
+OVERRIDE_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+ORIGIN = "https://app.example"
+
+
+@pytest.fixture(scope="module")
+def split_checkpoint(tmp_path_factory, llama_dir) -> tuple[Path, Path, Path]:
+    """(model folder without any tokenizer, tokenizer folder, generation-config folder): the server can only
+    start if --tokenizer loads the tokenizer from its folder."""
+    root = tmp_path_factory.mktemp("split")
+    model, tokenizer, generation = root / "model", root / "tokenizer", root / "generation"
+    for folder in (model, tokenizer, generation):
+        folder.mkdir()
+    for path in llama_dir.iterdir():
+        weights_or_config = path.name in ("config.json", "generation_config.json") or path.suffix == ".safetensors"
+        shutil.copy(path, (model if weights_or_config else tokenizer) / path.name)
+    (generation / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.5, "top_k": 7,
+         "max_new_tokens": 3}))
+    return model, tokenizer, generation
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """(key file, certificate file, an SSL context trusting them) from a throwaway CA."""
+    import ssl
+
+    import trustme
+
+    root = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    key_path, cert_path = root / "key.pem", root / "cert.pem"
+    cert.private_key_pem.write_to_path(str(key_path))
+    cert_path.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return key_path, cert_path, context
+
+
+def test_vllm_flags_on_a_real_server(split_checkpoint, tls, tmp_path):
+    from transformers import AutoTokenizer
+
+    model, tokenizer_dir, generation = split_checkpoint
+    key, cert, context = tls
+    server = CLIServer(model, "--tokenizer", str(tokenizer_dir), "--chat-template", OVERRIDE_TEMPLATE,
+                       "--generation-config", str(generation), "--max-logprobs", "2", "--allowed-origins",
+                       json.dumps([ORIGIN]), "--root-path", "/api", "--enable-log-requests", "--uvicorn-log-level",
+                       "info", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--no-engine-process",
+                       "--served-model-name", "tiny", log_dir=tmp_path)
+    try:
+        assert server.url.startswith("https://")
+        with httpx.Client(base_url=server.url, verify=context, timeout=60) as client:
+            check_root_path(client)
+            check_cors(client)
+            check_tokenizer_and_chat_template(client, AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+            check_generation_config_defaults(client)
+            check_max_logprobs(client)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.logs()
+        server.log.seek(0)
+        request_logs = [line for line in server.log.read().decode().splitlines() if "asyncengine.api.serving" in line]
+        assert len(request_logs) == 3 and all("temperature=0.5" in line and "top_k=7" in line
+                                              for line in request_logs), request_logs
+    finally:
+        server.kill()
+
+
+def check_root_path(client: httpx.Client) -> None:
+    """Behind a proxy that keeps the prefix or strips it, the routes answer; the OpenAPI document names it."""
+    assert client.get("/api/v1/models").json()["data"][0]["id"] == "tiny"
+    assert client.get("/v1/models").status_code == 200
+    assert client.get("/openapi.json").json()["servers"] == [{"url": "/api"}]
+
+
+def check_cors(client: httpx.Client) -> None:
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    allowed = client.options("/v1/completions", headers={"Origin": ORIGIN, **preflight})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    refused = client.options("/v1/completions", headers={"Origin": "https://evil.example", **preflight})
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    simple = client.get("/v1/models", headers={"Origin": ORIGIN})
+    assert simple.headers["access-control-allow-origin"] == ORIGIN
+
+
+def check_tokenizer_and_chat_template(client: httpx.Client, tokenizer) -> None:
+    ids = client.post("/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert ids == tokenizer("Hello world").input_ids
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
+    assert chat == tokenizer("<<Hi>>", add_special_tokens=False).input_ids  # the override, not the checkpoint's
+
+
+def check_generation_config_defaults(client: httpx.Client) -> None:
+    """max_new_tokens 3 from the generation config when a request sets no max_tokens; its own value wins."""
+    messages = [{"role": "user", "content": "Hi"}]
+    unset = client.post("/v1/chat/completions", json={"messages": messages, "ignore_eos": True}).json()
+    assert unset["usage"]["completion_tokens"] == 3 and unset["choices"][0]["finish_reason"] == "length"
+    own = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True}).json()
+    assert own["usage"]["completion_tokens"] == 5
+
+
+def check_max_logprobs(client: httpx.Client) -> None:
+    ok = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "logprobs": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["token_logprobs"]) == 2
+    too_many = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "logprobs": 3})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 2, "logprobs": True, "top_logprobs": 3})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "top_logprobs"
+
