@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, offline benchmark, served benchmark. Logs under $OUT (or ./gpu_out).
 # Usage: bash scripts/gpu_run.sh [tests|bench|served|served-modes|served-engine-process|profile|all] [extra args]
-# served-modes: offline W1, then the server with --engine-process (16 req/s and unlimited), then in-process
-# (unlimited), all in one call, for the same-run comparison of the two server modes.
+# served-modes: offline W1 (same engine flags as the server), then the server with --engine-process, then
+# in-process, each at unlimited rate with enough client processes (--workers), and each mode's ratio to offline,
+# all in one bench_served call; extra args go to it (e.g. --workers 8, --rates 16 inf --prompts-per-rate 200).
 # The served benchmark needs the server's wheels: run ../shared/tools/device-wheels.sh first and carry .whl.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -25,19 +26,15 @@ if [[ $what == bench || $what == all ]]; then
     | tee "$OUT/bench.log" | tail -12
 fi
 if [[ $what == served || $what == all ]]; then
-  python3 -m loadtest.bench_served --out "$OUT" --prompts-per-rate 200 2>&1 | tee "$OUT/served.log" | tail -10
+  python3 -m loadtest.bench_served --out "$OUT" --rates 4 16 32 inf --prompts-per-rate 200 --modes engine-process \
+    --no-offline 2>&1 | tee "$OUT/served.log" | tail -10
 fi
 if [[ $what == served-modes ]]; then
-  python3 -m loadtest.bench_offline --out "$OUT" --skip-peers --w1-only 2>&1 \
-    | grep -v "rope_parameters\|Loading weights\|Writing model" | tee "$OUT/bench.log" | tail -3
-  python3 -m loadtest.bench_served --out "$OUT" --rates 16 inf --prompts-per-rate 200 \
-    --serve-args=--engine-process --tag _engine_process 2>&1 | tee "$OUT/served_engine_process.log" | tail -6
-  python3 -m loadtest.bench_served --out "$OUT" --rates inf --serve-args=--no-engine-process --tag _in_process 2>&1 \
-    | tee "$OUT/served_in_process.log" | tail -5
+  python3 -m loadtest.bench_served --out "$OUT" "$@" 2>&1 | tee "$OUT/served_modes.log" | tail -12
 fi
-if [[ $what == served-engine-process ]]; then  # the ratio needs a bench_offline.json put in $OUT beforehand
-  python3 -m loadtest.bench_served --out "$OUT" --rates 16 inf --prompts-per-rate 200 \
-    --serve-args=--engine-process --tag _engine_process 2>&1 | tee "$OUT/served_engine_process.log" | tail -6
+if [[ $what == served-engine-process ]]; then
+  python3 -m loadtest.bench_served --out "$OUT" --modes engine-process "$@" 2>&1 \
+    | tee "$OUT/served_engine_process.log" | tail -8
 fi
 if [[ $what == profile ]]; then
   python3 -m loadtest.profile_steps --out "$OUT" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" \
