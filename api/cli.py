@@ -341,6 +341,9 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: an engine process that died starting
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    if options.policy.defaults:  # as vLLM says it: a request's unset fields no longer mean the engine's defaults
+        logger.info("sampling defaults from the generation config (--generation-config %s): %s",
+                    args.generation_config, options.policy.defaults)
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None,
                      ui=not args.no_ui, allowed_origins=args.allowed_origins, options=options)
