@@ -110,7 +110,8 @@ def _frontend_args(front) -> None:
                             "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
                             "max_new_tokens), 'vllm' ignores it, a folder reads that folder's")
     front.add_argument("--max-logprobs", type=int, default=20,
-                       help="most logprobs (top_logprobs for chat) a request may ask for; more gets a 400")
+                       help="most logprobs (top_logprobs for chat) a request may ask for; more gets a 400 "
+                            "(at most 20, the engine's limit; -1: that limit)")
     logs = front.add_mutually_exclusive_group()
     logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
                       help="log one line per request: id, prompt tokens, sampling parameters")

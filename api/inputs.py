@@ -52,8 +52,10 @@ class SamplingPolicy:
     max_logprobs: int = MAX_TOP_LOGPROBS
 
     def __post_init__(self) -> None:
+        if self.max_logprobs == -1:  # vLLM's "no cap": the engine's own limit is the only one
+            self.max_logprobs = MAX_TOP_LOGPROBS
         if not 0 <= self.max_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"max_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (the engine returns at most "
+            raise ValueError(f"max_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or -1 (the engine returns at most "
                              f"{MAX_TOP_LOGPROBS}), got {self.max_logprobs}")
         try:  # bad defaults fail at startup, not as a puzzling 400 on every request
             SamplingParams(**self.defaults)

@@ -170,8 +170,9 @@ def test_max_logprobs_caps_requests_with_a_400_naming_the_field():
     with pytest.raises(APIError) as error:
         policy.check_logprobs(3, "top_logprobs")
     assert error.value.status == 400 and error.value.param == "top_logprobs" and "at most 2" in error.value.message
-    with pytest.raises(ValueError, match=r"max_logprobs must be in \[0, 20\]"):
+    with pytest.raises(ValueError, match=r"max_logprobs must be in \[0, 20\] or -1"):
         SamplingPolicy(max_logprobs=21)
+    assert SamplingPolicy(max_logprobs=-1).max_logprobs == 20  # vLLM's "no cap": the engine's limit
 
 
 # -- --chat-template -------------------------------------------------------------------------------------------
