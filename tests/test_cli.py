@@ -119,6 +119,24 @@ def test_bench_serve_without_its_extra_says_so_in_one_line(monkeypatch, capsys):
         "pip install 'asyncengine[bench]'"]
 
 
+def test_bench_serve_runs_the_installed_load_generator(capsys):
+    """`asyncengine bench serve` against the load generator's fake OpenAI server: the package's own copy
+    (asyncengine.loadtest) measures and reports."""
+    import asyncio
+
+    from test_loadtest import FakeOpenAI, serving
+
+    async def scenario():
+        async with serving(FakeOpenAI(first_token_s=0.02, token_s=0.005)) as url:
+            argv = ["bench", "serve", "--base-url", url, "--num-prompts", "4", "--input-len", "20", "--output-len",
+                    "5", "--no-progress"]
+            return await asyncio.to_thread(main, argv)  # the CLI runs its own loop, in a thread
+
+    assert asyncio.run(scenario()) == 0
+    assert "4 completed, 0 failed" in capsys.readouterr().out
+    assert "asyncengine.loadtest.runner" in sys.modules
+
+
 def test_bench_serve_is_the_load_generator(capsys):
     """The same parser as `python -m loadtest`: its own validation reaches the user as a usage error."""
     with pytest.raises(SystemExit) as exit_info:
