@@ -49,7 +49,7 @@ WORKDIR /home/asyncengine
 
 EXPOSE 8000
 # /health answers 200 while the engine serves, 503 once it died or while shutting down. The start period covers
-# loading the weights and capturing CUDA graphs.
+# loading the weights and capturing CUDA graphs. The check asks the default port: keep --port 8000 in here.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 STOPSIGNAL SIGTERM
