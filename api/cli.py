@@ -32,6 +32,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import asyncengine
 from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, create_app
 from asyncengine.engine_core import leave_a_core_for_the_event_loop
 
@@ -49,6 +50,7 @@ DEMO_PROMPTS = ["ROMEO:", "In the beginning", "To be, or not to be,"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="asyncengine: LLM inference and serving. With no "
                                      "subcommand, runs `generate` (the offline demo).")
+    parser.add_argument("-v", "--version", action="version", version=f"%(prog)s {asyncengine.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_parser(commands.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP / WebSocket API",
                                      description="Serve a model over the OpenAI-compatible HTTP / WebSocket API."))
@@ -381,7 +383,7 @@ def generate(args: argparse.Namespace) -> int:
 def with_default_command(argv: Sequence[str]) -> list[str]:
     """`generate` when no subcommand is named: nothing at all, or options first (`asyncengine --prompt X`)."""
     argv = list(argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-v", "--version")):
         return ["generate", *argv]
     return argv
 

@@ -84,7 +84,16 @@ def test_no_subcommand_is_the_demo():
     assert with_default_command([]) == ["generate"]
     assert with_default_command(["--prompt", "Hi"]) == ["generate", "--prompt", "Hi"]
     assert with_default_command(["--help"]) == ["--help"]
+    assert with_default_command(["--version"]) == ["--version"]
     assert parse("--prompt", "Hi", "--max-tokens", "3").command == "generate"
+
+
+def test_version(capsys):
+    import asyncengine
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"asyncengine {asyncengine.__version__}\n"
 
 
 def test_generate_prints_each_continuation(capsys):
