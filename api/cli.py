@@ -397,7 +397,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return generate(args)
     from asyncengine.loadtest.__main__ import run
 
-    return run(args.bench_parser, args)
+    bench_args = {k: v for k, v in vars(args).items() if k not in ("command", "bench_command", "bench_parser")}
+    return run(args.bench_parser, argparse.Namespace(**bench_args))
 
 
 if __name__ == "__main__":

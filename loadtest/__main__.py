@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import importlib.util
 import json
 import math
@@ -25,8 +24,8 @@ DESCRIPTION = ("Stream completions from an OpenAI-compatible server under a chos
                "ITL, end-to-end latency, throughput and goodput.")
 
 
-def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest", description=DESCRIPTION,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(p)
     return p
@@ -83,8 +82,7 @@ def _add_output_args(g: argparse._ArgumentGroup) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
     """The BenchmarkConfig named by parsed arguments (ValueError when they are inconsistent)."""
-    known = {f.name for f in dataclasses.fields(BenchmarkConfig)} - {"goodput", "percentiles"}
-    fields = {k: v for k, v in vars(args).items() if k in known}  # not the output flags, nor a caller's own
+    fields = {k: v for k, v in vars(args).items() if k not in ("result_json", "plot", "goodput", "percentiles")}
     fields["api_key"] = args.api_key or os.environ.get("OPENAI_API_KEY")
     try:
         percentiles = tuple(float(p) for p in args.percentiles.split(",") if p.strip())
@@ -93,8 +91,8 @@ def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
     return BenchmarkConfig(**fields, goodput=parse_goodput(args.goodput), percentiles=percentiles)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m loadtest") -> int:
-    parser = build_parser(prog)
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     return run(parser, parser.parse_args(argv))
 
 
