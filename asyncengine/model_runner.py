@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from asyncengine.config import EngineConfig, ModelConfig
+from asyncengine.kernels.cpu import plan_attention
 from asyncengine.models.layers import AttentionMetadata
 from asyncengine.models.loader import load_model
 from asyncengine.outputs import Logprob
@@ -227,6 +228,8 @@ class ModelRunner:
             seq_lens_cpu=lens_cpu,
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
+            # CPU: attention's index tensors, built here once for every layer of the step
+            cpu_plan=plan_attention(qsl, seq_lens, tables, bs) if self.device.type == "cpu" else None,
         )
         self._num_prepared += 1
         return StepInputs(

@@ -1,8 +1,9 @@
-"""The adapter between the engine and `asyncengine.kernels`: Triton kernels on CUDA, torch references on CPU.
+"""The adapter between the engine and `asyncengine.kernels`: Triton kernels on CUDA, the fast CPU kernels
+(`kernels/cpu.py`) on CPU, the torch references elsewhere (and on CPU when `CPU_FAST_PATH` is off).
 
 The choice is made per call from the tensor's device, so the same model code runs on both. Every function here
-has the signature of its counterpart in `kernels/reference.py`; the Triton versions update some tensors in place,
-so callers always use the returned values.
+has the signature of its counterpart in `kernels/reference.py`; the Triton and CPU versions update some tensors in
+place, so callers always use the returned values.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import logging
 
 import torch
 
-from asyncengine.kernels import reference
+from asyncengine.kernels import cpu, reference
+
+# The fast CPU kernels; tests turn this off (monkeypatch) to run the whole model on the references.
+CPU_FAST_PATH = True
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +39,13 @@ def _impl(x: torch.Tensor, family: str):
         kernels = _triton_kernels()
         if kernels is not None:
             return kernels[family]
+        return reference
+    if CPU_FAST_PATH and x.device.type == "cpu" and family in _CPU_FAMILIES:
+        return cpu
     return reference
+
+
+_CPU_FAMILIES = ("norm", "activation", "rotary")  # attention and cache: cache_and_attend, with the step's plan
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,6 +66,15 @@ def rotary_embedding(positions, q, k, cos_sin_cache, head_dim: int):
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     _impl(key, "cache").reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def cache_and_attend(q, k, v, k_cache, v_cache, metadata, scale: float) -> torch.Tensor:
+    """reshape_and_cache(k, v, ...) then paged_attention(q, ...): q [T, H, D], k, v [T, KVH, D] -> [T, H, D].
+    On CPU with the step's plan (metadata.cpu_plan) one fused call, which can skip reading back what it wrote."""
+    if CPU_FAST_PATH and metadata.cpu_plan is not None and q.device.type == "cpu":
+        return cpu.cache_and_attend(q, k, v, k_cache, v_cache, metadata.slot_mapping, metadata.cpu_plan, scale)
+    reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, metadata, scale)
 
 
 def paged_attention(q, k_cache, v_cache, metadata, scale: float) -> torch.Tensor:

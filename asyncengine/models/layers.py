@@ -29,6 +29,8 @@ class AttentionMetadata:
     query_start_loc: [B + 1] int32 (device); seq_lens: [B] int32 (device), context length after this step;
     block_tables: [B, max_blocks] int32 (device); slot_mapping: [T] int64, cache slot of each new token (-1 = pad).
     The *_cpu copies and max_* ints let kernels size their grids without a device-to-host sync.
+    cpu_plan: on CPU, the step's attention plan (`kernels.cpu.AttentionPlan`, index tensors shared by every layer),
+    built by the model runner; None elsewhere (and for batches built without it, which take the references).
     """
 
     query_start_loc: torch.Tensor
@@ -39,6 +41,7 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    cpu_plan: Optional[object] = None
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -189,6 +192,5 @@ class PagedAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        ops.reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, self.scale)
         return out.reshape(tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,192 @@
+"""Fast CPU kernels: the same contracts as `kernels/reference.py`, written for speed on a CPU with plain torch ops.
+
+The references gather and expand every sequence's K/V for every layer (`repeat_interleave` for grouped-query
+attention, one gather per prefill sequence). Here the work that does not depend on the layer is done once per step
+(`plan_attention`: index tensors and masks on the host), and each layer then does:
+  - decode rows (one query each), all together: ONE `index_select` per cache of the blocks they read, into a
+    buffer the plan owns and every layer reuses, then one SDPA call where grouped-query attention is a reshape of
+    the queries (q [Bd, H, D] -> [Bd, KVH, G, D]: the G query heads of a kv head are G query rows of that head),
+    never a copy of K/V per query head;
+  - prefill rows, one sequence at a time: a prompt with no cached prefix attends to this step's own keys (no
+    gather, `is_causal`); a chunk after a cached prefix gathers its blocks once; both use SDPA with the kv heads
+    broadcast over their query heads by a stride-0 view.
+Element-wise work is fused where torch allows it (in-place residual add, rotary on strided views in place).
+Nothing here imports the engine. Shapes as in `reference.py` (T tokens, B sequences, H heads, KVH kv heads, D).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillPlan:
+    """One sequence with more than one query row: q rows start:end, seq_len keys after this step."""
+
+    start: int
+    end: int
+    seq_len: int
+    blocks: Optional[torch.Tensor]  # [nb] int64 cache blocks to read; None: no cached prefix, use the new K/V
+    mask: Optional[torch.Tensor]  # [q_len, seq_len] bool (True = visible); None with blocks None (is_causal)
+
+
+@dataclass
+class AttentionPlan:
+    """Index tensors of one step's attention, built once on the host and shared by every layer.
+
+    decode_rows: [Bd] int64 q rows of the decode sequences (None when every row decodes: rows 0..T-1 in order);
+    decode_blocks: [Bd * nb] int64 the blocks each decode sequence reads, row-major, padded with block 0;
+    decode_mask: [Bd, 1, 1, nb * block_size] bool, True for a key the row sees; None when none is padding.
+    """
+
+    num_decode: int
+    decode_rows: Optional[torch.Tensor]
+    decode_blocks: Optional[torch.Tensor]
+    decode_mask: Optional[torch.Tensor]
+    prefills: list[PrefillPlan]
+    # gather buffers for the decode rows, allocated on first use and reused by every layer of the step
+    _buffers: dict = field(default_factory=dict)
+
+    def gather_buffer(self, name: str, cache: torch.Tensor) -> torch.Tensor:
+        """A [len(decode_blocks), block_size, KVH, D] buffer shaped like `cache`'s blocks, one per name."""
+        buf = self._buffers.get(name)
+        if buf is None:
+            buf = torch.empty((self.decode_blocks.shape[0], *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            self._buffers[name] = buf
+        return buf
+
+
+def plan_attention(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                   block_size: int) -> AttentionPlan:
+    """The plan of a step from its host-side layout: query_start_loc [B + 1], seq_lens [B], block_tables
+    [B, max_blocks] (numpy ints)."""
+    q_lens = np.diff(query_start_loc)
+    decode = np.flatnonzero(q_lens == 1)
+    num_decode = len(decode)
+    rows = blocks = mask = None
+    if num_decode:
+        lens = seq_lens[decode].astype(np.int64)
+        nb = int(-(-lens.max() // block_size))
+        blocks = torch.from_numpy(np.ascontiguousarray(block_tables[decode, :nb], dtype=np.int64).reshape(-1))
+        if (lens != nb * block_size).any():
+            visible = np.arange(nb * block_size)[None, :] < lens[:, None]  # [Bd, L]
+            mask = torch.from_numpy(visible).view(num_decode, 1, 1, nb * block_size)
+        if num_decode != len(q_lens):
+            rows = torch.from_numpy(query_start_loc[decode].astype(np.int64))
+    prefills = []
+    for b in np.flatnonzero(q_lens > 1).tolist():
+        start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
+        q_len = end - start
+        if q_len == seq_len:  # the whole context is new: attend to this step's keys, causally
+            prefills.append(PrefillPlan(start, end, seq_len, None, None))
+            continue
+        nb = -(-seq_len // block_size)
+        table = torch.from_numpy(block_tables[b, :nb].astype(np.int64))
+        q_pos = np.arange(seq_len - q_len, seq_len)[:, None]
+        prefills.append(PrefillPlan(start, end, seq_len, table, torch.from_numpy(np.arange(seq_len)[None, :] <= q_pos)))
+    return AttentionPlan(num_decode, rows, blocks, mask, prefills)
+
+
+def cache_and_attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, plan: AttentionPlan,
+                     scale: float) -> torch.Tensor:
+    """reference.reshape_and_cache then reference.paged_attention, as one call.
+
+    q: [T, H, D]; key, value: [T, KVH, D] (this step's, may be strided views); slot_mapping: [T] int64 (no
+    padding slots on CPU). Returns [T, H, D] in q's dtype.
+    """
+    write_cache(key, value, k_cache, v_cache, slot_mapping)
+    if not plan.prefills:  # decode only: the output is the decode output, no scatter
+        return decode_attention(q, k_cache, v_cache, plan, scale)
+    out = torch.empty_like(q)
+    if plan.num_decode:
+        out.index_copy_(0, plan.decode_rows, decode_attention(q.index_select(0, plan.decode_rows), k_cache,
+                                                              v_cache, plan, scale))
+    for p in plan.prefills:
+        out[p.start:p.end] = prefill_attention(q[p.start:p.end], key[p.start:p.end], value[p.start:p.end],
+                                               k_cache, v_cache, p, scale)
+    return out
+
+
+def write_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """key/value [T, KVH, D] into the caches at slot_mapping [T] (every slot valid): one index_copy_ each on the
+    caches viewed as [num_slots, KVH, D]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def decode_attention(q, k_cache, v_cache, plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """q: [Bd, H, D], one query per sequence at its last position -> [Bd, H, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    keys = torch.index_select(k_cache, 0, plan.decode_blocks, out=plan.gather_buffer("k", k_cache))
+    values = torch.index_select(v_cache, 0, plan.decode_blocks, out=plan.gather_buffer("v", v_cache))
+    # [Bd * nb, bs, KVH, D] -> [Bd, KVH, L, D]: a strided view, SDPA reads it in place
+    keys = keys.view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    values = values.view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    grouped = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)  # [Bd, KVH, G, D]
+    out = F.scaled_dot_product_attention(grouped.to(keys.dtype), keys, values, attn_mask=plan.decode_mask,
+                                         scale=scale)
+    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def prefill_attention(q, key, value, k_cache, v_cache, p: PrefillPlan, scale: float) -> torch.Tensor:
+    """One sequence: q [n, H, D]; key/value [n, KVH, D] its new rows -> [n, H, D]."""
+    q_len, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if p.blocks is None:
+        keys, values = key, value
+    else:  # a chunk after a cached prefix: its whole context, from the cache
+        keys = k_cache.index_select(0, p.blocks).flatten(0, 1)[: p.seq_len]  # [S, KVH, D]
+        values = v_cache.index_select(0, p.blocks).flatten(0, 1)[: p.seq_len]
+    group = num_heads // kv_heads
+    seq_len = keys.shape[0]
+    # [S, KVH, D] -> [KVH, G, S, D] with the G axis of stride 0: each kv head seen by its G query heads
+    keys = keys.permute(1, 0, 2).unsqueeze(1).expand(kv_heads, group, seq_len, head_dim).to(q.dtype)
+    values = values.permute(1, 0, 2).unsqueeze(1).expand(kv_heads, group, seq_len, head_dim).to(q.dtype)
+    grouped = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, n, D]
+    if p.mask is None:
+        out = F.scaled_dot_product_attention(grouped, keys, values, is_causal=True, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=p.mask, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+
+
+# -- element-wise --------------------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """reference.rms_norm for float32 (no casts; the other dtypes take the reference)."""
+    if x.dtype != torch.float32:
+        from asyncengine.kernels import reference
+
+        return reference.rms_norm(x, weight, eps)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance.add_(eps)))
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """reference.fused_add_rms_norm, adding x into `residual` in place (as the Triton kernel does)."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up [T, I]; the silu is done in place on x's gate half."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.mul(F.silu(gate, inplace=True), up)
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache, head_dim: int):
+    """reference.rotary_embedding (neox), in place on q and k (strided views allowed); returns (q, k)."""
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+    for x in (q, k):
+        xs = x.view(x.shape[0], -1, head_dim) if x.is_contiguous() else x.unflatten(-1, (-1, head_dim))
+        x1, x2 = xs.chunk(2, dim=-1)
+        rotated_first = x1 * cos - x2 * sin
+        x2.mul_(cos).addcmul_(x1, sin)
+        x1.copy_(rotated_first)
+    return q, k
