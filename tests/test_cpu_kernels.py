@@ -1,0 +1,157 @@
+"""The fast CPU kernels (`asyncengine.kernels.cpu`) against the torch references, and the engine on both paths.
+
+Attention is checked on random paged caches with shuffled block tables, grouped-query / multi-query / multi-head
+layouts, and mixed batches (a fresh prefill, a chunked prefill behind a cached prefix, decodes of unequal
+lengths). Float32 outputs must agree with the references to 2e-5 (SDPA's flash kernel and the references' math
+path sum in different orders); bfloat16 to 2e-2. The element-wise kernels do the references' float32 arithmetic
+and must agree to 1e-6. The default model's greedy tokens must be identical on both paths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncengine.kernels import cpu, reference
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(1234)
+
+
+def paged_batch(q_lens, seq_lens, *, heads, kv_heads, head_dim=32, block_size=16, dtype=torch.float32):
+    """A random step: q [T, H, D], this step's new key/value [T, KVH, D], caches holding random prefixes, shuffled
+    block tables (unused entries pointing at random valid blocks), and the layout as numpy (qsl, lens, tables)."""
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    order = torch.randperm(num_blocks)
+    tables = torch.randint(0, num_blocks, (len(seq_lens), max(blocks_per_seq) + 2), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = order[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    tokens = int(qsl[-1])
+    q = torch.randn(tokens, heads, head_dim, dtype=dtype)
+    # new K/V as strided views of one projection output, as the model passes them
+    kv = torch.randn(tokens, 2 * kv_heads * head_dim + 7, dtype=dtype)
+    key = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = kv[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    positions = np.concatenate([np.arange(s - n, s) for n, s in zip(q_lens, seq_lens)])
+    table_np = tables.numpy()
+    slots = torch.from_numpy(table_np[np.repeat(np.arange(len(q_lens)), q_lens), positions // block_size]
+                             .astype(np.int64) * block_size + positions % block_size)
+    return q, key, value, k_cache, v_cache, slots, qsl, np.asarray(seq_lens, dtype=np.int32), table_np
+
+
+def check_cache_and_attend(q_lens, seq_lens, **kwargs):
+    q, key, value, k_cache, v_cache, slots, qsl, lens, tables = paged_batch(q_lens, seq_lens, **kwargs)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.reshape_and_cache(key, value, ref_k, ref_v, slots)
+    expected = reference.paged_attention(q, ref_k, ref_v, torch.from_numpy(qsl), torch.from_numpy(lens),
+                                         torch.from_numpy(tables), 0.3)
+    plan = cpu.plan_attention(qsl, lens, tables, k_cache.shape[1])
+    out = cpu.cache_and_attend(q, key, value, k_cache, v_cache, slots, plan, 0.3)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "the cache writes differ"
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, **TOLERANCE[q.dtype])
+    return plan
+
+
+LAYOUTS = pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 2), (8, 1), (4, 4)],
+                                  ids=["gqa2", "group3", "mqa", "mha"])
+
+
+@LAYOUTS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_fresh_prefill_chunked_prefill_and_unequal_decodes(heads, kv_heads, dtype):
+    # decodes at 33, 16 (a full block) and 70 tokens; a fresh 13-token prompt; a 21-token chunk behind 49 cached
+    plan = check_cache_and_attend([1, 13, 1, 21, 1], [33, 13, 16, 70, 70], heads=heads, kv_heads=kv_heads,
+                                  dtype=dtype)
+    assert plan.num_decode == 3 and [p.blocks is None for p in plan.prefills] == [True, False]
+
+
+@LAYOUTS
+def test_decode_only_batch_with_random_lengths(heads, kv_heads):
+    lens = torch.randint(1, 90, (24,)).tolist()
+    plan = check_cache_and_attend([1] * 24, lens, heads=heads, kv_heads=kv_heads, block_size=8)
+    assert plan.decode_rows is None and plan.decode_mask is not None
+
+
+def test_decode_batch_of_equal_full_blocks_needs_no_mask():
+    plan = check_cache_and_attend([1] * 5, [32] * 5, heads=4, kv_heads=2)
+    assert plan.decode_mask is None
+
+
+def test_prefill_only_batch_of_prompts_and_a_chunk_of_one_long_prompt():
+    check_cache_and_attend([40, 7, 64], [40, 7, 200], heads=4, kv_heads=2, head_dim=64, block_size=32)
+
+
+def test_gather_buffers_are_reused_by_every_layer_of_a_step():
+    q, key, value, k_cache, v_cache, slots, qsl, lens, tables = paged_batch([1, 1, 1], [5, 40, 17], heads=4,
+                                                                            kv_heads=2)
+    plan = cpu.plan_attention(qsl, lens, tables, k_cache.shape[1])
+    cpu.cache_and_attend(q, key, value, k_cache, v_cache, slots, plan, 0.3)
+    first = plan.gather_buffer("k", k_cache).data_ptr()
+    cpu.cache_and_attend(q, key, value, k_cache.clone(), v_cache.clone(), slots, plan, 0.3)
+    assert plan.gather_buffer("k", k_cache).data_ptr() == first
+
+
+# -- element-wise ---------------------------------------------------------------------------------------------------
+def test_rms_norm_and_fused_add_match_reference_and_update_the_residual_in_place():
+    x, residual, weight = torch.randn(9, 48), torch.randn(9, 48), torch.randn(48)
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5),
+                               atol=1e-6, rtol=1e-6)
+    expected, expected_residual = reference.fused_add_rms_norm(x, residual.clone(), weight, 1e-5)
+    out, new_residual = cpu.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert new_residual.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_silu_and_mul_matches_reference():
+    x = torch.randn(7, 2 * 40)
+    expected = reference.silu_and_mul(x.clone())
+    torch.testing.assert_close(cpu.silu_and_mul(x), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_rotary_in_place_on_strided_views_of_one_qkv_tensor():
+    tokens, heads, kv_heads, head_dim = 11, 4, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    positions = torch.randint(0, 100, (tokens,))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(128).float()[:, None] * inv_freq
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    exp_q, exp_k = reference.rotary_embedding(positions, q.clone(), k.clone(), cache, head_dim)
+    out_q, out_k = cpu.rotary_embedding(positions, q, k, cache, head_dim)
+    torch.testing.assert_close(out_q, exp_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out_k, exp_k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(q, exp_q, atol=1e-6, rtol=1e-6)  # in place, in the qkv tensor
+
+
+# -- the engine on both paths -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def default_llm():
+    from asyncengine import LLM
+
+    # a small token budget: prompts are prefilled in chunks, beside decodes (mixed steps)
+    return LLM(max_num_batched_tokens=48, max_num_seqs=8, num_kv_blocks=128)
+
+
+def test_default_model_greedy_tokens_identical_on_fast_and_reference_paths(default_llm, monkeypatch):
+    from asyncengine import SamplingParams, ops
+
+    prompts = ["ROMEO: what light", "JULIET: o romeo romeo wherefore art thou " * 3, "To be or not to be",
+               "The king", "Now is the winter of our discontent made glorious summer by this sun of york " * 2]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    fast = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(ops, "CPU_FAST_PATH", False)
+    slow = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
+    assert fast == slow
