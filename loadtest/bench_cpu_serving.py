@@ -11,6 +11,13 @@ The ratio served / offline is the share of the engine's throughput that the HTTP
 >= 0.9). Both sides are warmed up with the same shapes, then timed back to back --trials times. `--client subprocess` runs the load generator in
 its own process (`python -m loadtest`), so that its Python work does not share this process's GIL with the server.
 Prints one table; writes JSON.
+
+`--compare` (issue 17) adds, timed back to back in every trial on the same prompts: transformers' `generate` with
+a static batch of all the prompts (left-padded, greedy, min_new_tokens = max_new_tokens so that every row makes
+M tokens, float32), and, with `--baseline-site DIR`, the offline engine of another revision (a non-editable
+install of it in DIR: `pip install --no-deps --target DIR <source tree>`) in a worker process of its own. The
+table then gives engine / transformers, engine / baseline and served / offline, each the median of the trials'
+ratios. Use `--engine-process --client subprocess` for the served side as `asyncengine serve` runs it.
 """
 
 from __future__ import annotations
@@ -55,7 +62,9 @@ class Offline:
         from asyncengine import LLM, SamplingParams
 
         self.prompts = prompts
+        start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
+        self.startup_s = time.perf_counter() - start
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         self.llm.generate(prompts[: max(1, len(prompts) // 4)], self.params, use_tqdm=False)  # warm-up
         self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
@@ -66,6 +75,82 @@ class Offline:
         elapsed = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         return {"output_tokens": tokens, "seconds": elapsed, "output_tok_s": tokens / elapsed}
+
+
+class TransformersStaticBatch:
+    """transformers' `generate` over all the prompts as one left-padded static batch, greedy, float32."""
+
+    def __init__(self, prompts: list[list[int]], max_tokens: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from asyncengine.config import default_model_path
+
+        self.model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+        pad = self.model.config.pad_token_id
+        width = max(len(p) for p in prompts)
+        self.input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        self.attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        self.max_tokens, self.pad = max_tokens, pad
+        self._generate(4)  # warm-up
+
+    def _generate(self, rows: int):
+        import torch
+
+        with torch.inference_mode():
+            return self.model.generate(self.input_ids[:rows], attention_mask=self.attention_mask[:rows],
+                                       max_new_tokens=self.max_tokens, min_new_tokens=self.max_tokens,
+                                       do_sample=False, pad_token_id=self.pad)
+
+    def trial(self) -> dict:
+        start = time.perf_counter()
+        out = self._generate(self.input_ids.shape[0])
+        elapsed = time.perf_counter() - start
+        tokens = (out.shape[1] - self.input_ids.shape[1]) * out.shape[0]
+        return {"output_tokens": tokens, "seconds": elapsed, "output_tok_s": tokens / elapsed}
+
+
+class BaselineWorker:
+    """The offline engine of another revision, installed in `site`, in a process of its own: one trial per
+    request on its stdin (so that its trials interleave with this run's), results as JSON lines on its stdout."""
+
+    def __init__(self, site: str, prompts_path: str, max_tokens: int):
+        repo = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, repo])}  # the baseline's asyncengine first
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loadtest.bench_cpu_serving", "--offline-worker", prompts_path,
+             "--max-tokens", str(max_tokens)],
+            cwd=tempfile.gettempdir(), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.info = self._read()  # the engine it loaded (its asyncengine path), once warmed up
+        if not self.info["asyncengine"].startswith(str(Path(site).resolve())):
+            raise RuntimeError(f"the baseline worker imported {self.info['asyncengine']}, not the one in {site}")
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the baseline worker exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def trial(self) -> dict:
+        self.proc.stdin.write("trial\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def offline_worker(prompts_path: str, max_tokens: int) -> int:
+    """The BaselineWorker's side: load, warm up, report, then one offline trial per line read."""
+    import asyncengine
+
+    prompts = [json.loads(line)["prompt"] for line in open(prompts_path)]
+    offline = Offline(prompts, max_tokens, {})
+    print(json.dumps({"asyncengine": str(Path(asyncengine.__file__).resolve())}), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(offline.trial()), flush=True)
+    return 0
 
 
 # -- served ------------------------------------------------------------------------------------------------------
@@ -178,15 +263,30 @@ def run(args: argparse.Namespace) -> dict:
             for ids in prompts:
                 f.write(json.dumps({"prompt": ids, "max_tokens": args.max_tokens}) + "\n")
         offline = Offline(prompts, args.max_tokens, engine_kwargs)
+        startup_s = offline.startup_s
+        hf = TransformersStaticBatch(prompts, args.max_tokens) if args.compare else None
+        baseline = BaselineWorker(args.baseline_site, dataset, args.max_tokens) if args.baseline_site else None
         with InProcessServer({**engine_kwargs, "engine_process": args.engine_process}) as server:
             served_trial(server.url, dataset, max(1, args.num_prompts // 4), args.max_tokens, args.client)  # warm-up
             for trial in range(args.trials):
-                off = offline.trial()
-                served = served_trial(server.url, dataset, args.num_prompts, args.max_tokens, args.client)
-                rows.append({"trial": trial, "offline": off, "served": served,
-                             "ratio": served["output_tok_s"] / off["output_tok_s"]})
-                print(f"  trial {trial}: offline {off['output_tok_s']:.0f} tok/s, served "
-                      f"{served['output_tok_s']:.0f} tok/s, ratio {rows[-1]['ratio']:.3f}", flush=True)
+                row = {"trial": trial}
+                if hf is not None:
+                    row["transformers"] = hf.trial()
+                if baseline is not None:
+                    row["baseline"] = baseline.trial()
+                row["offline"] = off = offline.trial()
+                row["served"] = served = served_trial(server.url, dataset, args.num_prompts, args.max_tokens,
+                                                      args.client)
+                row["ratio"] = served["output_tok_s"] / off["output_tok_s"]
+                for peer in ("transformers", "baseline"):
+                    if peer in row:
+                        row[f"offline_over_{peer}"] = off["output_tok_s"] / row[peer]["output_tok_s"]
+                rows.append(row)
+                print(f"  trial {trial}: " + ", ".join(f"{k} {row[k]['output_tok_s']:.0f} tok/s" for k in
+                      ("transformers", "baseline", "offline", "served") if k in row)
+                      + f", served/offline {row['ratio']:.3f}", flush=True)
+        if baseline is not None:
+            baseline.close()
     import torch
 
     return {
@@ -197,6 +297,11 @@ def run(args: argparse.Namespace) -> dict:
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "platform": platform.platform()},
         "runs": rows,
+        "llm_startup_s": startup_s,
+        "peers": {k: statistics.median(r[k]["output_tok_s"] for r in rows) for k in ("transformers", "baseline")
+                  if k in rows[0]},
+        "offline_over_peer_median": {k: statistics.median(r[f"offline_over_{k}"] for r in rows)
+                                     for k in ("transformers", "baseline") if k in rows[0]},
         "offline_tok_s_median": statistics.median(r["offline"]["output_tok_s"] for r in rows),
         "served_tok_s_median": statistics.median(r["served"]["output_tok_s"] for r in rows),
         "ratio_median": statistics.median(r["ratio"] for r in rows),
@@ -222,6 +327,11 @@ def format_table(report: dict) -> str:
                  f"{report['ratio_median']:>7.3f}")
     lines.append(f"ratio served / offline: {report['ratio_median']:.3f} (median of {len(report['runs'])} trials; "
                  "target >= 0.9)")
+    for peer, ratio in report.get("offline_over_peer_median", {}).items():
+        target = {"transformers": 1.5, "baseline": 3.0}[peer]
+        lines.append(f"offline engine / {peer}: {ratio:.2f} (median of the trials' ratios; {peer} median "
+                     f"{report['peers'][peer]:.1f} tok/s; target >= {target})")
+    lines.append(f"LLM() start-up: {report['llm_startup_s']:.1f} s (target < 10)")
     return "\n".join(lines)
 
 
@@ -238,10 +348,17 @@ def main(argv=None) -> int:
                         help="torch intra-op threads for both runs (default: torch's choice, one per core)")
     parser.add_argument("--engine-process", action="store_true",
                         help="the server's engine in a process of its own (EngineConfig.engine_process)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also time transformers' static-batch generate in every trial")
+    parser.add_argument("--baseline-site", default=None,
+                        help="also time the offline engine installed in this folder (another revision)")
+    parser.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)  # BaselineWorker's side
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_cpu_serving.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.offline_worker:
+        return offline_worker(args.offline_worker, args.max_tokens)
     if args.torch_threads:
         import torch
 
