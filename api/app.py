@@ -1,8 +1,10 @@
 """`create_app(engine)`: the OpenAI-compatible Starlette app, mountable in any ASGI application.
 
     POST /v1/completions, /v1/chat/completions     JSON, or SSE with "stream": true
-    WS   /v1/ws                                    many streamed requests per connection (see websocket.py)
-    GET  /v1/models, /version, /metrics, /openapi.json
+    WS   /v1/ws                                    many streamed requests per connection (see websocket.py);
+                                                   a plain GET there is 426
+    GET  /v1/models, /version, /metrics
+    GET  /openapi.json                             the contract: what the server accepts and returns (openapi.py)
     POST /v1/embeddings                            float or base64 (models served with the pooling runner)
     POST /tokenize, /detokenize                    vLLM's shapes
     GET  /health                                   200, or 503 when the engine is dead or the server stopping
@@ -37,7 +39,7 @@ from asyncengine.api.auth import APIKeyMiddleware, WebSocketOriginMiddleware
 from asyncengine.api.embeddings import EmbeddingServing
 from asyncengine.api.errors import APIError, bad_request, from_decode_error, unavailable
 from asyncengine.api.metrics import Metrics
-from asyncengine.api.openapi import openapi_schema
+from asyncengine.api.openapi import ModelLimits, openapi_schema
 from asyncengine.api.protocol_embeddings import EmbeddingRequest
 from asyncengine.api.protocol import (
     ChatCompletionRequest,
@@ -49,6 +51,7 @@ from asyncengine.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
+    decode_body,
     encoder,
 )
 from asyncengine.api.serving import Generation, OpenAIServing, ServingOptions
@@ -124,10 +127,11 @@ class ServerState:
 class Routes:
     """The HTTP handlers, bound to one ServerState."""
 
-    def __init__(self, state: ServerState):
+    def __init__(self, state: ServerState, openapi_document: dict):
         self.state = state
         self.created = int(time.time())
-        self._openapi: Optional[bytes] = None
+        self._document = openapi_document
+        self._openapi: dict[str, bytes] = {}  # encoded, by root_path
 
     # -- generation -------------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -205,12 +209,12 @@ class Routes:
     async def detokenize(self, request: Request) -> Response:
         body = await self._decode(request, DetokenizeRequest)
         self.state.serving.check_model(body.model)
-        tokenizer = self.state.engine.tokenizer
-        vocab = len(tokenizer)
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        engine = self.state.engine
+        vocab = engine.vocab_size  # the bound /openapi.json states (ids the tokenizer lacks decode to nothing)
+        bad = [t for t in body.tokens if t >= vocab]  # negative ids: refused by the decoder
         if bad:
             raise bad_request(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
-        return _json(DetokenizeResponse(prompt=tokenizer.decode(body.tokens)))
+        return _json(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)))
 
     async def health(self, request: Request) -> Response:
         self.state.check_accepting()  # 503 while shutting down or with a dead engine
@@ -223,10 +227,14 @@ class Routes:
         return Response(self.state.metrics.render(), media_type=self.state.metrics.content_type)
 
     async def openapi(self, request: Request) -> Response:
-        if self._openapi is None:  # root_path: the prefix a proxy serves us under (--root-path)
-            self._openapi = encoder.encode(openapi_schema("asyncengine", asyncengine.__version__,
-                                                          root_path=request.scope.get("root_path", "")))
-        return Response(self._openapi, media_type="application/json")
+        root_path = request.scope.get("root_path", "")  # the prefix a proxy serves us under (--root-path)
+        if root_path not in self._openapi:
+            self._openapi[root_path] = encoder.encode({"servers": [{"url": root_path}], **self._document}
+                                                      if root_path else self._document)
+        return Response(self._openapi[root_path], media_type="application/json")
+
+    async def websocket_without_upgrade(self, request: Request) -> Response:
+        raise APIError(426, "/v1/ws is a WebSocket: send an upgrade request (e.g. with a WebSocket client)")
 
     async def websocket(self, websocket: WebSocket) -> None:
         await WebSocketSession(websocket, self.state).run()
@@ -234,19 +242,9 @@ class Routes:
     async def _decode(self, request: Request, kind):
         data = await read_body(request, self.state.max_body_bytes)
         try:
-            return _decoder(kind).decode(data)
+            return decode_body(data, kind)
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise from_decode_error(exc) from exc
-
-
-_DECODERS: dict = {}
-
-
-def _decoder(kind) -> msgspec.json.Decoder:
-    decoder = _DECODERS.get(kind)
-    if decoder is None:
-        decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
-    return decoder
 
 
 def _json(obj, status: int = 200) -> Response:
@@ -357,7 +355,11 @@ def create_app(
     metrics = Metrics(engine, names[0])
     state = ServerState(engine, OpenAIServing(engine, names, options), metrics, max_body_bytes=max_body_bytes,
                         ping_interval=ping_interval, max_ws_requests=max_ws_requests)
-    routes = Routes(state)
+    limits = ModelLimits(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+    public_paths = ("/health", "/") if ui else ("/health",)  # open without a key (load balancers, the page)
+    document = openapi_schema(limits, api_key=bool(api_key), public_paths=public_paths, title="asyncengine",
+                              version=asyncengine.__version__)
+    routes = Routes(state, document)
     app = Starlette(
         routes=[
             Route("/v1/completions", routes.completions, methods=["POST"]),
@@ -371,12 +373,13 @@ def create_app(
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/openapi.json", routes.openapi, methods=["GET"]),
             WebSocketRoute("/v1/ws", routes.websocket),
+            Route("/v1/ws", routes.websocket_without_upgrade, methods=["GET"]),
             *(_chat_page_routes() if ui else []),
         ],
         middleware=[
             *_cors(allowed_origins),
             Middleware(WebSocketOriginMiddleware, allowed_origins=allowed_origins),
-            Middleware(APIKeyMiddleware, api_key=api_key, exempt_paths=("/health", "/") if ui else ("/health",),
+            Middleware(APIKeyMiddleware, api_key=api_key, exempt_paths=public_paths,
                        exempt_prefixes=(_UI_PREFIX,) if ui else ()),
         ],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},

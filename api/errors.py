@@ -21,6 +21,7 @@ from asyncengine.api.protocol import ErrorInfo, ErrorResponse, encoder
 from asyncengine.async_engine import EngineDeadError, QueueFullError
 
 MAX_MESSAGE_CHARS = 500
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a prompt + max_tokens beyond the context
 
 _TYPES = {
     400: "invalid_request_error",
@@ -28,11 +29,12 @@ _TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    426: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
 }
-_PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_PATH_FIELD = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")  # "- at `$.stop[0]`", "- at `key` in `$.logit_bias`"
 
 
 class APIError(Exception):

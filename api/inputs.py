@@ -2,7 +2,9 @@
 
 Contract: every function here either returns engine inputs or raises APIError(400) naming the offending field;
 nothing is added to the engine yet. SamplingParams' own ValueErrors name their field first ("top_k must be ..."),
-which becomes the error's `param`.
+which becomes the error's `param`. Bounds on single fields are already enforced by the decoder (protocol.py's
+`Meta`); what is checked here is what msgspec cannot: the prompt's shape and the rules between fields
+(protocol.BODY_RULES states those that JSON Schema can).
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ from pathlib import Path
 from typing import Optional, Union
 
 from asyncengine.api.errors import APIError, bad_request, from_engine_error
-from asyncengine.api.protocol import ChatCompletionRequest, ChatMessageParam, CompletionRequest
+from asyncengine.api.protocol import MAX_BATCH_PROMPTS, MAX_LOGPROBS, ChatCompletionRequest, ChatMessageParam, CompletionRequest
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-MAX_BATCH_PROMPTS = 1024  # prompts in one /v1/completions request
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # what the engine returns at most
 
 # SamplingParams fields; a ValueError starting with one of these names it as the error's `param`.
 PARAM_FIELDS = (
@@ -174,24 +175,12 @@ def structured_renames(request: Union[CompletionRequest, ChatCompletionRequest])
 
 
 def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
-    if not bias:
-        return None
-    out = {}
-    for key, value in bias.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids (integers as strings), got {key[:40]!r}",
-                              "logit_bias") from None
-    return out
+    """Keys are decimal token ids (protocol.TokenIdKey); the engine checks them against the vocabulary."""
+    return {int(key): value for key, value in bias.items()} if bias else None
 
 
 # -- completions ----------------------------------------------------------------------------------------------
 def completion_params(request: CompletionRequest, policy: SamplingPolicy) -> SamplingParams:
-    if request.suffix is not None:
-        raise bad_request("suffix is not supported", "suffix")
-    if request.best_of is not None and request.best_of != request.n:
-        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     policy.check_logprobs(request.logprobs, "logprobs")
@@ -236,8 +225,6 @@ def chat_params(request: ChatCompletionRequest, policy: SamplingPolicy) -> Sampl
     top = request.top_logprobs
     if top is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     policy.check_logprobs(top, "top_logprobs")
     max_tokens, renames = request.max_tokens, dict(CHAT_RENAMES)
     if request.max_completion_tokens is not None:
@@ -248,20 +235,13 @@ def chat_params(request: ChatCompletionRequest, policy: SamplingPolicy) -> Sampl
 
 
 def chat_messages(messages: list[ChatMessageParam]) -> list[dict]:
-    """Messages as the chat template wants them; content parts must be text (joined by newlines)."""
-    if not messages:
-        raise bad_request("messages must not be empty", "messages")
+    """Messages as the chat template wants them; text content parts are joined by newlines (the decoder has
+    already refused other parts and an empty list)."""
     out = []
-    for i, message in enumerate(messages):
+    for message in messages:
         content = message.content
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type[:40]!r}",
-                                      "messages")
-                texts.append(part.text)
-            content = "\n".join(texts)
+            content = "\n".join(part.text for part in content)
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name

@@ -1,7 +1,14 @@
 """The OpenAI (and vLLM-extension) wire protocol as msgspec Structs.
 
-Requests are decoded with msgspec: unknown fields are ignored (as OpenAI does), wrong types are a 400 naming the
-field. Responses are encoded from the same kind of Structs, and /openapi.json is generated from all of them.
+Requests are decoded with msgspec: unknown fields are ignored (as OpenAI does), wrong types and values outside the
+`Meta` bounds are a 400 naming the field. Responses are encoded from the same kind of Structs, and /openapi.json is
+generated from all of them, so the document states exactly the bounds the decoder enforces.
+
+Bounds that depend on the model (the vocabulary, max_model_len) are marked with `MODEL_BOUND` in the JSON schema;
+`openapi.py` fills them in when the app is created, and the server checks them after decoding (the engine's
+`check_prompt`, `SamplingParams.validate_for_model`, the /detokenize handler). Rules between fields that JSON
+Schema can state (one of prompt or messages; top_logprobs needs logprobs) are `BODY_RULES`, checked in inputs.py
+and the handlers.
 
 Conventions:
 - `Optional[X] = None` request fields mean "not given"; the server applies OpenAI's defaults.
@@ -12,10 +19,36 @@ Conventions:
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
-from msgspec import UNSET, Struct, UnsetType
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+# --------------------------------------------------------------------------------------------------------------
+# Bounded values (the decoder enforces them; the document publishes them)
+# --------------------------------------------------------------------------------------------------------------
+
+MODEL_BOUND = "x-model-bound"
+"""A JSON-schema key naming a bound that openapi.py fills in from the model: "token_id" (maximum: vocab_size - 1),
+"token_id_key" (a decimal token id as an object key below vocab_size), "output_tokens" (maximum: max_model_len - 1),
+"prompt_tokens" (maxItems: max_model_len - 1)."""
+
+SCHEMA_OVERRIDE = "x-schema"
+"""A JSON-schema key whose value replaces the schema msgspec generates (which for a union cannot say which list
+shapes are allowed); openapi.py applies it."""
+
+MAX_SEED = 2**63 - 1
+MAX_BATCH_PROMPTS = 1024  # prompts in one /v1/completions request
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+TokenId = Annotated[int, Meta(ge=0, extra_json_schema={MODEL_BOUND: "token_id"})]
+TokenIdKey = Annotated[str, Meta(pattern="^(0|[1-9][0-9]*)$", extra_json_schema={MODEL_BOUND: "token_id_key"})]
+OutputTokens = Annotated[int, Meta(ge=1, extra_json_schema={MODEL_BOUND: "output_tokens"})]
+PromptTokenIds = Annotated[list[TokenId], Meta(min_length=1, extra_json_schema={MODEL_BOUND: "prompt_tokens"})]
+StopString = Annotated[str, Meta(min_length=1)]
+Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 # --------------------------------------------------------------------------------------------------------------
 # Requests
@@ -30,24 +63,24 @@ class _GenerationRequest(Struct, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
     model: Optional[str] = None
-    n: int = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    temperature: Optional[Annotated[float, Meta(ge=0.0, le=100.0)]] = None
+    top_p: Optional[Annotated[float, Meta(gt=0.0, le=1.0)]] = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    stop: Union[StopString, Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)], None] = None
+    seed: Optional[Annotated[int, Meta(ge=-MAX_SEED, le=MAX_SEED)]] = None
+    logit_bias: Optional[dict[TokenIdKey, Annotated[float, Meta(ge=-100.0, le=100.0)]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     # vLLM extensions
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
+    top_k: Optional[Annotated[int, Meta(ge=-1, description="-1 or 0: all tokens")]] = None
+    min_p: Optional[Annotated[float, Meta(ge=0.0, le=1.0)]] = None
+    repetition_penalty: Optional[Annotated[float, Meta(gt=0.0, le=10.0)]] = None
+    min_tokens: Annotated[int, Meta(ge=0, description="at most max_tokens (400 otherwise)")] = 0
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # structured outputs (see the block "Structured outputs" below)
@@ -86,36 +119,44 @@ class StructuredOutputsRequest(Struct, kw_only=True):
 
 
 # A completions prompt: a string, a list of strings (a batch), a list of token ids, or a list of token-id lists.
-# msgspec allows one array type per union, so the list's items are a union checked further in inputs.py.
-PromptInput = Union[str, list[Union[str, int, list[int]]]]
+# msgspec allows one array type per union, so it decodes the list's items as a union and inputs.py checks that
+# the list is one of the four shapes; the schema states the four shapes.
+_PROMPT_SHAPES = [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
+    msgspec.json.schema(PromptTokenIds),
+    {"type": "array", "items": msgspec.json.schema(PromptTokenIds), "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
+]
+PromptInput = Annotated[Union[str, list[Union[str, TokenId, list[TokenId]]]],
+                        Meta(extra_json_schema={SCHEMA_OVERRIDE: {"anyOf": _PROMPT_SHAPES}})]
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
     prompt: PromptInput
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    max_tokens: Optional[OutputTokens] = 16  # null: the rest of max_model_len
+    logprobs: Optional[Logprobs] = None
     echo: bool = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    best_of: Optional[Annotated[int, Meta(ge=1, le=1, description="only 1: like vLLM's V1 engine, no best-of")]] = None
+    suffix: None = None  # not supported: only null is accepted
 
 
 class ContentPart(Struct, kw_only=True):
-    type: str
-    text: Optional[str] = None
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessageParam(Struct, kw_only=True):
-    role: str
+    role: Literal["system", "user", "assistant"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
-    messages: list[ChatMessageParam]
-    max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: Optional[int] = None
+    messages: Annotated[list[ChatMessageParam], Meta(min_length=1)]
+    max_tokens: Optional[OutputTokens] = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Optional[OutputTokens] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Logprobs] = None
     # vLLM extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -130,7 +171,7 @@ class TokenizeRequest(Struct, kw_only=True):
 
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessageParam]] = None
+    messages: Optional[Annotated[list[ChatMessageParam], Meta(min_length=1)]] = None
     add_special_tokens: Optional[bool] = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -139,7 +180,24 @@ class TokenizeRequest(Struct, kw_only=True):
 
 class DetokenizeRequest(Struct, kw_only=True):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+# Rules between fields of a request body, in JSON Schema (the server checks each one where named).
+BODY_RULES: dict[type, dict] = {
+    # completion_params(): prompt logprobs are not computed
+    CompletionRequest: {"not": {"required": ["echo", "logprobs"],
+                                "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}},
+                        "description": "echo cannot be combined with logprobs"},
+    # chat_params()
+    ChatCompletionRequest: {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+                            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+                            "description": "top_logprobs needs logprobs: true"},
+    # Routes.tokenize()
+    TokenizeRequest: {"oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                                {"required": ["messages"], "properties": {"messages": {"type": "array"}}}],
+                      "description": "exactly one of prompt or messages"},
+}
 
 
 class WebSocketEnvelope(Struct, kw_only=True):
@@ -322,3 +380,31 @@ RESPONSE_TYPES = (
 )
 
 encoder = msgspec.json.Encoder()
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def decode_body(data: bytes, kind: type):
+    """`data` (JSON) decoded and validated as the request Struct `kind`; msgspec errors propagate.
+
+    JSON Schema counts 3.0 as an integer, and vLLM (pydantic) accepts it, so a body refused for a float where an
+    int belongs is decoded again with its integral floats as ints (floats are still refused where they are not
+    whole; float fields take ints anyway). Only that rare path pays for the second pass."""
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        if "got `float`" not in str(exc):
+            raise
+    return msgspec.convert(_whole_floats_as_ints(msgspec.json.decode(data)), kind)
+
+
+def _whole_floats_as_ints(value):
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_whole_floats_as_ints(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _whole_floats_as_ints(item) for key, item in value.items()}
+    return value

@@ -21,7 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
-from asyncengine.api.errors import APIError, from_engine_error
+from asyncengine.api.errors import CONTEXT_LENGTH_EXCEEDED, APIError, from_engine_error
 from asyncengine.api.formatting import ChatFormatter, Chunk, CompletionFormatter, Formatter, RequestInfo
 from asyncengine.api.inputs import (
     CHAT_RENAMES,
@@ -235,5 +235,8 @@ class OpenAIServing:
         except Exception as exc:
             for stream in streams:
                 await self.engine.abort(stream.request_id)
-            raise from_engine_error(exc, PARAM_FIELDS, renames) from exc
+            error = from_engine_error(exc, PARAM_FIELDS, renames)
+            if isinstance(exc, ValueError) and "max_model_len" in str(exc):
+                error.code = CONTEXT_LENGTH_EXCEEDED  # OpenAI's code; /openapi.json cannot state it (counts tokens)
+            raise error from exc
         return streams

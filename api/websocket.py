@@ -31,6 +31,7 @@ from asyncengine.api.protocol import (
     WebSocketDone,
     WebSocketEnvelope,
     WebSocketError,
+    decode_body,
     encoder,
 )
 from asyncengine.api.serving import Generation
@@ -128,7 +129,7 @@ class WebSocketSession:
         generation: Optional[Generation] = None
         release = None
         try:
-            request = msgspec.json.decode(data, type=kind)
+            request = decode_body(data, kind)
             self.state.check_accepting()
             release = self.state.track()
             start = self.state.serving.chat if kind is ChatCompletionRequest else self.state.serving.completion

@@ -1,0 +1,220 @@
+"""/openapi.json is the contract: Schemathesis, reading it from a real server, finds nothing.
+
+A real hypercorn server (the harness's ServerThread) on the default model, with and without an API key, fuzzed by
+the Schemathesis CLI (a subprocess) with `--checks all` over its coverage and fuzzing phases, a fixed seed and a
+bounded number of cases per operation. The one substitution: `positive_data_acceptance` is replaced by
+tests/openapi_fuzz_hooks.py's copy, which lets through the two rules between fields JSON Schema cannot state
+(prompt + max_tokens within max_model_len; min_tokens <= max_tokens), identified by their error code / param.
+After each run the engine holds no request and every KV block is free.
+
+The server runs with a small max_model_len: the document bounds max_tokens (and prompts given as token ids) by it,
+so the fuzzer's longest generations stay short (n <= 128 sequences of < 64 tokens).
+
+The slow test is the long run: 10,000+ cases, then no failure, no leaked KV block, and the server's RSS flat.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server_harness import ServerThread, wait_until
+
+from asyncengine.api.openapi import decimal_below_pattern
+from asyncengine.config import default_model_path
+
+MAX_MODEL_LEN = 64
+API_KEY = "sk-openapi-fuzz"
+SEED = 20
+TESTS_DIR = Path(__file__).parent
+
+
+def fuzz_server(api_key=None) -> ServerThread:
+    return ServerThread(default_model_path(), app_kwargs={"api_key": api_key}, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def open_server():
+    with fuzz_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    with fuzz_server(API_KEY) as server:
+        yield server
+
+
+def run_schemathesis(server: ServerThread, cases_per_operation: int, api_key=None, timeout: float = 600,
+                     extra: tuple = ()) -> subprocess.CompletedProcess:
+    """Schemathesis over the server's own /openapi.json: all checks, coverage + fuzzing phases, seed SEED."""
+    command = [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json",
+               "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+               "--phases", "coverage,fuzzing", "--seed", str(SEED), "--max-examples", str(cases_per_operation),
+               "--workers", "1", "--request-timeout", "60", "--max-response-time", "60",
+               "--generation-database", "none", "--no-color",
+               "--output-truncate", "true", *extra]
+    if api_key is not None:
+        command += ["--header", f"Authorization: Bearer {api_key}"]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "openapi_fuzz_hooks",
+           "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=TESTS_DIR)
+    print(result.stdout[-6000:], result.stderr[-2000:])
+    return result
+
+
+def cases_generated(output: str) -> int:
+    match = re.search(r"(\d+) generated", output)
+    assert match, output[-2000:]
+    return int(match.group(1))
+
+
+def assert_clean_run(result: subprocess.CompletedProcess, server: ServerThread) -> int:
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    wait_until(server.engine_idle, 30)  # every request finished or aborted, every KV block free
+    return cases_generated(result.stdout)
+
+
+# -- the fuzz runs ----------------------------------------------------------------------------------------------
+def test_schemathesis_finds_nothing_without_an_api_key(open_server):
+    cases = assert_clean_run(run_schemathesis(open_server, 15), open_server)
+    assert cases >= 300
+
+
+def test_schemathesis_finds_nothing_with_an_api_key(keyed_server):
+    cases = assert_clean_run(run_schemathesis(keyed_server, 5, api_key=API_KEY), keyed_server)
+    assert cases >= 100
+
+
+@pytest.mark.slow
+def test_ten_thousand_fuzzed_cases_leave_no_error_no_leak_and_flat_memory(open_server):
+    """The long run: 10,000+ cases, in two halves; the second half must not grow the server's memory."""
+    first = assert_clean_run(run_schemathesis(open_server, 1300, timeout=3000), open_server)
+    rss_after_first = _rss_mib()
+    second = assert_clean_run(run_schemathesis(open_server, 1300, timeout=3000, extra=("--seed", str(SEED + 1))),
+                              open_server)
+    rss_after_second = _rss_mib()
+    print(f"cases: {first} + {second}; server RSS after the first half {rss_after_first:.0f} MiB, after the second "
+          f"{rss_after_second:.0f} MiB")
+    assert first + second >= 10_000
+    assert rss_after_second - rss_after_first < 64, (rss_after_first, rss_after_second)
+
+
+def _rss_mib() -> float:
+    """Resident memory of this process, which runs the server (ServerThread) but not Schemathesis."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+# -- the document itself ----------------------------------------------------------------------------------------
+def document(server: ServerThread, api_key=None) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(server.url + "/openapi.json", headers=headers, timeout=10)
+    assert response.status_code == 200
+    return response.json()
+
+
+def operations(doc: dict):
+    for path, item in doc["paths"].items():
+        for method, operation in item.items():
+            yield path, method, operation
+
+
+def test_without_a_key_the_document_declares_no_security(open_server):
+    doc = document(open_server)
+    assert "security" not in doc and "securitySchemes" not in doc["components"]
+    for path, method, operation in operations(doc):
+        assert "security" not in operation and "401" not in operation["responses"], (path, method)
+
+
+def test_with_a_key_every_route_but_health_declares_bearer_auth_and_401(keyed_server):
+    doc = document(keyed_server, API_KEY)
+    assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert doc["security"] == [{"bearer": []}]
+    for path, method, operation in operations(doc):
+        if path == "/health":
+            assert operation["security"] == [] and "401" not in operation["responses"]
+            assert httpx.get(keyed_server.url + path).status_code == 200  # as documented: no key needed
+        else:
+            assert "security" not in operation and "401" in operation["responses"], (path, method)
+            assert httpx.request(method, keyed_server.url + path).status_code == 401
+
+
+def test_every_4xx_is_the_error_envelope_and_generations_stream_as_sse(open_server):
+    doc = document(open_server)
+    for path, method, operation in operations(doc):
+        for status, response in operation["responses"].items():
+            if status.startswith("4"):
+                assert response["content"]["application/json"]["schema"] == {
+                    "$ref": "#/components/schemas/ErrorResponse"}, (path, status)
+    for path, chunk in (("/v1/completions", "CompletionResponse"), ("/v1/chat/completions", "ChatCompletionChunk")):
+        content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        assert set(content) == {"application/json", "text/event-stream"}
+        data = content["text/event-stream"]["schema"]["properties"]["data"]
+        assert data["else"]["contentSchema"]["anyOf"][0] == {"$ref": f"#/components/schemas/{chunk}"}
+    assert "/v1/ws" in doc["x-websockets"]
+
+
+def test_model_bounds_are_in_the_document(open_server):
+    doc = document(open_server)
+    schemas = doc["components"]["schemas"]
+    vocab = open_server.engine.vocab_size
+    assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] == {
+        "type": "integer", "minimum": 0, "maximum": vocab - 1}
+    max_tokens = schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
+    assert max_tokens == {"type": "integer", "minimum": 1, "maximum": MAX_MODEL_LEN - 1}
+    assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    assert schemas["ChatCompletionRequest"]["properties"]["min_tokens"]["type"] == "integer"
+    tokenize = doc["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert [branch["required"] for branch in tokenize["oneOf"]] == [["prompt"], ["messages"]]
+    assert "x-model-bound" not in str(doc) and "x-schema" not in str(doc)
+
+
+def test_the_server_enforces_the_documented_bounds_at_their_edges(open_server):
+    """The edges the issue found, both ways: what the document allows is accepted, what it forbids is a 400."""
+    url, vocab = open_server.url, open_server.engine.vocab_size
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(url + "/detokenize", json={"tokens": [0, vocab - 1]}).status_code == 200
+    assert httpx.post(url + "/detokenize", json={"tokens": [vocab]}).status_code == 400
+    assert httpx.post(url + "/v1/chat/completions", json={"messages": []}).status_code == 400
+    assert httpx.post(url + "/tokenize", json={}).status_code == 400
+    assert httpx.post(url + "/tokenize", json={"prompt": "Hi", "messages": None}).status_code == 200
+    assert httpx.post(url + "/v1/chat/completions", json={**chat, "min_tokens": 1.0}, timeout=60).status_code == 200
+    assert httpx.post(url + "/v1/chat/completions", json={**chat, "min_tokens": 1.5}).status_code == 400
+    assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "logit_bias": {str(vocab - 1): 1},
+                                                     "max_tokens": 1}, timeout=60).status_code == 200
+    assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "logit_bias": {"01": 1}}).status_code == 400
+    assert httpx.get(url + "/v1/ws").status_code == 426
+
+
+@pytest.mark.parametrize("limit", [1, 2, 9, 10, 11, 99, 100, 101, 384, 1000, 8192, 32000, 151936])
+def test_decimal_below_pattern_matches_exactly_the_token_ids_below_the_limit(limit):
+    pattern = re.compile(decimal_below_pattern(limit))
+    matched = [n for n in range(limit * 3 + 20) if pattern.search(str(n))]
+    assert matched == list(range(limit))
+    assert not any(pattern.search(s) for s in ("", "-1", "01", "00", "+1", " 1", "1.0"))
+
+
+def test_stream_event_data_matches_the_chunk_schema(open_server):
+    """Each SSE `data:` payload is the documented chunk (Schemathesis checks this too; here with usage)."""
+    import jsonschema
+
+    doc = document(open_server)
+    event = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    schema = {**event["schema"]["properties"]["data"]["else"]["contentSchema"], "components": doc["components"]}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", open_server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    for event in events[:-1]:
+        jsonschema.validate(json.loads(event), schema)
