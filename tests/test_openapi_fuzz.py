@@ -1,8 +1,8 @@
 """/openapi.json is the contract: Schemathesis, reading it from a real server, finds nothing.
 
 A real hypercorn server (the harness's ServerThread) on the default model, with and without an API key, fuzzed by
-the Schemathesis CLI (a subprocess) with `--checks all` over its coverage and fuzzing phases, a fixed seed and a
-bounded number of cases per operation. The one substitution: `positive_data_acceptance` is replaced by
+the Schemathesis CLI (a subprocess) with `--checks all`, a fixed seed and a bounded number of cases per operation:
+without a key over its coverage and fuzzing phases, with a key over its fuzzing phase (see that test). The one substitution: `positive_data_acceptance` is replaced by
 tests/openapi_fuzz_hooks.py's copy, which lets through the two rules between fields JSON Schema cannot state
 (prompt + max_tokens within max_model_len; min_tokens <= max_tokens), identified by their error code / param.
 After each run the engine holds no request and every KV block is free.
@@ -15,7 +15,6 @@ The slow test is the long run: 10,000+ cases, then no failure, no leaked KV bloc
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -82,17 +81,22 @@ def assert_clean_run(result: subprocess.CompletedProcess, server: ServerThread) 
 
 
 # -- the fuzz runs ----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(1200)
 def test_schemathesis_finds_nothing_without_an_api_key(open_server):
-    cases = assert_clean_run(run_schemathesis(open_server, 15), open_server)
+    cases = assert_clean_run(run_schemathesis(open_server, 10), open_server)
     assert cases >= 300
 
 
+@pytest.mark.timeout(900)
 def test_schemathesis_finds_nothing_with_an_api_key(keyed_server):
-    cases = assert_clean_run(run_schemathesis(keyed_server, 5, api_key=API_KEY), keyed_server)
-    assert cases >= 100
+    """With a key the document differs only in its security; the fuzzing phase sends every operation with and
+    without the key (ignored_auth). The coverage phase, the same as without a key, is left to the test above."""
+    cases = assert_clean_run(run_schemathesis(keyed_server, 5, api_key=API_KEY, phases="fuzzing"), keyed_server)
+    assert cases >= 20
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(6 * 3600)
 def test_ten_thousand_fuzzed_cases_leave_no_error_no_leak_and_flat_memory(open_server):
     """The long run: 10,000+ fuzzed cases (the coverage phase does not depend on the case count: the fast tests
     run it), in two halves with different seeds; the second half must not grow the server's memory."""
@@ -204,19 +208,3 @@ def test_decimal_below_pattern_matches_exactly_the_token_ids_below_the_limit(lim
     assert matched == list(range(limit))
     assert not any(pattern.search(s) for s in ("", "-1", "01", "00", "+1", " 1", "1.0"))
 
-
-def test_stream_event_data_matches_the_chunk_schema(open_server):
-    """Each SSE `data:` payload is the documented chunk (Schemathesis checks this too; here with usage)."""
-    import jsonschema
-
-    doc = document(open_server)
-    event = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
-    schema = {**event["schema"]["properties"]["data"]["else"]["contentSchema"], "components": doc["components"]}
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", open_server.url + "/v1/chat/completions", json=body, timeout=60) as response:
-        assert response.headers["content-type"].startswith("text/event-stream")
-        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and len(events) >= 3
-    for event in events[:-1]:
-        jsonschema.validate(json.loads(event), schema)
