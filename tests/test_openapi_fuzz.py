@@ -1,8 +1,8 @@
 """/openapi.json is the contract: Schemathesis, reading it from a real server, finds nothing.
 
 A real hypercorn server (the harness's ServerThread) on the default model, with and without an API key, fuzzed by
-the Schemathesis CLI (a subprocess) with `--checks all`, a fixed seed and a bounded number of cases per operation:
-without a key over its coverage and fuzzing phases, with a key over its fuzzing phase (see that test). The one substitution: `positive_data_acceptance` is replaced by
+the Schemathesis CLI (a subprocess) with `--checks all`, a fixed seed and a bounded number of cases per operation,
+over its fuzzing phase; its coverage phase (~1,000 cases whatever the bound) runs in a slow test. The one substitution: `positive_data_acceptance` is replaced by
 tests/openapi_fuzz_hooks.py's copy, which lets through the two rules between fields JSON Schema cannot state
 (prompt + max_tokens within max_model_len; min_tokens <= max_tokens), identified by their error code / param.
 After each run the engine holds no request and every KV block is free.
@@ -35,7 +35,9 @@ TESTS_DIR = Path(__file__).parent
 
 
 def fuzz_server(api_key=None) -> ServerThread:
-    return ServerThread(default_model_path(), app_kwargs={"api_key": api_key}, max_model_len=MAX_MODEL_LEN)
+    # max_num_seqs 128: a request with the largest n (128) decodes as one batch
+    return ServerThread(default_model_path(), app_kwargs={"api_key": api_key}, max_model_len=MAX_MODEL_LEN,
+                        max_num_seqs=128)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +83,17 @@ def assert_clean_run(result: subprocess.CompletedProcess, server: ServerThread) 
 
 
 # -- the fuzz runs ----------------------------------------------------------------------------------------------
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(900)
 def test_schemathesis_finds_nothing_without_an_api_key(open_server):
+    cases = assert_clean_run(run_schemathesis(open_server, 10, phases="fuzzing"), open_server)
+    assert cases >= 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_schemathesis_coverage_phase_finds_nothing_without_an_api_key(open_server):
+    """The coverage phase (every bound's edges, every field's wrong types: ~1,000 cases; 6 to 7 minutes on two
+    shared cores, hence slow) and the fuzzing phase."""
     cases = assert_clean_run(run_schemathesis(open_server, 10), open_server)
     assert cases >= 300
 
@@ -91,7 +102,7 @@ def test_schemathesis_finds_nothing_without_an_api_key(open_server):
 def test_schemathesis_finds_nothing_with_an_api_key(keyed_server):
     """With a key the document differs only in its security; the fuzzing phase sends every operation with and
     without the key (ignored_auth). The coverage phase, the same as without a key, is left to the test above."""
-    cases = assert_clean_run(run_schemathesis(keyed_server, 5, api_key=API_KEY, phases="fuzzing"), keyed_server)
+    cases = assert_clean_run(run_schemathesis(keyed_server, 10, api_key=API_KEY, phases="fuzzing"), keyed_server)
     assert cases >= 20
 
 
