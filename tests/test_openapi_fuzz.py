@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -65,7 +66,8 @@ def run_schemathesis(server: ServerThread, cases_per_operation: int, api_key=Non
         command += ["--header", f"Authorization: Bearer {api_key}"]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "openapi_fuzz_hooks",
            "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=TESTS_DIR)
+    with tempfile.TemporaryDirectory() as workdir:  # where Schemathesis keeps its cache of failures
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
     print(result.stdout[-6000:], result.stderr[-2000:])
     return result
 
