@@ -8,7 +8,10 @@ Bounds that depend on the model (the vocabulary, max_model_len) are marked with 
 `openapi.py` fills them in when the app is created, and the server checks them after decoding (the engine's
 `check_prompt`, `SamplingParams.validate_for_model`, the /detokenize handler). Rules between fields that JSON
 Schema can state (one of prompt or messages; top_logprobs needs logprobs) are `BODY_RULES`, checked in inputs.py
-and the handlers.
+and the handlers. Two rules it cannot state (they count the prompt's tokens, or compare two numbers) are in the
+fields' descriptions and answered with a 400 that says so: prompt + max_tokens within max_model_len (code
+"context_length_exceeded"), min_tokens <= max_tokens. The single-field bounds repeat SamplingParams' own (the
+engine's contract for embedding callers), so an API request never reaches the engine with a value it refuses.
 
 Conventions:
 - `Optional[X] = None` request fields mean "not given"; the server applies OpenAI's defaults.
