@@ -187,15 +187,40 @@ class DetokenizeRequest(Struct, kw_only=True):
 
 
 # Rules between fields of a request body, in JSON Schema (the server checks each one where named).
+# StructuredOutputsParams (sampling_params.py): exactly one kind of constraint set (not null, not false).
+_ONE_CONSTRAINT = {"anyOf": [{"type": "null"}, {
+    "oneOf": [{"required": [kind], "properties": {kind: {"not": {"enum": [None, False]}}}}
+              for kind in ("json", "regex", "choice", "grammar", "json_object")],
+    "properties": {"choice": {"anyOf": [{"type": "null"}, {"type": "array", "minItems": 1,
+                                                          "items": {"type": "string", "minLength": 1}}]}}}]}
+# SamplingParams: a constraint ends the output with EOS, so it excludes min_tokens and ignore_eos.
+_CONSTRAINED = {"anyOf": [
+    {"required": ["structured_outputs"], "properties": {"structured_outputs": {"type": "object"}}},
+    {"required": ["response_format"], "properties": {"response_format": {
+        "type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}]}
+# structured_outputs(): json_schema needs its schema; response_format or structured_outputs, not both.
+_FORMAT = {"anyOf": [{"type": "null"}, {
+    "if": {"properties": {"type": {"const": "json_schema"}}},
+    "then": {"required": ["json_schema"], "properties": {"json_schema": {
+        "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}}}]}
+_ONE_WAY = {"not": {"allOf": _CONSTRAINED["anyOf"]}}
+_EOS_FREE = {"if": _CONSTRAINED, "then": {"properties": {"min_tokens": {"const": 0}, "ignore_eos": {"const": False}}}}
 BODY_RULES: dict[type, dict] = {
     # completion_params(): prompt logprobs are not computed
     CompletionRequest: {"not": {"required": ["echo", "logprobs"],
                                 "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}},
-                        "description": "echo cannot be combined with logprobs"},
-    # chat_params()
-    ChatCompletionRequest: {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-                            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-                            "description": "top_logprobs needs logprobs: true"},
+                        "properties": {"structured_outputs": _ONE_CONSTRAINT, "response_format": _FORMAT},
+                        "allOf": [_EOS_FREE, _ONE_WAY],
+                        "description": "echo cannot be combined with logprobs; one structured-output constraint"},
+    # chat_params(), check_tools()
+    ChatCompletionRequest: {
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        "properties": {"tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
+                       "tool_choice": {"anyOf": [{"const": "none"}, {"type": "null"}]},
+                       "structured_outputs": _ONE_CONSTRAINT, "response_format": _FORMAT},
+        "allOf": [_EOS_FREE, _ONE_WAY],
+        "description": "top_logprobs needs logprobs: true; no tools (tool calling is not supported yet)"},
     # Routes.tokenize()
     TokenizeRequest: {"oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
                                 {"required": ["messages"], "properties": {"messages": {"type": "array"}}}],
