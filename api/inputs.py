@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Optional, Union
 
 from asyncengine.api.errors import APIError, bad_request, from_engine_error
-from asyncengine.api.protocol import MAX_BATCH_PROMPTS, MAX_LOGPROBS, ChatCompletionRequest, ChatMessageParam, CompletionRequest
+from asyncengine.api.protocol import (
+    MAX_BATCH_PROMPTS, MAX_LOGPROBS, ChatCompletionRequest, ChatMessageParam, CompletionRequest,
+)
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
