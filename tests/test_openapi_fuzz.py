@@ -108,7 +108,7 @@ def test_schemathesis_finds_nothing_with_an_api_key(keyed_server):
     assert cases >= 20
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(6 * 3600)
 def test_ten_thousand_fuzzed_cases_leave_no_error_no_leak_and_flat_memory(open_server):
     """The long run: 10,000+ fuzzed cases (the coverage phase does not depend on the case count: the fast tests
