@@ -355,7 +355,8 @@ def create_app(
     metrics = Metrics(engine, names[0])
     state = ServerState(engine, OpenAIServing(engine, names, options), metrics, max_body_bytes=max_body_bytes,
                         ping_interval=ping_interval, max_ws_requests=max_ws_requests)
-    limits = ModelLimits(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+    limits = ModelLimits(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
+                         max_logprobs=state.serving.options.policy.max_logprobs)
     public_paths = ("/health", "/") if ui else ("/health",)  # open without a key (load balancers, the page)
     document = openapi_schema(limits, api_key=bool(api_key), public_paths=public_paths, title="asyncengine",
                               version=asyncengine.__version__)

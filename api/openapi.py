@@ -36,6 +36,7 @@ class ModelLimits:
 
     vocab_size: int  # token ids lie in [0, vocab_size)
     max_model_len: int  # prompt + generated tokens
+    max_logprobs: int = p.MAX_LOGPROBS  # the server's --max-logprobs cap on logprobs / top_logprobs
 
 
 def openapi_schema(limits: ModelLimits, *, api_key: bool = False, public_paths: Iterable[str] = (),
@@ -179,6 +180,8 @@ def _resolve_markers(node, limits: ModelLimits):
         out["maximum"] = limits.max_model_len - 1
     elif bound == "prompt_tokens":
         out["maxItems"] = limits.max_model_len - 1
+    elif bound == "logprobs":
+        out["maximum"] = limits.max_logprobs
     elif bound is not None:
         raise ValueError(f"unknown {p.MODEL_BOUND} {bound!r}")
     return out

@@ -4,7 +4,7 @@ Requests are decoded with msgspec: unknown fields are ignored (as OpenAI does), 
 `Meta` bounds are a 400 naming the field. Responses are encoded from the same kind of Structs, and /openapi.json is
 generated from all of them, so the document states exactly the bounds the decoder enforces.
 
-Bounds that depend on the model (the vocabulary, max_model_len) are marked with `MODEL_BOUND` in the JSON schema;
+Bounds that depend on the model or the server (the vocabulary, max_model_len, --max-logprobs) are marked with `MODEL_BOUND` in the JSON schema;
 `openapi.py` fills them in when the app is created, and the server checks them after decoding (the engine's
 `check_prompt`, `SamplingParams.validate_for_model`, the /detokenize handler). Rules between fields that JSON
 Schema can state (one of prompt or messages; top_logprobs needs logprobs) are `BODY_RULES`, checked in inputs.py
@@ -50,7 +50,7 @@ TokenIdKey = Annotated[str, Meta(pattern="^(0|[1-9][0-9]*)$", extra_json_schema=
 OutputTokens = Annotated[int, Meta(ge=1, extra_json_schema={MODEL_BOUND: "output_tokens"})]
 PromptTokenIds = Annotated[list[TokenId], Meta(min_length=1, extra_json_schema={MODEL_BOUND: "prompt_tokens"})]
 StopString = Annotated[str, Meta(min_length=1)]
-Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, extra_json_schema={MODEL_BOUND: "logprobs"})]  # --max-logprobs
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 # --------------------------------------------------------------------------------------------------------------

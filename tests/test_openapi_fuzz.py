@@ -221,3 +221,19 @@ def test_decimal_below_pattern_matches_exactly_the_token_ids_below_the_limit(lim
     assert matched == list(range(limit))
     assert not any(pattern.search(s) for s in ("", "-1", "01", "00", "+1", " 1", "1.0"))
 
+
+
+def test_the_logprobs_cap_of_max_logprobs_is_in_the_document_and_enforced():
+    """`--max-logprobs 3`: the document's logprobs and top_logprobs stop at 3, and the server agrees at the edge."""
+    from asyncengine.api.inputs import SamplingPolicy
+    from asyncengine.api.serving import ServingOptions
+
+    options = ServingOptions(policy=SamplingPolicy(max_logprobs=3))
+    with ServerThread(default_model_path(), app_kwargs={"options": options}, max_model_len=MAX_MODEL_LEN) as server:
+        schemas = document(server)["components"]["schemas"]
+        for struct, field in (("CompletionRequest", "logprobs"), ("ChatCompletionRequest", "top_logprobs")):
+            assert schemas[struct]["properties"][field]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 3}
+        body = {"prompt": "Hi", "max_tokens": 1}
+        assert httpx.post(server.url + "/v1/completions", json={**body, "logprobs": 3}, timeout=60).status_code == 200
+        refused = httpx.post(server.url + "/v1/completions", json={**body, "logprobs": 4}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
