@@ -200,7 +200,8 @@ class Routes:
             ids = await engine.tokenize(body.prompt, add_special_tokens=add_special)
         else:
             prompt = await self.state.serving.chat_prompt(body.messages, body.add_generation_prompt,
-                                                          body.chat_template_kwargs, bool(body.add_special_tokens))
+                                                          body.chat_template_kwargs, bool(body.add_special_tokens),
+                                                          tools=body.tools)
             ids = prompt.token_ids
         strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return _json(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
@@ -338,6 +339,8 @@ def create_app(
     ui: bool = True,
     allowed_origins: Optional[Sequence[str]] = None,
     options: Optional[ServingOptions] = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: Optional[str] = None,
 ) -> Starlette:
     """The OpenAI-compatible app over `engine` (which it does not own: shut the engine down yourself).
 
@@ -348,12 +351,16 @@ def create_app(
     the API ("*": any; None: no CORS headers and no WebSocket check): they get CORS headers (CORSMiddleware,
     outside the API-key check so that preflight requests get their answer), and a WebSocket handshake from any
     other origin is refused (see auth.py). options: the front end's chat template, sampling defaults, logprobs
-    cap, request logging.
+    cap, request logging. enable_auto_tool_choice, tool_call_parser (a name in
+    tool_calls.TOOL_PARSERS): tool_choice "auto" reads calls from the text with that parser (vLLM's flags).
     """
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [engine.model_name]
     metrics = Metrics(engine, names[0])
-    state = ServerState(engine, OpenAIServing(engine, names, options), metrics, max_body_bytes=max_body_bytes,
+    serving = OpenAIServing(engine, names, options, tool_call_parser if enable_auto_tool_choice else None)
+    state = ServerState(engine, serving, metrics, max_body_bytes=max_body_bytes,
                         ping_interval=ping_interval, max_ws_requests=max_ws_requests)
     limits = ModelLimits(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
                          max_logprobs=state.serving.options.policy.max_logprobs)

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 import asyncengine
 from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, create_app
+from asyncengine.api.tool_calls import TOOL_PARSERS
 from asyncengine.engine_core import leave_a_core_for_the_event_loop
 
 logger = logging.getLogger("asyncengine.api")
@@ -119,6 +120,10 @@ def _frontend_args(front) -> None:
                       help="log one line per request: id, prompt tokens, sampling parameters")
     logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
                       help="do not log requests (the default)")
+    front.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer tool_choice "auto" (needs --tool-call-parser), as vLLM')
+    front.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help='the format tool calls are read from under tool_choice "auto"')
 
 
 def _engine_args(engine) -> None:
@@ -335,6 +340,8 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         _check_tls(args)
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         config = engine_config(args)
         options = serving_options(args, config.model)
         if not config.engine_process:  # an engine process does this itself
@@ -349,7 +356,8 @@ def serve(args: argparse.Namespace) -> int:
                     args.generation_config, options.policy.defaults)
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None,
-                     ui=not args.no_ui, allowed_origins=args.allowed_origins, options=options)
+                     ui=not args.no_ui, allowed_origins=args.allowed_origins, options=options,
+                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     scheme = "https" if args.ssl_certfile else "http"
     print(f"asyncengine serving on {url_of(sock, scheme)}", flush=True)
     return _run(_serve_until_signal(app, engine, sock, args))

@@ -34,6 +34,7 @@ from asyncengine.api.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from asyncengine.api.tool_calls import AutoToolCalls, ForcedToolCalls
 from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncengine.tokenizer import byte_level_table
 
@@ -120,9 +121,12 @@ class Formatter:
             state.num_tokens += len(c.token_ids)
             entries = _entries(c) if self.info.logprobs is not None else []
             if c.text or entries:
-                chunks.append(self._content_chunk(index, c.text, entries, state))
+                chunk = self._content_chunk(index, c.text, entries, state)
+                if chunk is not None:
+                    chunks.append(chunk)
             if c.finish_reason is not None and not state.finished:
                 state.finished = True
+                chunks.extend(self._flush_chunks(index))
                 chunks.append(self._finish_chunk(index, c.finish_reason, c.stop_reason))
         return chunks
 
@@ -140,8 +144,14 @@ class Formatter:
         texts = self.info.echo_texts
         return texts[index // self.info.n] if texts else ""
 
-    def _content_chunk(self, index: int, text: str, entries: LogprobEntries, state: ChoiceState) -> Chunk:
+    def _content_chunk(self, index: int, text: str, entries: LogprobEntries,
+                       state: ChoiceState) -> Optional[Chunk]:
+        """The chunk carrying a choice's new text (None: nothing to send yet)."""
         raise NotImplementedError
+
+    def _flush_chunks(self, index: int) -> list[Chunk]:
+        """What a choice held back, sent just before its finish chunk."""
+        return []
 
     def _finish_chunk(self, index: int, finish_reason: str, stop_reason) -> Chunk:
         raise NotImplementedError
@@ -204,9 +214,15 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
-    def __init__(self, info: RequestInfo, tokenizer):
+    """tools: how the request's tool calls are read from its choices' text (tool_calls.py: forced calls, or calls
+    parsed under tool_choice "auto"); a choice that made calls ends with finish_reason "tool_calls" where the
+    engine said "stop"."""
+
+    def __init__(self, info: RequestInfo, tokenizer, tools: Union[ForcedToolCalls, AutoToolCalls, None] = None):
         super().__init__(info, tokenizer)
         self.token_bytes = TokenBytes(tokenizer) if info.logprobs is not None else None
+        self.tools = tools
+        self.tool_streams = [tools.stream() for _ in self.states] if tools is not None else None
 
     def _chunk(self, choices: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:
         info = self.info
@@ -217,12 +233,34 @@ class ChatFormatter(Formatter):
         return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                 for i in range(len(self.states))]
 
-    def _content_chunk(self, index, text, entries, state) -> Chunk:
+    def _content_chunk(self, index, text, entries, state) -> Optional[Chunk]:
         logprobs = self._logprobs(entries) if self.info.logprobs is not None else None
-        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text), logprobs=logprobs)])
+        if self.tool_streams is None:
+            delta = DeltaMessage(content=text)
+        else:
+            content, fragments = self.tool_streams[index].feed(text)
+            if not content and not fragments and logprobs is None:
+                return None
+            delta = DeltaMessage(content=content or None, tool_calls=fragments or None)
+        return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
+
+    def _flush_chunks(self, index) -> list[Chunk]:
+        if self.tool_streams is None:
+            return []
+        content, fragments = self.tool_streams[index].finish()
+        if not content and not fragments:
+            return []
+        delta = DeltaMessage(content=content or None, tool_calls=fragments or None)
+        return [self._chunk([ChatChunkChoice(index=index, delta=delta)])]
+
+    @staticmethod
+    def _finish_reason(finish_reason: Optional[str], called: bool) -> Optional[str]:
+        return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
     def _finish_chunk(self, index, finish_reason, stop_reason) -> Chunk:
-        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=finish_reason)])
+        called = self.tool_streams is not None and self.tool_streams[index].called  # set by _flush_chunks
+        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(),
+                                            finish_reason=self._finish_reason(finish_reason, called))])
 
     def usage_chunk(self) -> Chunk:
         return self._chunk([], usage=self.usage())
@@ -245,12 +283,20 @@ class ChatFormatter(Formatter):
     def _bytes(self, token_id: int, logprob: Logprob) -> list[int]:
         return self.token_bytes(token_id, _decoded(self.tokenizer, token_id, logprob))
 
+    def _message(self, text: str) -> ChatMessage:
+        if self.tools is None:
+            return ChatMessage(content=text)
+        content, calls = self.tools.message(text)
+        return ChatMessage(content=content, tool_calls=calls if calls else msgspec.UNSET)
+
     def response(self) -> ChatCompletionResponse:
         choices = []
         for index, state in enumerate(self.states):
             logprobs = self._logprobs(state.entries) if self.info.logprobs is not None else None
-            choices.append(ChatChoice(index=index, message=ChatMessage(content="".join(state.text)),
-                                      logprobs=logprobs, finish_reason=state.finish_reason,
+            message = self._message("".join(state.text))
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
+                                      finish_reason=self._finish_reason(state.finish_reason,
+                                                                        message.tool_calls is not msgspec.UNSET),
                                       stop_reason=state.stop_reason))
         info = self.info
         return ChatCompletionResponse(id=info.response_id, created=info.created, model=info.model, choices=choices,

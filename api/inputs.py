@@ -9,13 +9,17 @@ which becomes the error's `param`. Bounds on single fields are already enforced 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+import msgspec
+
 from asyncengine.api.errors import APIError, bad_request, from_engine_error
 from asyncengine.api.protocol import (
-    MAX_BATCH_PROMPTS, MAX_LOGPROBS, ChatCompletionRequest, ChatMessageParam, CompletionRequest,
+    MAX_BATCH_PROMPTS, MAX_LOGPROBS, ChatCompletionRequest, ChatCompletionTool, ChatMessageParam, CompletionRequest,
+    ToolCall,
 )
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -117,10 +121,11 @@ class EnginePrompt:
 
 
 def sampling_params(request: Union[CompletionRequest, ChatCompletionRequest], policy: SamplingPolicy, *,
-                    max_tokens: Optional[int], logprobs: Optional[int],
-                    renames: Optional[dict] = None) -> SamplingParams:
+                    max_tokens: Optional[int], logprobs: Optional[int], renames: Optional[dict] = None,
+                    constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
     """SamplingParams with output_kind DELTA (the server streams deltas; slow readers merge them); fields the
-    request leaves unset take the policy's defaults. max_tokens None: filled in later (SamplingPolicy)."""
+    request leaves unset take the policy's defaults. max_tokens None: filled in later (SamplingPolicy).
+    constraint: the output's constraint when not the request's own (response_format / structured_outputs)."""
     try:
         return SamplingParams(
             n=request.n,
@@ -142,7 +147,7 @@ def sampling_params(request: Union[CompletionRequest, ChatCompletionRequest], po
             logit_bias=_logit_bias(request.logit_bias),
             skip_special_tokens=request.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA,
-            structured_outputs=structured_outputs(request),
+            structured_outputs=constraint if constraint is not None else structured_outputs(request),
         )
     except ValueError as exc:
         raise from_engine_error(exc, PARAM_FIELDS, {**structured_renames(request), **(renames or {})}) from exc
@@ -213,17 +218,11 @@ async def completion_prompts(engine: AsyncLLMEngine, request: CompletionRequest)
 
 
 # -- chat -----------------------------------------------------------------------------------------------------
-def check_tools(request: ChatCompletionRequest) -> None:
-    """This server does not call tools yet: tools (or a tool_choice other than "none") are a 400, so that a client
-    never takes free text for a refusal to call."""
-    if request.tools:
-        raise bad_request("tools are not supported by this server (it was not started with tool calling)", "tools")
-    if request.tool_choice is not None and request.tool_choice != "none":
-        raise bad_request("tool_choice needs tools, which this server does not support", "tool_choice")
-
-
-def chat_params(request: ChatCompletionRequest, policy: SamplingPolicy) -> SamplingParams:
-    check_tools(request)
+def chat_params(request: ChatCompletionRequest, policy: SamplingPolicy,
+                constraint: Optional[StructuredOutputsParams] = None, extra_renames: Optional[dict] = None
+                ) -> SamplingParams:
+    """constraint: one that replaces the request's own (a forced tool call's, see tool_calls.py), errors about it
+    renamed by extra_renames."""
     top = request.top_logprobs
     if top is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -232,23 +231,49 @@ def chat_params(request: ChatCompletionRequest, policy: SamplingPolicy) -> Sampl
     if request.max_completion_tokens is not None:
         max_tokens = request.max_completion_tokens
         renames["max_tokens"] = "max_completion_tokens"
+    renames.update(extra_renames or {})
     logprobs = (top or 0) if request.logprobs else None
-    return sampling_params(request, policy, max_tokens=max_tokens, logprobs=logprobs, renames=renames)
+    return sampling_params(request, policy, max_tokens=max_tokens, logprobs=logprobs, renames=renames,
+                           constraint=constraint)
 
 
 def chat_messages(messages: list[ChatMessageParam]) -> list[dict]:
     """Messages as the chat template wants them; text content parts are joined by newlines (the decoder has
     already refused other parts and an empty list)."""
     out = []
-    for message in messages:
+    for i, message in enumerate(messages):
         content = message.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls is not None:
+            entry["tool_calls"] = [_template_call(i, call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
+
+
+def _template_call(i: int, call: ToolCall) -> dict:
+    """A history call as chat templates expect it: OpenAI's shape with `arguments` parsed into an object (as
+    transformers' templates and vLLM take it)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise bad_request(f"messages[{i}].tool_calls: arguments of {call.function.name[:64]!r} are not valid JSON",
+                          "messages") from None
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def template_tools(tools: Optional[list[ChatCompletionTool]]) -> Optional[list[dict]]:
+    """The request's tools as the chat template's `tools` (OpenAI's JSON shape, fields not given left out);
+    None when there are none."""
+    if not tools:
+        return None
+    return [{"type": tool.type, "function": {key: value for key, value in msgspec.to_builtins(tool.function).items()
+                                             if value is not None}} for tool in tools]
 
 
 def template_kwargs(kwargs: Optional[dict]) -> dict:
@@ -260,13 +285,18 @@ def template_kwargs(kwargs: Optional[dict]) -> dict:
 
 async def chat_prompt(engine: AsyncLLMEngine, messages: list[ChatMessageParam], add_generation_prompt: bool = True,
                       kwargs: Optional[dict] = None, add_special_tokens: bool = False,
-                      chat_template: Optional[str] = None) -> EnginePrompt:
-    """Render the chat template (the server's `chat_template` if given, else the tokenizer's) and tokenize it
-    (the template adds BOS itself: by default no special tokens are added)."""
+                      chat_template: Optional[str] = None,
+                      tools: Optional[list[ChatCompletionTool]] = None) -> EnginePrompt:
+    """Render the chat template (the server's `chat_template` if given, else the tokenizer's; with `tools` when
+    given, which a template may ignore) and tokenize it (the template adds BOS itself: by default no special
+    tokens are added)."""
     template = {} if chat_template is None else {"chat_template": chat_template}
+    kwargs = template_kwargs(kwargs)
+    if tools:
+        kwargs["tools"] = template_tools(tools)
     try:
-        text = await engine.apply_chat_template(chat_messages(messages), add_generation_prompt,
-                                                **template_kwargs(kwargs), **template)
+        text = await engine.apply_chat_template(chat_messages(messages), add_generation_prompt, **kwargs,
+                                                **template)
     except APIError:
         raise
     except ValueError as exc:

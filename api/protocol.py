@@ -121,6 +121,59 @@ class StructuredOutputsRequest(Struct, kw_only=True):
     disable_any_whitespace: Optional[bool] = None  # default: compact JSON (see SamplingParams' StructuredOutputsParams)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Tool calling (requests: tools, tool_choice; responses: message.tool_calls, delta.tool_calls). See tool_calls.py.
+# --------------------------------------------------------------------------------------------------------------
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of an object; None: no arguments
+    strict: Optional[bool] = None  # the arguments are always constrained to `parameters` when a call is forced
+
+
+class ChatCompletionTool(Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    """tool_choice {"type": "function", "function": {"name": ...}}: exactly one call of that function."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, exactly as the model wrote it
+
+
+class ToolCall(Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(Struct, kw_only=True, omit_defaults=True):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(Struct, kw_only=True, omit_defaults=True):
+    """One fragment of a streamed call: the first has id, type and function.name; later ones argument pieces."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 # A completions prompt: a string, a list of strings (a batch), a list of token ids, or a list of token-id lists.
 # msgspec allows one array type per union, so it decodes the list's items as a union and inputs.py checks that
 # the list is one of the four shapes; the schema states the four shapes.
@@ -149,9 +202,11 @@ class ContentPart(Struct, kw_only=True):
 
 
 class ChatMessageParam(Struct, kw_only=True):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls (content may then be null)
+    tool_call_id: Optional[str] = None  # a "tool" message: the call it answers
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -163,9 +218,9 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     # vLLM extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    # tool calling (not supported yet: a request with tools is a 400, never a silent ignore)
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    # tool calling (see the block "Tool calling" below)
+    tools: Optional[list[ChatCompletionTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
 
 
@@ -175,6 +230,7 @@ class TokenizeRequest(Struct, kw_only=True):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[Annotated[list[ChatMessageParam], Meta(min_length=1)]] = None
+    tools: Optional[list[ChatCompletionTool]] = None  # rendered by the chat template, as in chat requests
     add_special_tokens: Optional[bool] = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -204,6 +260,13 @@ _FORMAT = {"anyOf": [{"type": "null"}, {
     "then": {"required": ["json_schema"], "properties": {"json_schema": {
         "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}}}]}
 _ONE_WAY = {"not": {"allOf": _CONSTRAINED["anyOf"]}}
+# tool_call_mode(): tool_choice other than "none" needs tools; with tools it must be "none", "required" or a named
+# function ("auto" needs --enable-auto-tool-choice, a per-server setting).
+_TOOL_CHOICE = {
+    "if": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+    "then": {"required": ["tool_choice"], "properties": {"tool_choice": {
+        "anyOf": [{"enum": ["none", "required"]}, {"type": "object"}]}}},
+    "else": {"properties": {"tool_choice": {"anyOf": [{"const": "none"}, {"type": "null"}]}}}}
 _EOS_FREE = {"if": _CONSTRAINED, "then": {"properties": {"min_tokens": {"const": 0}, "ignore_eos": {"const": False}}}}
 BODY_RULES: dict[type, dict] = {
     # completion_params(): prompt logprobs are not computed
@@ -212,15 +275,16 @@ BODY_RULES: dict[type, dict] = {
                         "properties": {"structured_outputs": _ONE_CONSTRAINT, "response_format": _FORMAT},
                         "allOf": [_EOS_FREE, _ONE_WAY],
                         "description": "echo cannot be combined with logprobs; one structured-output constraint"},
-    # chat_params(), check_tools()
+    # chat_params(), tool_calls.tool_call_mode()
     ChatCompletionRequest: {
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-        "properties": {"tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
-                       "tool_choice": {"anyOf": [{"const": "none"}, {"type": "null"}]},
-                       "structured_outputs": _ONE_CONSTRAINT, "response_format": _FORMAT},
-        "allOf": [_EOS_FREE, _ONE_WAY],
-        "description": "top_logprobs needs logprobs: true; no tools (tool calling is not supported yet)"},
+        "properties": {"structured_outputs": _ONE_CONSTRAINT, "response_format": _FORMAT},
+        "allOf": [_EOS_FREE, _ONE_WAY, _TOOL_CHOICE],
+        "description": "top_logprobs needs logprobs: true; tool_choice needs tools, and with tools it must be given "
+                       "(\"auto\", its default, needs a server started with --enable-auto-tool-choice), a named "
+                       "function must be one of the tools, and a forced call excludes a structured-output "
+                       "constraint"},
     # Routes.tokenize()
     TokenizeRequest: {"oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
                                 {"required": ["messages"], "properties": {"messages": {"type": "array"}}}],
@@ -296,6 +360,7 @@ class ChatMessage(Struct, kw_only=True):
     role: str = "assistant"
     content: Optional[str] = None
     refusal: Optional[str] = None
+    tool_calls: Union[list[ToolCall], UnsetType] = UNSET  # sent only when the model called tools
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -319,6 +384,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
 class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(Struct, kw_only=True):

@@ -35,6 +35,7 @@ from asyncengine.api.inputs import (
     structured_renames,
 )
 from asyncengine.api.protocol import ChatCompletionRequest, CompletionRequest
+from asyncengine.api.tool_calls import TOOL_PARSERS, TOOL_RENAMES, ForcedToolCalls, tool_call_mode
 from asyncengine.async_engine import AsyncLLMEngine, RequestStream
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
@@ -146,10 +147,16 @@ class ServingOptions:
 class OpenAIServing:
     """Validates requests and starts Generations on one engine, under the served model names."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str], options: Optional[ServingOptions] = None):
+    def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str], options: Optional[ServingOptions] = None,
+                 tool_parser: Optional[str] = None):
+        """tool_parser: the tool-call parser (a TOOL_PARSERS name) that tool_choice "auto" reads calls with; None:
+        "auto" with tools is a 400."""
+        if tool_parser is not None and tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_parser!r}")
         self.engine = engine
         self.model_names = list(model_names)
         self.options = options or ServingOptions()
+        self.tool_parser = tool_parser
 
     @property
     def model_name(self) -> str:
@@ -180,22 +187,26 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest, response_id: Optional[str] = None,
                    stream: Optional[bool] = None) -> Generation:
         model = self.check_model(request.model)
-        params = chat_params(request, self.options.policy)
+        tools = tool_call_mode(request, self.tool_parser)
+        forced = isinstance(tools, ForcedToolCalls)
+        tool_renames = TOOL_RENAMES if forced else {}
+        params = chat_params(request, self.options.policy, tools.constraint if forced else None, tool_renames)
         prompt = await self.chat_prompt(request.messages, request.add_generation_prompt,
-                                        request.chat_template_kwargs)
+                                        request.chat_template_kwargs, tools=request.tools)
         params = self._default_max_tokens(params, [prompt])
-        renames = {**structured_renames(request), **CHAT_RENAMES}
+        renames = {**structured_renames(request), **CHAT_RENAMES, **tool_renames}
         if request.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         info = self._info(response_id or f"chatcmpl-{uuid.uuid4().hex}", model, params, [prompt], request, stream)
         streams = await self._add(info.response_id, [prompt], params, renames)
-        return Generation(self.engine, streams, ChatFormatter(info, self.engine.tokenizer))
+        return Generation(self.engine, streams, ChatFormatter(info, self.engine.tokenizer, tools))
 
     async def chat_prompt(self, messages, add_generation_prompt: bool = True, kwargs: Optional[dict] = None,
-                          add_special_tokens: bool = False) -> EnginePrompt:
-        """The messages rendered with the server's chat template (or the tokenizer's), as token ids."""
+                          add_special_tokens: bool = False, tools=None) -> EnginePrompt:
+        """The messages (and tools, if any) rendered with the server's chat template (or the tokenizer's), as
+        token ids."""
         return await chat_prompt(self.engine, messages, add_generation_prompt, kwargs, add_special_tokens,
-                                 chat_template=self.options.chat_template)
+                                 chat_template=self.options.chat_template, tools=tools)
 
     def _default_max_tokens(self, params: SamplingParams, prompts: list[EnginePrompt]) -> SamplingParams:
         if params.max_tokens is not None:
