@@ -241,7 +241,7 @@ def chat_messages(messages: list[ChatMessageParam]) -> list[dict]:
     """Messages as the chat template wants them; text content parts are joined by newlines (the decoder has
     already refused other parts and an empty list)."""
     out = []
-    for i, message in enumerate(messages):
+    for message in messages:
         content = message.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
@@ -249,21 +249,21 @@ def chat_messages(messages: list[ChatMessageParam]) -> list[dict]:
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls is not None:
-            entry["tool_calls"] = [_template_call(i, call) for call in message.tool_calls]
+            entry["tool_calls"] = [_template_call(call) for call in message.tool_calls]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
 
 
-def _template_call(i: int, call: ToolCall) -> dict:
+def _template_call(call: ToolCall) -> dict:
     """A history call as chat templates expect it: OpenAI's shape with `arguments` parsed into an object (as
-    transformers' templates and vLLM take it)."""
+    transformers' templates and vLLM take it); arguments that are not JSON stay the string they are (templates
+    such as Qwen's render a string as is; one that cannot is the template's 400)."""
     try:
         arguments = json.loads(call.function.arguments)
     except ValueError:
-        raise bad_request(f"messages[{i}].tool_calls: arguments of {call.function.name[:64]!r} are not valid JSON",
-                          "messages") from None
+        arguments = call.function.arguments
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 

@@ -5,7 +5,12 @@ check, unchanged, except for the two rules JSON Schema cannot state, because the
 prompt's token count or with another field. A schema-valid request may break them and then gets a 400 that says
 so, as vLLM and OpenAI answer:
 - prompt tokens + max_tokens > max_model_len: code "context_length_exceeded" (OpenAI's code);
-- min_tokens > max_tokens: param "min_tokens", the message naming max_tokens.
+- min_tokens > max_tokens: param "min_tokens", the message naming max_tokens;
+- messages the model's own chat template refuses (the default model's accepts no "tool" role, which other models'
+  templates render): param "messages", the message saying the chat template failed;
+- tools and tool_choice between themselves (tool_calls.py): a named tool_choice must be one of the tools, tool
+  names unique, each parameters schema an object schema that compiles: param "tools" or "tool_choice" (the rules
+  the schema does state, such as tool_choice needing tools, are not excused).
 Every other 400 for a schema-valid request still fails the run.
 """
 
@@ -26,6 +31,11 @@ def _breaks_a_rule_the_schema_cannot_state(response) -> bool:
     except (ValueError, KeyError, TypeError):
         return False
     if error.get("code") == "context_length_exceeded":
+        return True
+    if error.get("param") == "messages" and error.get("message", "").startswith("chat template failed"):
+        return True
+    if error.get("param") in ("tools", "tool_choice") and "tool_choice other than" not in error.get("message", "") \
+            and "needs a server started with" not in error.get("message", ""):
         return True
     return error.get("param") == "min_tokens" and "max_tokens" in error.get("message", "")
 
