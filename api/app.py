@@ -341,6 +341,7 @@ def create_app(
     options: Optional[ServingOptions] = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
 ) -> Starlette:
     """The OpenAI-compatible app over `engine` (which it does not own: shut the engine down yourself).
 
@@ -353,13 +354,15 @@ def create_app(
     other origin is refused (see auth.py). options: the front end's chat template, sampling defaults, logprobs
     cap, request logging. enable_auto_tool_choice, tool_call_parser (a name in
     tool_calls.TOOL_PARSERS): tool_choice "auto" reads calls from the text with that parser (vLLM's flags).
+    reasoning_parser (qwen3 | deepseek_r1): <think> blocks go to reasoning_content (reasoning.py).
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [engine.model_name]
     metrics = Metrics(engine, names[0])
-    serving = OpenAIServing(engine, names, options, tool_call_parser if enable_auto_tool_choice else None)
+    serving = OpenAIServing(engine, names, options, tool_call_parser if enable_auto_tool_choice else None,
+                            reasoning_parser)
     state = ServerState(engine, serving, metrics, max_body_bytes=max_body_bytes,
                         ping_interval=ping_interval, max_ws_requests=max_ws_requests)
     limits = ModelLimits(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 import asyncengine
 from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, create_app
+from asyncengine.api.reasoning import REASONING_PARSERS
 from asyncengine.api.tool_calls import TOOL_PARSERS
 from asyncengine.engine_core import leave_a_core_for_the_event_loop
 
@@ -124,6 +125,8 @@ def _frontend_args(front) -> None:
                        help='answer tool_choice "auto" (needs --tool-call-parser), as vLLM')
     front.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help='the format tool calls are read from under tool_choice "auto"')
+    front.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="send <think> blocks as reasoning_content")
 
 
 def _engine_args(engine) -> None:
@@ -357,7 +360,8 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None,
                      ui=not args.no_ui, allowed_origins=args.allowed_origins, options=options,
-                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                     reasoning_parser=args.reasoning_parser)
     scheme = "https" if args.ssl_certfile else "http"
     print(f"asyncengine serving on {url_of(sock, scheme)}", flush=True)
     return _run(_serve_until_signal(app, engine, sock, args))

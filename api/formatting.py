@@ -34,6 +34,7 @@ from asyncengine.api.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from asyncengine.api.reasoning import ReasoningParser, ReasoningStream, split_reasoning
 from asyncengine.api.tool_calls import AutoToolCalls, ForcedToolCalls
 from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncengine.tokenizer import byte_level_table
@@ -218,8 +219,11 @@ class ChatFormatter(Formatter):
     parsed under tool_choice "auto"); a choice that made calls ends with finish_reason "tool_calls" where the
     engine said "stop"."""
 
-    def __init__(self, info: RequestInfo, tokenizer, tools: Union[ForcedToolCalls, AutoToolCalls, None] = None):
+    def __init__(self, info: RequestInfo, tokenizer, tools: Union[ForcedToolCalls, AutoToolCalls, None] = None,
+                 reasoning: Optional[ReasoningParser] = None):
         super().__init__(info, tokenizer)
+        self.reasoning = reasoning
+        self.reasoning_streams = [ReasoningStream(reasoning) for _ in self.states] if reasoning else None
         self.token_bytes = TokenBytes(tokenizer) if info.logprobs is not None else None
         self.tools = tools
         self.tool_streams = [tools.stream() for _ in self.states] if tools is not None else None
@@ -235,22 +239,29 @@ class ChatFormatter(Formatter):
 
     def _content_chunk(self, index, text, entries, state) -> Optional[Chunk]:
         logprobs = self._logprobs(entries) if self.info.logprobs is not None else None
-        if self.tool_streams is None:
+        reasoning = ""
+        if self.reasoning_streams is not None:
+            reasoning, text = self.reasoning_streams[index].feed(text)
+        if self.tool_streams is None and self.reasoning_streams is None:
             delta = DeltaMessage(content=text)
         else:
-            content, fragments = self.tool_streams[index].feed(text)
-            if not content and not fragments and logprobs is None:
+            content, fragments = self.tool_streams[index].feed(text) if self.tool_streams else (text, [])
+            if not reasoning and not content and not fragments and logprobs is None:
                 return None
-            delta = DeltaMessage(content=content or None, tool_calls=fragments or None)
+            delta = DeltaMessage(content=content or None, tool_calls=fragments or None,
+                                 reasoning_content=reasoning or None)
         return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
 
     def _flush_chunks(self, index) -> list[Chunk]:
-        if self.tool_streams is None:
+        reasoning, text = self.reasoning_streams[index].finish() if self.reasoning_streams else ("", "")
+        content, fragments = self.tool_streams[index].feed(text) if self.tool_streams else (text, [])
+        if self.tool_streams is not None:
+            more_content, more_fragments = self.tool_streams[index].finish()
+            content, fragments = content + more_content, fragments + more_fragments
+        if not reasoning and not content and not fragments:
             return []
-        content, fragments = self.tool_streams[index].finish()
-        if not content and not fragments:
-            return []
-        delta = DeltaMessage(content=content or None, tool_calls=fragments or None)
+        delta = DeltaMessage(content=content or None, tool_calls=fragments or None,
+                             reasoning_content=reasoning or None)
         return [self._chunk([ChatChunkChoice(index=index, delta=delta)])]
 
     @staticmethod
@@ -284,10 +295,13 @@ class ChatFormatter(Formatter):
         return self.token_bytes(token_id, _decoded(self.tokenizer, token_id, logprob))
 
     def _message(self, text: str) -> ChatMessage:
+        reasoning = msgspec.UNSET
+        if self.reasoning is not None:
+            reasoning, text = split_reasoning(self.reasoning, text)
         if self.tools is None:
-            return ChatMessage(content=text)
+            return ChatMessage(content=text, reasoning_content=reasoning)
         content, calls = self.tools.message(text)
-        return ChatMessage(content=content, tool_calls=calls if calls else msgspec.UNSET)
+        return ChatMessage(content=content, tool_calls=calls if calls else msgspec.UNSET, reasoning_content=reasoning)
 
     def response(self) -> ChatCompletionResponse:
         choices = []

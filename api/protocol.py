@@ -361,6 +361,7 @@ class ChatMessage(Struct, kw_only=True):
     content: Optional[str] = None
     refusal: Optional[str] = None
     tool_calls: Union[list[ToolCall], UnsetType] = UNSET  # sent only when the model called tools
+    reasoning_content: Union[str, None, UnsetType] = UNSET  # sent only by a server with --reasoning-parser
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -385,6 +386,7 @@ class DeltaMessage(Struct, kw_only=True, omit_defaults=True):
     role: Optional[str] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatChunkChoice(Struct, kw_only=True):

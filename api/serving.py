@@ -35,6 +35,7 @@ from asyncengine.api.inputs import (
     structured_renames,
 )
 from asyncengine.api.protocol import ChatCompletionRequest, CompletionRequest
+from asyncengine.api.reasoning import REASONING_PARSERS
 from asyncengine.api.tool_calls import TOOL_PARSERS, TOOL_RENAMES, ForcedToolCalls, tool_call_mode
 from asyncengine.async_engine import AsyncLLMEngine, RequestStream
 from asyncengine.outputs import RequestOutput
@@ -148,7 +149,7 @@ class OpenAIServing:
     """Validates requests and starts Generations on one engine, under the served model names."""
 
     def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str], options: Optional[ServingOptions] = None,
-                 tool_parser: Optional[str] = None):
+                 tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None):
         """tool_parser: the tool-call parser (a TOOL_PARSERS name) that tool_choice "auto" reads calls with; None:
         "auto" with tools is a 400."""
         if tool_parser is not None and tool_parser not in TOOL_PARSERS:
@@ -157,6 +158,10 @@ class OpenAIServing:
         self.model_names = list(model_names)
         self.options = options or ServingOptions()
         self.tool_parser = tool_parser
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{reasoning_parser!r}")
+        self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
 
     @property
     def model_name(self) -> str:
@@ -199,7 +204,7 @@ class OpenAIServing:
             renames["max_tokens"] = "max_completion_tokens"
         info = self._info(response_id or f"chatcmpl-{uuid.uuid4().hex}", model, params, [prompt], request, stream)
         streams = await self._add(info.response_id, [prompt], params, renames)
-        return Generation(self.engine, streams, ChatFormatter(info, self.engine.tokenizer, tools))
+        return Generation(self.engine, streams, ChatFormatter(info, self.engine.tokenizer, tools, self.reasoning))
 
     async def chat_prompt(self, messages, add_generation_prompt: bool = True, kwargs: Optional[dict] = None,
                           add_special_tokens: bool = False, tools=None) -> EnginePrompt:

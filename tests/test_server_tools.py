@@ -18,6 +18,7 @@ from test_server_harness import ServerThread
 from asyncengine import default_model_path
 from asyncengine.api.app import create_app
 from asyncengine.api.cli import build_parser
+from asyncengine.api.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from asyncengine.api.tool_calls import TOOL_PARSERS, AutoToolCalls, scan_calls
 
 WEATHER = {
@@ -348,3 +349,39 @@ def test_auto_needs_a_parser_and_unknown_parsers_are_refused():
         build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
+
+
+# -- reasoning output (--reasoning-parser) --------------------------------------------------------------------
+@pytest.mark.parametrize("parser, text, reasoning, content", [
+    ("qwen3", "<think>\nweigh it</think>\n\nRomeo.", "\nweigh it", "\n\nRomeo."),
+    ("qwen3", "Romeo, <think>not at the start</think>", None, "Romeo, <think>not at the start</think>"),
+    ("qwen3", "  <thin", None, "  <thin"),
+    ("qwen3", "<think>cut short by max_tokens</thi", "cut short by max_tokens</thi", ""),
+    ("deepseek_r1", "the prompt opened the think</think>Juliet", "the prompt opened the think", "Juliet"),
+    ("deepseek_r1", "<think>a</think>b</think>", "a", "b</think>"),
+    ("deepseek_r1", "all thinking", "all thinking", ""),
+])
+@pytest.mark.parametrize("piece", [1, 2, 5, 1000])
+def test_reasoning_split_streamed_and_not(parser, text, reasoning, content, piece):
+    assert split_reasoning(REASONING_PARSERS[parser], text) == (reasoning, content)
+    stream = ReasoningStream(REASONING_PARSERS[parser])
+    pieces = [stream.feed(text[i:i + piece]) for i in range(0, len(text), piece)] + [stream.finish()]
+    assert ("".join(r for r, _ in pieces) or None, "".join(c for _, c in pieces)) == (reasoning, content)
+
+
+def test_reasoning_content_over_the_api_streamed_and_not():
+    with ServerThread(default_model_path(), app_kwargs={"served_model_name": ["default"],
+                                                        "reasoning_parser": "qwen3"}) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        # the default model does not think: a regex makes it write a <think> block
+        kwargs = dict(model="default", messages=CHAT, temperature=1.0, seed=4, max_tokens=60,
+                      extra_body={"structured_outputs": {"regex": r"<think>[a-z ]{3,12}</think>(Romeo|Juliet)\."}})
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        reasoning = message.model_extra["reasoning_content"]
+        assert 3 <= len(reasoning) <= 12 and message.content in ("Romeo.", "Juliet.")
+        streamed_reasoning, streamed_content = "", ""
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                streamed_reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+                streamed_content += choice.delta.content or ""
+        assert (streamed_reasoning, streamed_content) == (reasoning, message.content)
