@@ -50,6 +50,7 @@ TokenIdKey = Annotated[str, Meta(pattern="^(0|[1-9][0-9]*)$", extra_json_schema=
 OutputTokens = Annotated[int, Meta(ge=1, extra_json_schema={MODEL_BOUND: "output_tokens"})]
 PromptTokenIds = Annotated[list[TokenId], Meta(min_length=1, extra_json_schema={MODEL_BOUND: "prompt_tokens"})]
 StopString = Annotated[str, Meta(min_length=1)]
+NonEmptyText = Annotated[str, Meta(min_length=1)]
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, extra_json_schema={MODEL_BOUND: "logprobs"})]  # --max-logprobs
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
@@ -113,10 +114,10 @@ class ResponseFormat(Struct, kw_only=True):
 class StructuredOutputsRequest(Struct, kw_only=True):
     """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar (EBNF), json_object."""
 
-    json: Union[dict[str, Any], str, None] = None
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
+    json: Union[dict[str, Any], str, None] = None  # a string must hold JSON: checked after decoding
+    regex: Optional[NonEmptyText] = None
+    choice: Optional[Annotated[list[NonEmptyText], Meta(min_length=1)]] = None
+    grammar: Optional[NonEmptyText] = None
     json_object: Optional[bool] = None
     disable_any_whitespace: Optional[bool] = None  # default: compact JSON (see SamplingParams' StructuredOutputsParams)
 
