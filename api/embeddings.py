@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 
 from asyncengine.api.errors import APIError, bad_request, from_engine_error
+from asyncengine.api.inputs import text_or_token_batch
 from asyncengine.api.protocol_embeddings import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from asyncengine.async_engine import AsyncLLMEngine, RequestStream
 from asyncengine.pooling_params import PoolingParams
@@ -25,18 +26,7 @@ EMBEDDING_FIELDS = ("input", "dimensions", "truncate_prompt_tokens")
 
 def embedding_inputs(request: EmbeddingRequest) -> list:
     """The request's inputs as a list of strings or token-id lists (400 naming `input` otherwise)."""
-    raw = request.input
-    if isinstance(raw, str):
-        items: list = [raw]
-    elif raw and all(isinstance(t, int) for t in raw):
-        items = [list(raw)]
-    elif raw and (all(isinstance(p, str) for p in raw) or all(isinstance(p, list) for p in raw)):
-        items = list(raw)
-    else:
-        raise bad_request("input must be a string, a list of strings, a list of token ids or a list of such lists, "
-                          "not empty and not mixed", "input")
-    if len(items) > MAX_EMBEDDING_INPUTS:
-        raise bad_request(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(items)}", "input")
+    items = text_or_token_batch(request.input, "input", MAX_EMBEDDING_INPUTS)
     if any(len(item) == 0 for item in items):
         raise bad_request("input must not contain empty strings or empty token lists", "input")
     return items

@@ -194,9 +194,9 @@ def completion_params(request: CompletionRequest, policy: SamplingPolicy) -> Sam
     return sampling_params(request, policy, max_tokens=request.max_tokens, logprobs=request.logprobs)
 
 
-async def completion_prompts(engine: AsyncLLMEngine, request: CompletionRequest) -> list[EnginePrompt]:
-    """The request's prompts as token ids: a string, a batch of strings, token ids, or a batch of token ids."""
-    raw = request.prompt
+def text_or_token_batch(raw, field: str, limit: int) -> list:
+    """OpenAI's four input shapes (a string, a list of strings, a list of token ids, a list of token-id lists) as a
+    list of strings or token-id lists; anything else, or more than `limit` items, is a 400 naming `field`."""
     if isinstance(raw, str):
         items: list = [raw]
     elif raw and all(isinstance(t, int) for t in raw):
@@ -204,10 +204,16 @@ async def completion_prompts(engine: AsyncLLMEngine, request: CompletionRequest)
     elif raw and (all(isinstance(p, str) for p in raw) or all(isinstance(p, list) for p in raw)):
         items = list(raw)
     else:
-        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of such lists, "
-                          "not empty and not mixed", "prompt")
-    if len(items) > MAX_BATCH_PROMPTS:
-        raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(items)}", "prompt")
+        raise bad_request(f"{field} must be a string, a list of strings, a list of token ids or a list of such lists, "
+                          "not empty and not mixed", field)
+    if len(items) > limit:
+        raise bad_request(f"at most {limit} {field}s per request, got {len(items)}", field)
+    return items
+
+
+async def completion_prompts(engine: AsyncLLMEngine, request: CompletionRequest) -> list[EnginePrompt]:
+    """The request's prompts as token ids: a string, a batch of strings, token ids, or a batch of token ids."""
+    items = text_or_token_batch(request.prompt, "prompt", MAX_BATCH_PROMPTS)
     prompts = []
     for item in items:
         if isinstance(item, str):
