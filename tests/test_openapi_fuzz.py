@@ -68,7 +68,7 @@ def run_schemathesis(server: ServerThread, cases_per_operation: int, api_key=Non
            "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as workdir:  # where Schemathesis keeps its cache of failures
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
-    print(result.stdout[-6000:], result.stderr[-2000:])
+    print(result.stdout[:20000], result.stdout[-6000:] if len(result.stdout) > 20000 else "", result.stderr[-2000:])
     return result
 
 
@@ -79,7 +79,7 @@ def cases_generated(output: str) -> int:
 
 
 def assert_clean_run(result: subprocess.CompletedProcess, server: ServerThread) -> int:
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert result.returncode == 0, result.stdout[:8000] + result.stderr[-2000:]  # the failures come first
     wait_until(server.engine_idle, 30)  # every request finished or aborted, every KV block free
     return cases_generated(result.stdout)
 

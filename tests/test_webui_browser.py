@@ -435,17 +435,18 @@ def test_without_a_key_the_page_does_not_ask_and_a_full_queue_shows_as_busy(llam
             tokens = int(re.search(r"(\d+) tokens", answer.find_element("css selector", ".stats").text).group(1))
             assert 1 <= tokens <= 5
 
-            # other clients hold the only running slot and the only waiting one for a few seconds ...
-            slow_execute(server.engine, 0.02)
+            # other clients hold the only running slot and the only waiting one for about 10 s each (long enough for
+            # the waiting one to be seen there on a loaded machine, where 2 s was once missed) ...
+            slow_execute(server.engine, 0.1)
             body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
             occupants = [threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),
-                                          kwargs={"json": body, "timeout": 60}, daemon=True) for _ in range(2)]
+                                          kwargs={"json": body, "timeout": 120}, daemon=True) for _ in range(2)]
             for occupant in occupants:
                 occupant.start()
-            wait_until(lambda: (server.engine.stats().num_running, server.engine.stats().num_waiting) == (1, 1), 10)
+            wait_until(lambda: (server.engine.stats().num_running, server.engine.stats().num_waiting) == (1, 1), 30)
             ask(browser, "Are you there?")  # ... so the page's request is refused with 429
             answer = wait_answer_finished(browser)
             assert answer.get_attribute("data-state") == "failed"
             assert answer.find_element("css selector", ".error").text.startswith("The server is busy: "), answer.text
             for occupant in occupants:
-                occupant.join(30)
+                occupant.join(60)
