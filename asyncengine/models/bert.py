@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine import ops
-from asyncengine.models.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TP_SIZE
+from asyncengine.models.layers import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TP_SIZE,
+                                       load_checkpoint_tensor)
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),  # erf form, as transformers' "gelu"
@@ -155,14 +156,7 @@ class BertModel(nn.Module):
             if name is None:
                 continue
             name, shard_id = self._rename(name)
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
-            param = params[name]
-            loader = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor.to(param.dtype), shard_id)
-            else:
-                param.data.copy_(tensor.to(param.dtype))
+            load_checkpoint_tensor(self, params, name, shard_id, tensor, hf_name)
             loaded.add((name, shard_id))
         return loaded
 

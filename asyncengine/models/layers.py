@@ -194,3 +194,18 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache
         out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, self.scale)
         return out.reshape(tokens, self.num_heads * self.head_dim)
+
+
+def load_checkpoint_tensor(model: nn.Module, params: dict, name: str, shard_id, tensor: torch.Tensor,
+                           hf_name: str) -> None:
+    """Copy one checkpoint tensor into the model parameter `name` (already renamed to ours), through its module's
+    `weight_loader` when it has one (fused and sharded layers: `shard_id` says which part); a tensor with no
+    place in the model is a ValueError naming it."""
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
+    param = params[name]
+    loader = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor.to(param.dtype), shard_id)
+    else:
+        param.data.copy_(tensor.to(param.dtype))

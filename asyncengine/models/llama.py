@@ -20,6 +20,7 @@ from asyncengine.models.layers import (
     PagedAttention,
     QKVParallelLinear,
     RMSNorm,
+    load_checkpoint_tensor,
     RotaryEmbedding,
     RowParallelLinear,
     TP_SIZE,
@@ -155,19 +156,9 @@ class LlamaForCausalLM(nn.Module):
                 if fragment in name:
                     name, shard_id = name.replace(fragment, fused), sid
                     break
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
-            param = params[name]
-            loader = getattr(self._owner(name), "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor.to(param.dtype), shard_id)
-            else:
-                param.data.copy_(tensor.to(param.dtype))
+            load_checkpoint_tensor(self, params, name, shard_id, tensor, hf_name)
             loaded.add((name, shard_id))
         return loaded
-
-    def _owner(self, param_name: str) -> nn.Module:
-        return self.get_submodule(param_name.rsplit(".", 1)[0])
 
 
 class MistralForCausalLM(LlamaForCausalLM):
