@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine import ops
-from asyncengine.models.layers import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TP_SIZE,
+from asyncengine.distributed.parallel_state import tp_size
+from asyncengine.models.layers import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                        load_checkpoint_tensor)
 
 _ACTIVATIONS = {
@@ -78,7 +79,7 @@ class BertAttention(nn.Module):
         super().__init__()
         hidden, heads = cfg.hidden_size, cfg.num_attention_heads
         self.head_dim = hidden // heads
-        self.num_heads = heads // TP_SIZE
+        self.num_heads = heads // tp_size()
         self.q_size = self.num_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, heads, True, dtype)

@@ -1,10 +1,11 @@
 """Building blocks of the decoder models: parallel-ready linears, RMSNorm, rotary embedding, paged attention.
 
-Linear layers are written as column- and row-parallel (Megatron style) with a tensor-parallel world of size 1
-today: each owns the slice of the full weight that its rank holds, and its `weight_loader` cuts that slice out
-of a checkpoint tensor. Fused layers (QKV, gate/up) load several checkpoint tensors into one weight, named by a
-shard id. Going to several GPUs later only changes `tp_rank`/`tp_size` and adds the all-reduce after row-parallel
-layers.
+Linear layers are column- and row-parallel (Megatron style) over the tensor-parallel world of
+`distributed.parallel_state`: each owns the slice of the full weight that its rank holds, and its `weight_loader`
+cuts that slice out of a checkpoint tensor. Fused layers (QKV, gate/up) load several checkpoint tensors into one
+weight, named by a shard id. How a weight is stored and multiplied (unquantized, or a quantized format) is the
+layer's `LinearMethod` (asyncengine.quantization); the loaders work for any format through the `output_dim` /
+`input_dim` attributes each parameter carries.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine import ops
-
-TP_RANK, TP_SIZE = 0, 1
+from asyncengine.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from asyncengine.quantization import LinearMethod, UnquantizedLinearMethod, set_weight_attrs
 
 
 @dataclass
@@ -48,67 +49,108 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+def _shard_of(param: nn.Parameter, dim: int, logical_offset: int, logical_size: int, logical_total: int):
+    """The (offset, size) along `dim` of `param` for a shard at [logical_offset, +logical_size) of a logical
+    extent `logical_total`: packed formats store fewer (or more) elements per logical column, in proportion."""
+    scale = param.shape[dim] / logical_total
+    return round(logical_offset * scale), round(logical_size * scale)
+
+
+class LinearBase(nn.Module):
+    """A linear layer whose weights its `linear_method` creates and applies (unquantized by default).
+
+    in_per_rank / out_per_rank: this rank's logical slice of the [out_features, in_features] weight.
+    """
+
+    def __init__(self, in_per_rank: int, out_per_rank: int, bias_size: Optional[int], dtype: torch.dtype,
+                 linear_method: Optional[LinearMethod] = None):
+        super().__init__()
+        self.in_per_rank, self.out_per_rank = in_per_rank, out_per_rank
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.linear_method.create_weights(self, in_per_rank, out_per_rank, dtype)
+        self.bias = None if bias_size is None else set_weight_attrs(_param(bias_size, dtype=dtype), output_dim=0)
+
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.linear_method.apply(self, x, bias)
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x W^T (+ b) with W split along the output dimension across ranks."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.out_per_rank = out_features // TP_SIZE
-        self.weight = _param(self.out_per_rank, in_features, dtype=dtype)
-        self.bias = _param(self.out_per_rank, dtype=dtype) if bias else None
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 linear_method: Optional[LinearMethod] = None):
+        out_per_rank = out_features // tp_size()
+        super().__init__(in_features, out_per_rank, out_per_rank if bias else None, dtype, linear_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        size = param.shape[0]
-        param.data.copy_(loaded.narrow(0, TP_RANK * size, size))
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            param.data.copy_(loaded)
+            return
+        size = param.shape[dim]
+        param.data.copy_(loaded.narrow(dim, tp_rank() * size, size))
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
+        """Copy this rank's part of one fused shard (logical rows [offset, offset + size) of this rank's slice)."""
+        dim = getattr(param, "output_dim", None)
+        if dim is None:  # a parameter shared by the shards (e.g. one per-tensor scale): shards must agree
+            param.data.copy_(loaded)
+            return
+        offset, size = _shard_of(param, dim, offset, size, self.out_per_rank)
+        param.data.narrow(dim, offset, size).copy_(loaded.narrow(dim, tp_rank() * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stored as one weight, e.g. [gate | up] of the MLP (shard ids 0, 1)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 linear_method: Optional[LinearMethod] = None):
         self.out_sizes = out_sizes
-        super().__init__(in_features, sum(out_sizes), bias, dtype)
+        super().__init__(in_features, sum(out_sizes), bias, dtype, linear_method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        size = self.out_sizes[shard_id] // TP_SIZE
-        offset = sum(self.out_sizes[:shard_id]) // TP_SIZE
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, TP_RANK * size, size))
+        size = self.out_sizes[shard_id] // tp_size()
+        offset = sum(self.out_sizes[:shard_id]) // tp_size()
+        self._load_shard(param, loaded, offset, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections as one weight [q | k | v]; shard ids "q", "k", "v"."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype):
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype,
+                 linear_method: Optional[LinearMethod] = None):
         self.sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
-        super().__init__(hidden, sum(self.sizes.values()), bias, dtype)
+        super().__init__(hidden, sum(self.sizes.values()), bias, dtype, linear_method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         offsets = {"q": 0, "k": self.sizes["q"], "v": self.sizes["q"] + self.sizes["k"]}
-        size = self.sizes[shard_id] // TP_SIZE
-        offset = offsets[shard_id] // TP_SIZE
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, TP_RANK * size, size))
+        self._load_shard(param, loaded, offsets[shard_id] // tp_size(), self.sizes[shard_id] // tp_size())
 
 
-class RowParallelLinear(nn.Module):
-    """y = x W^T with W split along the input dimension; with TP_SIZE > 1 an all-reduce follows."""
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W split along the input dimension; with more than one rank an all-reduce follows."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.weight = _param(out_features, in_features // TP_SIZE, dtype=dtype)
-        self.bias = _param(out_features, dtype=dtype) if bias else None
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 linear_method: Optional[LinearMethod] = None):
+        super().__init__(in_features // tp_size(), out_features, out_features if bias else None, dtype, linear_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if tp_size() == 1:
+            return self.matmul(x, self.bias)
+        # The bias is added once, after the sum over ranks' partial products.
+        out = all_reduce(self.matmul(x, None))
+        return out if self.bias is None else out + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.dim() == 1:  # bias: added once, on rank 0
+        dim = getattr(param, "input_dim", None)
+        if dim is None:  # bias and per-output-channel parameters: whole on every rank
             param.data.copy_(loaded)
             return
-        size = param.shape[1]
-        param.data.copy_(loaded.narrow(1, TP_RANK * size, size))
+        size = param.shape[dim]
+        param.data.copy_(loaded.narrow(dim, tp_rank() * size, size))
 
 
 class VocabEmbedding(nn.Module):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from asyncengine import ops
+from asyncengine.distributed.parallel_state import tp_size
 from asyncengine.models.layers import (
     AttentionMetadata,
     ColumnParallelLinear,
@@ -23,7 +24,6 @@ from asyncengine.models.layers import (
     load_checkpoint_tensor,
     RotaryEmbedding,
     RowParallelLinear,
-    TP_SIZE,
     VocabEmbedding,
 )
 
@@ -46,7 +46,7 @@ class Attention(nn.Module):
         hidden, heads = cfg.hidden_size, cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        self.num_heads, self.num_kv_heads = heads // TP_SIZE, kv_heads // TP_SIZE
+        self.num_heads, self.num_kv_heads = heads // tp_size(), kv_heads // tp_size()
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, kv_heads, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, getattr(cfg, "attention_bias", False), dtype)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from asyncengine.config import ModelConfig
 from asyncengine.models import model_class_for
-from asyncengine.models.layers import MergedColumnParallelLinear, QKVParallelLinear
+from asyncengine.models.layers import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -59,4 +59,7 @@ def load_model(model_config: ModelConfig, device: torch.device, max_positions: i
     missing = sorted(f"{n}" + (f"[{s}]" if s is not None else "") for n, s in _expected_shards(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_config.path} lacks weights for: {', '.join(missing[:10])}")
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.linear_method.process_weights_after_loading(module)
     return model.eval()

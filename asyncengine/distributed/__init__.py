@@ -1,0 +1,1 @@
+"""Tensor parallelism: which rank this process is and the collectives between ranks (see parallel_state)."""

@@ -1,0 +1,51 @@
+"""The contract between linear layers and weight formats.
+
+A linear layer owns no weight of its own: its `LinearMethod` creates the parameters (one rank's slice) and applies
+them. Each parameter says which of its dimensions is the layer's output and input dimension (`output_dim`,
+`input_dim` attributes; None for a dimension it does not span), so the layers' weight loaders can cut a rank's
+slice and place a fused layer's shards (q/k/v, gate/up) for any format, packed ones included: a shard's offset
+and size along a dimension scale with the parameter's extent there (a weight packing 8 values per int32 along the
+output dimension has 1/8 of the logical width there).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def set_weight_attrs(param: nn.Parameter, **attrs) -> nn.Parameter:
+    for key, value in attrs.items():
+        setattr(param, key, value)
+    return param
+
+
+class LinearMethod(ABC):
+    """Creates and applies one linear layer's weights in some format."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int, dtype: torch.dtype) -> None:
+        """Register this rank's parameters on `layer` (logical shape [out_per_rank, in_per_rank]), each with its
+        `output_dim` and `input_dim` attributes."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x: [T, in_per_rank] -> [T, out_per_rank]."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack what was loaded into the layout `apply` wants (nothing by default)."""
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """weight [out_per_rank, in_per_rank] in the model's dtype; y = x W^T (+ b)."""
+
+    def create_weights(self, layer, in_per_rank, out_per_rank, dtype):
+        weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank, dtype=dtype), requires_grad=False)
+        layer.register_parameter("weight", set_weight_attrs(weight, output_dim=0, input_dim=1))
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)
