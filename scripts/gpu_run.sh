@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, offline benchmark, served benchmark. Logs under $OUT (or ./gpu_out).
-# Usage: bash scripts/gpu_run.sh [tests|bench|served|served-modes|served-engine-process|profile|all] [extra args]
+# Usage: bash scripts/gpu_run.sh [tests|bench|served|served-modes|served-engine-process|before-after|profile|all] [extra args]
 # served-modes: offline W1 (same engine flags as the server), then the server with --engine-process, then
 # in-process, each at unlimited rate with enough client processes (--workers), and each mode's ratio to offline,
 # all in one bench_served call; extra args go to it (e.g. --workers 8, --rates 16 inf --prompts-per-rate 200).
+# before-after: W1 and W3 of an older revision unpacked in .old/ (`bash scripts/prepare_old.sh REV`, then carry
+# .old), then of this tree, in one lease; extra args go to both bench_offline calls.
 # The served benchmark needs the server's wheels: run ../shared/tools/device-wheels.sh first and carry .whl.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -35,6 +37,16 @@ fi
 if [[ $what == served-engine-process ]]; then
   python3 -m loadtest.bench_served --out "$OUT" --modes engine-process "$@" 2>&1 \
     | tee "$OUT/served_engine_process.log" | tail -8
+fi
+if [[ $what == before-after ]]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/old ./.old > "$OUT/old_install.log" 2>&1 \
+    || { cat "$OUT/old_install.log"; exit 1; }
+  # From /tmp, with the old package first on the path, `asyncengine.loadtest` is the old revision's.
+  (cd /tmp && PYTHONPATH=/tmp/old${PYTHONPATH:+:$PYTHONPATH} python3 -m asyncengine.loadtest.bench_offline \
+    --only W1 W3 --skip-peers --out "$OUT/before" "$@" 2>&1 | grep -v "rope_parameters\|Loading weights" \
+    | tee "$OUT/before.log" | tail -6)
+  python3 -m loadtest.bench_offline --only W1 W3 --skip-peers --out "$OUT/after" "$@" 2>&1 \
+    | grep -v "rope_parameters\|Loading weights" | tee "$OUT/after.log" | tail -6
 fi
 if [[ $what == profile ]]; then
   python3 -m loadtest.profile_steps --out "$OUT" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" \
