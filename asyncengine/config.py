@@ -171,7 +171,7 @@ def load_model_config(config: EngineConfig, device: torch.device) -> ModelConfig
     """Read and check the checkpoint folder; raise ValueError naming what is missing or unsupported."""
     from transformers import AutoConfig
 
-    from asyncengine.models import supported_architectures
+    from asyncengine.models import supported_architectures, unsupported_architecture_message
     from asyncengine.plugins import load_plugins
 
     load_plugins()  # out-of-tree model families register their architectures here
@@ -184,9 +184,7 @@ def load_model_config(config: EngineConfig, device: torch.device) -> ModelConfig
     archs = raw.get("architectures") or []
     supported = [a for a in archs if a in supported_architectures()]
     if not supported:
-        raise ValueError(
-            f"model folder {folder}: architectures {archs} not supported; supported: {sorted(supported_architectures())}"
-        )
+        raise ValueError(f"model folder {folder}: {unsupported_architecture_message(archs)}")
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder} has no *.safetensors weights")
     hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)

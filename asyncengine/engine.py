@@ -106,13 +106,7 @@ class LLMEngine:
         logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
 
     def _max_model_len(self) -> int:
-        max_len = resolve_max_model_len(self.config, self.model_config)
-        window = getattr(self.model_config.hf_config, "sliding_window", None)
-        uses_window = getattr(self.model_config.hf_config, "use_sliding_window", True)
-        if window and uses_window and window < max_len:
-            logger.warning("sliding window %d < max_model_len %d: limiting max_model_len to the window", window, max_len)
-            max_len = window
-        return max_len
+        return resolve_max_model_len(self.config, self.model_config)
 
     # -- requests ---------------------------------------------------------------------------------------------
     def add_request(

@@ -60,6 +60,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _impl(x, "activation").silu_and_mul(x)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU: [T, 2I] = [gate | up] -> gelu_tanh(gate) * up [T, I]. The reference on every device (torch's fused
+    element-wise ops; no Triton kernel of its own yet)."""
+    return reference.gelu_tanh_and_mul(x)
+
+
 def rotary_embedding(positions, q, k, cos_sin_cache, head_dim: int):
     return _impl(q, "rotary").rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
 
@@ -68,21 +74,25 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     _impl(key, "cache").reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def cache_and_attend(q, k, v, k_cache, v_cache, metadata, scale: float) -> torch.Tensor:
+def cache_and_attend(q, k, v, k_cache, v_cache, metadata, scale: float, sliding_window=None,
+                     softcap=None) -> torch.Tensor:
     """reshape_and_cache(k, v, ...) then paged_attention(q, ...): q [T, H, D], k, v [T, KVH, D] -> [T, H, D].
     On CPU with the step's plan (metadata.cpu_plan) one fused call, which can skip reading back what it wrote."""
     if CPU_FAST_PATH and metadata.cpu_plan is not None and q.device.type == "cpu":
-        return cpu.cache_and_attend(q, k, v, k_cache, v_cache, metadata.slot_mapping, metadata.cpu_plan, scale)
+        return cpu.cache_and_attend(q, k, v, k_cache, v_cache, metadata.slot_mapping, metadata.cpu_plan, scale,
+                                    sliding_window, softcap)
     reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, metadata, scale)
+    return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, softcap)
 
 
-def paged_attention(q, k_cache, v_cache, metadata, scale: float) -> torch.Tensor:
-    """metadata: an AttentionMetadata (query_start_loc, seq_lens, block_tables, max lengths as host ints)."""
+def paged_attention(q, k_cache, v_cache, metadata, scale: float, sliding_window=None, softcap=None) -> torch.Tensor:
+    """metadata: an AttentionMetadata (query_start_loc, seq_lens, block_tables, max lengths as host ints).
+    sliding_window: queries see only the last this many keys (None: all); softcap: Gemma-2 score capping."""
     impl = _impl(q, "attention")
     if impl is reference:
         return reference.paged_attention(
-            q, k_cache, v_cache, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, scale
+            q, k_cache, v_cache, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, scale,
+            sliding_window, softcap,
         )
     return impl.paged_attention(
         q,
@@ -94,6 +104,8 @@ def paged_attention(q, k_cache, v_cache, metadata, scale: float) -> torch.Tensor
         scale,
         max_query_len=metadata.max_query_len,
         max_seq_len=metadata.max_seq_len,
+        sliding_window=sliding_window,
+        softcap=softcap,
     )
 
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from asyncengine.kernels import interpreting
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)  # the same, readable inside kernels
 # Initial running max: finite, so a row that has seen no visible key yet never computes inf - inf.
 NEG_BIG = tl.constexpr(-1.0e30)
 
@@ -117,6 +118,8 @@ def _attend_block(
     MASKED: tl.constexpr,  # False when every key of the block is visible to every row
     DOT_F32: tl.constexpr,  # upcast K/V and P to float32 before the products
     PRECISION: tl.constexpr,  # input_precision of float32 products: "ieee" or "tf32x3" (about fp32 accuracy)
+    SLIDING_WINDOW: tl.constexpr,  # > 0: a row sees only keys > q_pos - SLIDING_WINDOW (when MASKED)
+    SOFTCAP: tl.constexpr,  # > 0: scores are capped, SOFTCAP * tanh(score / SOFTCAP); qk_scale is then unfolded
 ):
     """One online-softmax step over keys [start, start + BLOCK_N); returns the updated (acc, m_i, l_i)."""
     keys = start + tl.arange(0, BLOCK_N)
@@ -132,9 +135,14 @@ def _attend_block(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale  # [ROWS, BLOCK_N]
+    if SOFTCAP > 0:  # qk_scale is the plain softmax scale here; log2(e) is applied after the cap
+        s = _tanh(s * (qk_scale / SOFTCAP)) * (SOFTCAP * LOG2E_C)
+    else:
+        s = s * qk_scale  # [ROWS, BLOCK_N]
     if MASKED:
         visible = (keys[None, :] <= q_pos[:, None]) & key_mask[None, :]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (keys[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
@@ -146,6 +154,12 @@ def _attend_block(
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2 (portable to the interpreter): 1 - 2 / (e^(2x) + 1); saturates to +-1 without NaN."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E_C)) + 1.0)
 
 
 @triton.jit
@@ -201,6 +215,8 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     CAUSAL: tl.constexpr,  # False: every query sees its sequence's every key (encoders; context is then 0)
+    SLIDING_WINDOW: tl.constexpr,  # > 0 (with CAUSAL): a query at p sees keys p - SLIDING_WINDOW < key <= p
+    SOFTCAP: tl.constexpr,  # > 0: cap the scores (qk_scale is then the plain scale)
 ):
     # Last tiles first: they have the most keys under the causal mask, so the grid ends on short work.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -241,17 +257,32 @@ def _prefill_kernel(
     else:
         unmasked_end = seq_len // BLOCK_N * BLOCK_N
         tile_end = seq_len
-    for start in range(0, unmasked_end, BLOCK_N):
+    # Sliding window: blocks before the first row's window are skipped (never read: they may be freed); blocks
+    # before the last row's window start are masked, as are the diagonal blocks.
+    loop_start = 0
+    edge_end = 0
+    if SLIDING_WINDOW > 0:
+        loop_start = tl.maximum(context + first_token - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        edge_end = tl.cdiv(tl.maximum(tile_end - SLIDING_WINDOW, 0), BLOCK_N) * BLOCK_N
+        edge_end = tl.minimum(edge_end, tl.cdiv(tile_end, BLOCK_N) * BLOCK_N)
+        for start in range(loop_start, edge_end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+                qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
+            )  # fmt: skip
+        loop_start = tl.maximum(loop_start, edge_end)
+    for start in range(loop_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
             qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, False, DOT_F32, PRECISION,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, False, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
         )  # fmt: skip
-    for start in range(unmasked_end, tile_end, BLOCK_N):
+    for start in range(tl.maximum(unmasked_end, loop_start), tile_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
             qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
         )  # fmt: skip
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -294,6 +325,8 @@ def _decode_partial_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # > 0: the query (at seq_len - 1) sees only the last SLIDING_WINDOW keys
+    SOFTCAP: tl.constexpr,  # > 0: cap the scores (qk_scale is then the plain scale)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -302,9 +335,13 @@ def _decode_partial_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) == q_start:
         return  # no query for this sequence
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Segments are whole KV blocks, sized from this sequence's own length; trailing ones may be empty.
-    segment = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    seg_start = split * segment
+    # Segments are whole KV blocks, sized from this sequence's own span of visible keys (from the window's first
+    # block with a sliding window; earlier blocks are never read); trailing ones may be empty.
+    span_start = 0
+    if SLIDING_WINDOW > 0:
+        span_start = tl.maximum(seq_len - SLIDING_WINDOW, 0) // BLOCK_N * BLOCK_N
+    segment = tl.cdiv(tl.cdiv(seq_len - span_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    seg_start = span_start + split * segment
     seg_end = tl.minimum(seg_start + segment, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
@@ -326,7 +363,7 @@ def _decode_partial_kernel(
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
             qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
         )  # fmt: skip
 
     # Every (row, split) is written, empty segments included (max NEG_BIG, sum 0, acc 0): the reduction reads all.
@@ -449,8 +486,13 @@ def decode_tiles(fp32: bool) -> tuple[int, int, int]:
     return (DECODE_BLOCK_N // 2, 4, 2) if fp32 else (DECODE_BLOCK_N, 4, 3)
 
 
+def _score_scale(scale: float, softcap) -> float:
+    """The kernels' qk_scale: log2(e) folded into the softmax scale, except under soft-capping (applied after)."""
+    return scale if softcap else scale * LOG2E
+
+
 def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
-                    causal: bool = True):
+                    causal: bool = True, sliding_window=None, softcap=None):
     """The 2D kernel over a grid sized from host values only: cdiv(T, BLOCK_Q) + B tiles per kv head."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -463,18 +505,20 @@ def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     grid = (triton.cdiv(q.shape[0], block_q) + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        scale * LOG2E, num_seqs,
+        _score_scale(scale, softcap), num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, DOT_F32=_dot_f32(q),
-        PRECISION=_precision(), CAUSAL=causal, num_warps=num_warps, num_stages=num_stages,
+        PRECISION=_precision(), CAUSAL=causal, SLIDING_WINDOW=sliding_window or 0, SOFTCAP=float(softcap or 0.0),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
-def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out):
+def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out,
+                   sliding_window=None, softcap=None):
     """Split-KV partial kernel on a (B, KVH, num_splits) grid, then the reduction on (B, H)."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -490,14 +534,15 @@ def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     part_sum = workspace[parts * (head_dim_pad + 1) :]
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         part_acc, part_max, part_sum, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        scale * LOG2E, num_heads,
+        _score_scale(scale, softcap), num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         NUM_SPLITS=num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        DOT_F32=_dot_f32(q), PRECISION=_precision(), num_warps=num_warps, num_stages=num_stages,
+        DOT_F32=_dot_f32(q), PRECISION=_precision(), SLIDING_WINDOW=sliding_window or 0,
+        SOFTCAP=float(softcap or 0.0), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_acc, part_max, part_sum, query_start_loc, num_heads, out.stride(0), out.stride(1),
@@ -527,8 +572,11 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a mixed batch over the paged KV cache; the semantics of `reference.paged_attention`.
+    """Causal attention of a mixed batch over the paged KV cache; the semantics of `reference.paged_attention`
+    (sliding_window and softcap included: each is a compile-time flag of the kernels).
 
     q: [T, H, D] (token and head strides free, last dim contiguous); k_cache, v_cache: [NB, BS, KVH, D] in q's
     dtype, BS a power of two; query_start_loc: [B + 1], seq_lens: [B], block_tables: [B, MAXB], all int32 or
@@ -547,10 +595,14 @@ def paged_attention(
         return out
     if _is_decode(q, query_start_loc, max_query_len):
         kv_bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * k_cache.shape[1]
+        if sliding_window:  # the visible span, plus the partial block it may start in
+            kv_bound = min(kv_bound, sliding_window + DECODE_BLOCK_N)
         splits = decode_num_splits(num_seqs, k_cache.shape[2], kv_bound, _num_sms(q.device))
-        _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, splits, out)
+        _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, splits, out,
+                       sliding_window, softcap)
     else:
-        _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out)
+        _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
+                        sliding_window=sliding_window, softcap=softcap)
     return out
 
 
@@ -564,13 +616,16 @@ def paged_attention_decode(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The split-KV decode path with an explicit split count (tests and benchmarks); every q_len must be <= 1."""
     _check_inputs(q, k_cache, v_cache, block_tables)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] and seq_lens.shape[0]:
-        _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out)
+        _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out,
+                       sliding_window, softcap)
     return out
 
 

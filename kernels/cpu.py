@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncengine.kernels import reference
+
 
 @dataclass
 class PrefillPlan:
@@ -32,7 +34,8 @@ class PrefillPlan:
     end: int
     seq_len: int
     blocks: Optional[torch.Tensor]  # [nb] int64 cache blocks to read; None: no cached prefix, use the new K/V
-    mask: Optional[torch.Tensor]  # [q_len, seq_len] bool (True = visible); None with blocks None (is_causal)
+    mask: Optional[torch.Tensor]  # [q_len, S] bool (True = visible); None with blocks None and no window (is_causal)
+    key_start: int = 0  # position of the first key read (the first block any query of a sliding window sees)
 
 
 @dataclass
@@ -42,6 +45,7 @@ class AttentionPlan:
     decode_rows: [Bd] int64 q rows of the decode sequences (None when every row decodes: rows 0..T-1 in order);
     decode_blocks: [Bd * nb] int64 the blocks each decode sequence reads, row-major, padded with block 0;
     decode_mask: [Bd, 1, 1, nb * block_size] bool, True for a key the row sees; None when none is padding.
+    Layers with a sliding window use `for_window(W)`, the same step's plan under that window (built once).
     """
 
     num_decode: int
@@ -49,8 +53,11 @@ class AttentionPlan:
     decode_blocks: Optional[torch.Tensor]
     decode_mask: Optional[torch.Tensor]
     prefills: list[PrefillPlan]
+    # the step's host layout (query_start_loc, seq_lens, block_tables, block_size), for the windowed variants
+    layout: Optional[tuple] = None
     # gather buffers for the decode rows, allocated on first use and reused by every layer of the step
     _buffers: dict = field(default_factory=dict)
+    _windowed: dict = field(default_factory=dict)
 
     def gather_buffer(self, name: str, cache: torch.Tensor) -> torch.Tensor:
         """A [len(decode_blocks), block_size, KVH, D] buffer shaped like `cache`'s blocks, one per name."""
@@ -60,56 +67,103 @@ class AttentionPlan:
             self._buffers[name] = buf
         return buf
 
+    def for_window(self, sliding_window: Optional[int]) -> "AttentionPlan":
+        """This step's plan for layers whose queries see only the last `sliding_window` keys (None: self)."""
+        if sliding_window is None:
+            return self
+        plan = self._windowed.get(sliding_window)
+        if plan is None:
+            plan = self._windowed[sliding_window] = plan_attention(*self.layout, sliding_window=sliding_window)
+        return plan
+
+
+def _first_visible(q_pos, sliding_window: Optional[int]):
+    """The earliest key position visible to queries at q_pos (int or array)."""
+    return 0 * q_pos if sliding_window is None else np.maximum(0, q_pos - sliding_window + 1)
+
+
+def _visible(q_pos: np.ndarray, key_pos: np.ndarray, sliding_window: Optional[int]) -> np.ndarray:
+    """Causal (and windowed) visibility, broadcast over q_pos [..., 1] and key_pos [..., L]."""
+    visible = key_pos <= q_pos
+    if sliding_window is not None:
+        visible &= key_pos > q_pos - sliding_window
+    return visible
+
 
 def plan_attention(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                   block_size: int) -> AttentionPlan:
+                   block_size: int, sliding_window: Optional[int] = None) -> AttentionPlan:
     """The plan of a step from its host-side layout: query_start_loc [B + 1], seq_lens [B], block_tables
-    [B, max_blocks] (numpy ints)."""
+    [B, max_blocks] (numpy ints). With a sliding window, each sequence reads only from the first block that one
+    of its queries sees (earlier blocks may have been freed)."""
     q_lens = np.diff(query_start_loc)
     decode = np.flatnonzero(q_lens == 1)
     num_decode = len(decode)
     rows = blocks = mask = None
     if num_decode:
-        lens = seq_lens[decode].astype(np.int64)
-        nb = int(-(-lens.max() // block_size))
-        blocks = torch.from_numpy(np.ascontiguousarray(block_tables[decode, :nb], dtype=np.int64).reshape(-1))
-        if (lens != nb * block_size).any():
-            visible = np.arange(nb * block_size)[None, :] < lens[:, None]  # [Bd, L]
-            mask = torch.from_numpy(visible).view(num_decode, 1, 1, nb * block_size)
+        blocks, mask = _plan_decode(seq_lens[decode].astype(np.int64), block_tables[decode], block_size,
+                                    sliding_window)
         if num_decode != len(q_lens):
             rows = torch.from_numpy(query_start_loc[decode].astype(np.int64))
     prefills = []
     for b in np.flatnonzero(q_lens > 1).tolist():
         start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
-        q_len = end - start
-        if q_len == seq_len:  # the whole context is new: attend to this step's keys, causally
-            prefills.append(PrefillPlan(start, end, seq_len, None, None))
-            continue
-        nb = -(-seq_len // block_size)
-        table = torch.from_numpy(block_tables[b, :nb].astype(np.int64))
-        q_pos = np.arange(seq_len - q_len, seq_len)[:, None]
-        prefills.append(PrefillPlan(start, end, seq_len, table, torch.from_numpy(np.arange(seq_len)[None, :] <= q_pos)))
-    return AttentionPlan(num_decode, rows, blocks, mask, prefills)
+        prefills.append(_plan_prefill(start, end, seq_len, block_tables[b], block_size, sliding_window))
+    layout = (query_start_loc, seq_lens, block_tables, block_size)
+    return AttentionPlan(num_decode, rows, blocks, mask, prefills, layout)
+
+
+def _plan_decode(lens: np.ndarray, tables: np.ndarray, block_size: int, sliding_window: Optional[int]):
+    """(blocks [Bd * nb] int64, mask [Bd, 1, 1, nb * block_size] bool or None) of the decode rows."""
+    num_decode = len(lens)
+    first = _first_visible(lens - 1, sliding_window) // block_size  # [Bd] first block each row reads
+    nb = int((-(-lens // block_size) - first).max())
+    cols = first[:, None] + np.arange(nb)[None, :]  # [Bd, nb]
+    in_table = cols < tables.shape[1]
+    picked = np.where(in_table, np.take_along_axis(tables, np.minimum(cols, tables.shape[1] - 1), axis=1), 0)
+    blocks = torch.from_numpy(np.ascontiguousarray(picked, dtype=np.int64).reshape(-1))
+    key_pos = (cols[:, :, None] * block_size + np.arange(block_size)).reshape(num_decode, -1)  # [Bd, L]
+    visible = _visible((lens - 1)[:, None], key_pos, sliding_window)
+    if visible.all():
+        return blocks, None
+    return blocks, torch.from_numpy(visible).view(num_decode, 1, 1, nb * block_size)
+
+
+def _plan_prefill(start: int, end: int, seq_len: int, table: np.ndarray, block_size: int,
+                  sliding_window: Optional[int]) -> PrefillPlan:
+    q_len = end - start
+    q_pos = np.arange(seq_len - q_len, seq_len)[:, None]
+    if q_len == seq_len:  # the whole context is new: attend to this step's keys, causally
+        mask = None if sliding_window is None else torch.from_numpy(_visible(q_pos, np.arange(seq_len)[None, :],
+                                                                              sliding_window))
+        return PrefillPlan(start, end, seq_len, None, mask)
+    first = int(_first_visible(seq_len - q_len, sliding_window)) // block_size
+    key_start = first * block_size
+    blocks = torch.from_numpy(table[first: -(-seq_len // block_size)].astype(np.int64))
+    mask = torch.from_numpy(_visible(q_pos, np.arange(key_start, seq_len)[None, :], sliding_window))
+    return PrefillPlan(start, end, seq_len, blocks, mask, key_start)
 
 
 def cache_and_attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, plan: AttentionPlan,
-                     scale: float) -> torch.Tensor:
-    """reference.reshape_and_cache then reference.paged_attention, as one call.
+                     scale: float, sliding_window: Optional[int] = None,
+                     softcap: Optional[float] = None) -> torch.Tensor:
+    """reference.reshape_and_cache then reference.paged_attention (with its sliding_window and softcap), as one
+    call.
 
     q: [T, H, D]; key, value: [T, KVH, D] (this step's, may be strided views); slot_mapping: [T] int64 (no
     padding slots on CPU). Returns [T, H, D] in q's dtype.
     """
     write_cache(key, value, k_cache, v_cache, slot_mapping)
+    plan = plan.for_window(sliding_window)
     if not plan.prefills:  # decode only: the output is the decode output, no scatter
-        return decode_attention(q, k_cache, v_cache, plan, scale)
+        return decode_attention(q, k_cache, v_cache, plan, scale, softcap)
     out = torch.empty_like(q)
     if plan.num_decode:
         out.index_copy_(0, plan.decode_rows, decode_attention(q.index_select(0, plan.decode_rows), k_cache,
-                                                              v_cache, plan, scale))
+                                                              v_cache, plan, scale, softcap))
     for p in plan.prefills:
         out[p.start:p.end] = prefill_attention(q[p.start:p.end], key[p.start:p.end], value[p.start:p.end],
-                                               k_cache, v_cache, p, scale)
+                                               k_cache, v_cache, p, scale, softcap)
     return out
 
 
@@ -120,7 +174,8 @@ def write_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def decode_attention(q, k_cache, v_cache, plan: AttentionPlan, scale: float) -> torch.Tensor:
+def decode_attention(q, k_cache, v_cache, plan: AttentionPlan, scale: float,
+                     softcap: Optional[float] = None) -> torch.Tensor:
     """q: [Bd, H, D], one query per sequence at its last position -> [Bd, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -130,30 +185,31 @@ def decode_attention(q, k_cache, v_cache, plan: AttentionPlan, scale: float) -> 
     keys = keys.view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
     values = values.view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
     grouped = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)  # [Bd, KVH, G, D]
-    out = F.scaled_dot_product_attention(grouped.to(keys.dtype), keys, values, attn_mask=plan.decode_mask,
-                                         scale=scale)
+    out = reference.attend(grouped.to(keys.dtype), keys, values, plan.decode_mask, scale, softcap)
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
-def prefill_attention(q, key, value, k_cache, v_cache, p: PrefillPlan, scale: float) -> torch.Tensor:
+def prefill_attention(q, key, value, k_cache, v_cache, p: PrefillPlan, scale: float,
+                      softcap: Optional[float] = None) -> torch.Tensor:
     """One sequence: q [n, H, D]; key/value [n, KVH, D] its new rows -> [n, H, D]."""
     q_len, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if p.blocks is None:
         keys, values = key, value
     else:  # a chunk after a cached prefix: its whole context, from the cache
-        keys = k_cache.index_select(0, p.blocks).flatten(0, 1)[: p.seq_len]  # [S, KVH, D]
-        values = v_cache.index_select(0, p.blocks).flatten(0, 1)[: p.seq_len]
+        keys = k_cache.index_select(0, p.blocks).flatten(0, 1)[: p.seq_len - p.key_start]  # [S, KVH, D]
+        values = v_cache.index_select(0, p.blocks).flatten(0, 1)[: p.seq_len - p.key_start]
     group = num_heads // kv_heads
     seq_len = keys.shape[0]
     # [S, KVH, D] -> [KVH, G, S, D] with the G axis of stride 0: each kv head seen by its G query heads
     keys = keys.permute(1, 0, 2).unsqueeze(1).expand(kv_heads, group, seq_len, head_dim).to(q.dtype)
     values = values.permute(1, 0, 2).unsqueeze(1).expand(kv_heads, group, seq_len, head_dim).to(q.dtype)
     grouped = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, n, D]
-    if p.mask is None:
+    if p.mask is None and softcap is None:
         out = F.scaled_dot_product_attention(grouped, keys, values, is_causal=True, scale=scale)
     else:
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=p.mask, scale=scale)
+        mask = p.mask if p.mask is not None else torch.ones(q_len, seq_len, dtype=torch.bool).tril_()
+        out = reference.attend(grouped, keys, values, mask, scale, softcap)
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
 
 
@@ -161,8 +217,6 @@ def prefill_attention(q, key, value, k_cache, v_cache, p: PrefillPlan, scale: fl
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """reference.rms_norm for float32 (no casts; the other dtypes take the reference)."""
     if x.dtype != torch.float32:
-        from asyncengine.kernels import reference
-
         return reference.rms_norm(x, weight, eps)
     variance = x.pow(2).mean(-1, keepdim=True)
     return weight * (x * torch.rsqrt(variance.add_(eps)))

@@ -11,6 +11,8 @@ Shapes (T = tokens in the flat batch, B = sequences, H = hidden size, D = head d
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] laid out as [gate | up] -> silu(gate) * up: [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] laid out as [gate | up] -> gelu_tanh(gate) * up: [T, I] (GeGLU, Gemma)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rotary_embedding(
@@ -94,14 +102,19 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged KV cache (new K/V already written).
 
     q: [T, num_heads, D]; query_start_loc: [B + 1] (sequence b owns q rows qsl[b]:qsl[b+1]);
     seq_lens: [B] tokens in context after this step, new ones included; block_tables: [B, max_blocks].
-    Query row i of sequence b sits at position seq_len - q_len + i and sees keys 0..that position.
+    Query row i of sequence b sits at position p = seq_len - q_len + i and sees keys 0..p, or with a
+    sliding_window W only the last W of them (p - W < key <= p, as transformers' sliding-window mask).
+    softcap: scores (after `scale`) become softcap * tanh(score / softcap) before the softmax (Gemma 2).
     Returns [T, num_heads, D] in q's dtype. Grouped-query attention: head h reads kv head h // (H / KVH).
     Decode rows (one query each) are computed together in one padded batch; prefill rows one sequence at a time.
+    Blocks wholly outside every query's window are never read (they may have been freed and reused).
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -110,12 +123,40 @@ def paged_attention(
     decode = [b for b, n in enumerate(q_lens) if n == 1]
     if decode:
         rows = torch.tensor([starts[b] for b in decode], device=q.device)
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, [lens[b] for b in decode], block_tables[decode], scale)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, [lens[b] for b in decode], block_tables[decode],
+                                      scale, sliding_window, softcap)
     for b, seq_len in enumerate(lens):
         if q_lens[b] > 1:
             start, end = starts[b], starts[b + 1]
-            out[start:end] = _prefill_attention(q[start:end], k_cache, v_cache, seq_len, block_tables[b], scale)
+            out[start:end] = _prefill_attention(q[start:end], k_cache, v_cache, seq_len, block_tables[b], scale,
+                                                sliding_window, softcap)
     return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+           softcap: Optional[float] = None) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) masked) v over the last two dims: q [..., Lq, D], k, v [..., Lk, D] (leading
+    dims broadcast); mask: bool [..., Lq, Lk], True = visible, or None. Without softcap, one SDPA call."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+def visible_keys(q_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: Optional[int]) -> torch.Tensor:
+    """Causal (and sliding-window) visibility [Lq, Lk] of keys at key_pos [Lk] to queries at q_pos [Lq]."""
+    visible = key_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
+    return visible
+
+
+def first_visible_key(q_pos: int, sliding_window: Optional[int]) -> int:
+    """The earliest key position a query at q_pos sees."""
+    return 0 if sliding_window is None else max(0, q_pos - sliding_window + 1)
 
 
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -123,27 +164,40 @@ def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.transpose(-3, -2).repeat_interleave(num_heads // x.shape[-2], dim=-3)
 
 
-def _prefill_attention(q, k_cache, v_cache, seq_len: int, block_table, scale: float) -> torch.Tensor:
-    """One sequence: q [q_len, H, D] over its first seq_len cached tokens, causal with an offset."""
-    q_len, num_heads = q.shape[0], q.shape[1]
-    k = _expand_kv(gather_kv(k_cache, block_table, seq_len), num_heads).to(q.dtype)  # [H, S, D]
-    v = _expand_kv(gather_kv(v_cache, block_table, seq_len), num_heads).to(q.dtype)
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-    mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, S]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+def _prefill_attention(q, k_cache, v_cache, seq_len: int, block_table, scale: float,
+                       sliding_window: Optional[int], softcap: Optional[float]) -> torch.Tensor:
+    """One sequence: q [q_len, H, D] over its cached tokens, from the first block any of its queries sees."""
+    q_len, num_heads, block_size = q.shape[0], q.shape[1], k_cache.shape[1]
+    first_block = first_visible_key(seq_len - q_len, sliding_window) // block_size
+    key_start = first_block * block_size
+    k = gather_kv(k_cache, block_table[first_block:], seq_len - key_start)  # [S', KVH, D]
+    v = gather_kv(v_cache, block_table[first_block:], seq_len - key_start)
+    k, v = _expand_kv(k, num_heads).to(q.dtype), _expand_kv(v, num_heads).to(q.dtype)  # [H, S', D]
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    mask = visible_keys(q_pos, torch.arange(key_start, seq_len, device=q.device), sliding_window)  # [q_len, S']
+    return attend(q.transpose(0, 1), k, v, mask, scale, softcap).transpose(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, lens: list[int], block_tables, scale: float) -> torch.Tensor:
-    """Bd sequences with one query each: q [Bd, H, D]; keys padded to the longest and masked."""
+def _decode_attention(q, k_cache, v_cache, lens: list[int], block_tables, scale: float,
+                      sliding_window: Optional[int], softcap: Optional[float]) -> torch.Tensor:
+    """Bd sequences with one query each: q [Bd, H, D]; each reads from the first block its query sees, keys
+    padded to the longest such span and masked."""
     num_heads, block_size = q.shape[1], k_cache.shape[1]
-    max_len = max(lens)
-    tables = block_tables[:, : -(-max_len // block_size)].long()  # [Bd, nb]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [Bd, L, KVH, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len]
+    first_blocks = [first_visible_key(n - 1, sliding_window) // block_size for n in lens]
+    num_blocks = max(-(-n // block_size) - f for n, f in zip(lens, first_blocks))
+    # table columns first_block .. first_block + num_blocks - 1 of each row (past the row's end: masked anyway)
+    cols = torch.tensor(first_blocks, device=q.device)[:, None] + torch.arange(num_blocks, device=q.device)
+    tables = block_tables.long().gather(1, cols.clamp(max=block_tables.shape[1] - 1))  # [Bd, nb]
+    k = k_cache[tables].flatten(1, 2)  # [Bd, L, KVH, D]
+    v = v_cache[tables].flatten(1, 2)
     k, v = _expand_kv(k, num_heads).to(q.dtype), _expand_kv(v, num_heads).to(q.dtype)  # [Bd, H, L, D]
-    valid = torch.arange(max_len, device=q.device) < torch.tensor(lens, device=q.device).unsqueeze(1)  # [Bd, L]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    key_pos = cols[:, :, None] * block_size + torch.arange(block_size, device=q.device)  # [Bd, nb, bs]
+    key_pos = key_pos.flatten(1)  # [Bd, L]
+    q_pos = torch.tensor(lens, device=q.device)[:, None] - 1  # [Bd, 1]
+    valid = key_pos <= q_pos
+    if sliding_window is not None:
+        valid &= key_pos > q_pos - sliding_window
+    out = attend(q.unsqueeze(2), k, v, valid[:, None, None, :], scale, softcap)
     return out.squeeze(2)
 
 

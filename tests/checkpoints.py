@@ -47,8 +47,11 @@ def build_tokenizer(folder: Path, vocab_size: int = 384):
     return fast
 
 
+SLIDING_WINDOW = 12  # tokens; shorter than most test prompts, and than every prompt plus its output
+
+
 def _config(arch: str, vocab_size: int, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -71,15 +74,38 @@ def _config(arch: str, vocab_size: int, **overrides):
         }
         common["rope_theta"] = 500000.0
         cls = LlamaConfig
-    elif arch == "MistralForCausalLM":
+    elif arch == "MistralForCausalLM":  # a window shorter than most test prompts (and than their outputs)
         cls = MistralConfig
-        common["sliding_window"] = None
+        common["sliding_window"] = SLIDING_WINDOW
     elif arch == "Qwen2ForCausalLM":
         cls = Qwen2Config
         common["tie_word_embeddings"] = True
     elif arch == "Qwen3ForCausalLM":
         cls = Qwen3Config
         common["head_dim"] = 32  # Qwen3 decouples head_dim from hidden / heads
+    elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        # local then global layer; a small soft-cap that the random scores reach; query_pre_attn_scalar != head_dim
+        common.update(head_dim=16, query_pre_attn_scalar=24, sliding_window=SLIDING_WINDOW,
+                      layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh")
+        if arch == "Gemma2ForCausalLM":
+            cls = Gemma2Config
+            common.update(attn_logit_softcapping=2.0, final_logit_softcapping=8.0)
+        else:  # Gemma 3: q/k norms, and local layers on their own rope base
+            cls = Gemma3TextConfig
+            common["rope_parameters"] = {
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            }
+    elif arch == "Phi3ForCausalLM":
+        # LongRoPE with a pretraining length beyond the tests' sequences (short factors; the long ones are checked
+        # on their own), every layer windowed
+        cls = Phi3Config
+        head_dim = 64 // 4
+        common.update(sliding_window=SLIDING_WINDOW, original_max_position_embeddings=128, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
+            "short_factor": [1.0 + 0.25 * i for i in range(head_dim // 2)],
+            "long_factor": [2.0 + i for i in range(head_dim // 2)],
+        })
     else:
         raise ValueError(arch)
     common.update(overrides)
@@ -107,9 +133,12 @@ def build_checkpoint(
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
+            elif arch.startswith("Gemma") and "post_" in name:  # Gemma's (1 + w) norms on the layer outputs:
+                p.normal_(3.0, 0.5)  # outputs that outweigh the tied embedding, so greedy does not echo its input
     model.save_pretrained(str(folder))
     GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(str(folder))
     return folder
 
 
-ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]

@@ -6,15 +6,31 @@ Third parties add families through `asyncengine.plugins` (`register_model`), whi
 from __future__ import annotations
 
 from asyncengine.models.bert import BertModel
+from asyncengine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from asyncengine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from asyncengine.models.phi3 import Phi3ForCausalLM
 
 _REGISTRY: dict[str, type] = {
     "BertModel": BertModel,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
+
+HOW_TO_REGISTER = (
+    "to add a family, register it from a plugin: an entry point in the group 'asyncengine.plugins' whose "
+    "register(registry) calls registry.register_model(architecture, model_class) (see asyncengine.plugins)"
+)
+
+
+def unsupported_architecture_message(architectures) -> str:
+    """The error for a checkpoint none of whose architectures is registered: what is supported, and how to add one."""
+    return (f"architectures {list(architectures)} not supported; supported: {sorted(_REGISTRY)}; "
+            f"{HOW_TO_REGISTER}")
 
 
 def register_model(architecture: str, model_class: type) -> None:
@@ -30,4 +46,4 @@ def model_class_for(architecture: str) -> type:
     try:
         return _REGISTRY[architecture]
     except KeyError:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(_REGISTRY)}") from None
+        raise ValueError(unsupported_architecture_message([architecture])) from None

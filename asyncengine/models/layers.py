@@ -201,7 +201,38 @@ def rope_inv_freq(head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, blended, scaled), 1.0
-    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, "
+                     "longrope)")
+
+
+LONGROPE_TYPES = ("longrope", "su")
+
+
+def longrope_cos_sin_cache(head_dim: int, max_positions: int, rope: dict) -> torch.Tensor:
+    """[max_positions, head_dim] float32 = [cos | sin] for LongRoPE (Phi-3): inverse frequencies divided per
+    dimension by `short_factor` below `original_max_position_embeddings` (L) and by `long_factor` from L on,
+    cos/sin scaled by `attention_factor` (default sqrt(1 + ln(factor) / ln(L)), 1 when factor <= 1).
+
+    transformers switches every position of a sequence to the long factors once the sequence grows past L
+    (recomputing its cache); a paged cache cannot recompute the keys it holds, so here each position chooses by
+    itself (as vLLM does). Sequences that stay within L match transformers exactly.
+    """
+    base = float(rope.get("rope_theta", 10000.0))
+    original = int(rope["original_max_position_embeddings"])
+    factor = float(rope["factor"])
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    positions = torch.arange(max_positions, dtype=torch.float32)[:, None]
+    caches = []
+    for name in ("short_factor", "long_factor"):
+        ext = torch.tensor(rope[name], dtype=torch.float32)
+        if ext.shape != (head_dim // 2,):
+            raise ValueError(f"rope {name} has {ext.shape[0]} entries; head_dim / 2 = {head_dim // 2} expected")
+        freqs = positions * (1.0 / (ext * base**exponents))[None, :]
+        caches.append(torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor)
+    return torch.where(positions >= original, caches[1], caches[0])
 
 
 class RotaryEmbedding(nn.Module):
@@ -209,9 +240,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, rope: dict):
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(head_dim, rope)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+        if rope.get("rope_type", rope.get("type")) in LONGROPE_TYPES:
+            cache = longrope_cos_sin_cache(head_dim, max_positions, rope)
+        else:
+            inv_freq, scaling = rope_inv_freq(head_dim, rope)
+            freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.head_dim = head_dim
 
@@ -220,12 +254,16 @@ class RotaryEmbedding(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's K/V into the layer's paged cache, then attends over the whole cached context."""
+    """Writes this step's K/V into the layer's paged cache, then attends over the cached context: all of it, or
+    with a sliding_window only the last that many keys. scale defaults to head_dim**-0.5; softcap caps the scores
+    (softcap * tanh(score / softcap), Gemma 2)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: Optional[float] = None,
+                 sliding_window: Optional[int] = None, softcap: Optional[float] = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window, self.softcap = sliding_window, softcap
 
     def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata):
         """q: [T, H*D], k, v: [T, KVH*D] -> [T, H*D]."""
@@ -234,7 +272,8 @@ class PagedAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, self.scale)
+        out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, self.scale, self.sliding_window,
+                                   self.softcap)
         return out.reshape(tokens, self.num_heads * self.head_dim)
 
 

@@ -1,4 +1,5 @@
-"""The Llama family: Llama (incl. Llama-3.1 rope scaling), Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm).
+"""The Llama family: Llama (incl. Llama-3.1 rope scaling), Mistral (its sliding window), Qwen2 (QKV bias; sliding
+layers when the config asks), Qwen3 (per-head q/k RMSNorm).
 
 The four differ only in flags read from the HF config, so one implementation serves them all. The model works on
 a flat batch: T tokens from many sequences, each with its position and its cache slot; attention reads the paged
@@ -15,6 +16,7 @@ from torch import nn
 from asyncengine import ops
 from asyncengine.distributed.parallel_state import tp_size
 from asyncengine.models.layers import (
+    LONGROPE_TYPES,
     AttentionMetadata,
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -34,14 +36,33 @@ def rope_config(hf_config) -> dict:
     """rope settings across transformers versions (v5 `rope_parameters`, v4 `rope_theta` + `rope_scaling`)."""
     params = getattr(hf_config, "rope_parameters", None)
     if params:
-        return dict(params)
-    rope = dict(getattr(hf_config, "rope_scaling", None) or {})
-    rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope = dict(params)
+    else:
+        rope = dict(getattr(hf_config, "rope_scaling", None) or {})
+        rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if rope.get("rope_type", rope.get("type")) in LONGROPE_TYPES:  # its lengths may sit on the config itself
+        original = rope.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+        rope["original_max_position_embeddings"] = original
+        rope.setdefault("factor", hf_config.max_position_embeddings / original)
     return rope
 
 
+def layer_sliding_windows(cfg) -> list[Optional[int]]:
+    """Each layer's sliding window (None: global attention), as transformers reads the config: `layer_types`
+    ("sliding_attention" / "full_attention") when given, else `sliding_window` for every layer (Mistral, Phi-3)."""
+    window = getattr(cfg, "sliding_window", None) or None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is None:
+        return [window] * cfg.num_hidden_layers
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer_types {sorted(unknown)} are not supported (sliding_attention, full_attention)")
+    return [window if t == "sliding_attention" else None for t in layer_types]
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool, max_positions: int):
+    def __init__(self, cfg, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool, max_positions: int,
+                 sliding_window: Optional[int] = None):
         super().__init__()
         hidden, heads = cfg.hidden_size, cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -51,7 +72,7 @@ class Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, kv_heads, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, getattr(cfg, "attention_bias", False), dtype)
         self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions, rope_config(cfg))
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window=sliding_window)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
 
@@ -81,9 +102,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, dtype, qkv_bias: bool, qk_norm: bool, max_positions: int):
+    def __init__(self, cfg, dtype, qkv_bias: bool, qk_norm: bool, max_positions: int,
+                 sliding_window: Optional[int] = None):
         super().__init__()
-        self.self_attn = Attention(cfg, dtype, qkv_bias, qk_norm, max_positions)
+        self.self_attn = Attention(cfg, dtype, qkv_bias, qk_norm, max_positions, sliding_window)
         self.mlp = MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -100,7 +122,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, chosen by the flags below."""
+    """Also MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, chosen by the flags below.
+
+    `sliding_windows` lists each layer's window (None: global), read by the engine to free KV blocks that no
+    layer can see any more (only when every layer has a window)."""
 
     qkv_bias_default = False
     qk_norm = False
@@ -110,8 +135,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         qkv_bias = getattr(cfg, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.sliding_windows = layer_sliding_windows(cfg)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, qkv_bias, self.qk_norm, max_positions) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, dtype, qkv_bias, self.qk_norm, max_positions, window) for window in self.sliding_windows
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
