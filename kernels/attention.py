@@ -100,6 +100,7 @@ def _attend_block(
     q_pos,  # [ROWS] absolute position of each query row
     start,  # first key of this block
     seq_len,
+    key_lo,  # with SLIDING_WINDOW: keys before it are not loaded at all (their blocks may be freed)
     k_cache_ptr,  # [NB, BS, KVH, D]
     v_cache_ptr,  # [NB, BS, KVH, D]
     block_table_ptr,  # [MAXB] of this sequence
@@ -125,6 +126,8 @@ def _attend_block(
     keys = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM_PAD)
     key_mask = keys < seq_len
+    if SLIDING_WINDOW > 0:
+        key_mask = key_mask & (keys >= key_lo)
     k_off = _kv_offsets(block_table_ptr, keys, key_mask, kv_head, stride_kb, stride_ks, stride_kh, BLOCK_SIZE)
     v_off = _kv_offsets(block_table_ptr, keys, key_mask, kv_head, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
     k = _load_kv_tile(k_cache_ptr + k_off[:, None] + dims[None, :], key_mask, dims, MASKED, HEAD_DIM, HEAD_DIM_PAD)
@@ -261,26 +264,28 @@ def _prefill_kernel(
     # before the last row's window start are masked, as are the diagonal blocks.
     loop_start = 0
     edge_end = 0
+    key_lo = 0  # the first key any row of the tile sees
     if SLIDING_WINDOW > 0:
-        loop_start = tl.maximum(context + first_token - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        key_lo = tl.maximum(context + first_token - SLIDING_WINDOW + 1, 0)
+        loop_start = key_lo // BLOCK_N * BLOCK_N
         edge_end = tl.cdiv(tl.maximum(tile_end - SLIDING_WINDOW, 0), BLOCK_N) * BLOCK_N
         edge_end = tl.minimum(edge_end, tl.cdiv(tile_end, BLOCK_N) * BLOCK_N)
         for start in range(loop_start, edge_end, BLOCK_N):
             acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+                acc, m_i, l_i, q, q_pos, start, seq_len, key_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
                 qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
             )  # fmt: skip
         loop_start = tl.maximum(loop_start, edge_end)
     for start in range(loop_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            acc, m_i, l_i, q, q_pos, start, seq_len, key_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
             qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, False, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
         )  # fmt: skip
     for start in range(tl.maximum(unmasked_end, loop_start), tile_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            acc, m_i, l_i, q, q_pos, start, seq_len, key_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
             qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
         )  # fmt: skip
@@ -338,8 +343,10 @@ def _decode_partial_kernel(
     # Segments are whole KV blocks, sized from this sequence's own span of visible keys (from the window's first
     # block with a sliding window; earlier blocks are never read); trailing ones may be empty.
     span_start = 0
+    key_lo = 0  # the first key the query sees
     if SLIDING_WINDOW > 0:
-        span_start = tl.maximum(seq_len - SLIDING_WINDOW, 0) // BLOCK_N * BLOCK_N
+        key_lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+        span_start = key_lo // BLOCK_N * BLOCK_N
     segment = tl.cdiv(tl.cdiv(seq_len - span_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     seg_start = span_start + split * segment
     seg_end = tl.minimum(seg_start + segment, seq_len)
@@ -361,7 +368,7 @@ def _decode_partial_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(seg_start, seg_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            acc, m_i, l_i, q, q_pos, start, seq_len, key_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
             qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
         )  # fmt: skip

@@ -103,6 +103,42 @@ def test_gather_buffers_are_reused_by_every_layer_of_a_step():
     assert plan.gather_buffer("k", k_cache).data_ptr() == first
 
 
+def poison_freed_blocks(k_cache, v_cache, tables, q_lens, seq_lens, window):
+    """NaN in the blocks wholly before each sequence's first visible key (the engine may have freed them), every
+    unused table entry pointed at a clean block: reading a freed block, even masked, gives NaN."""
+    block_size = k_cache.shape[1]
+    owned = {int(tables[b, i]) for b, n in enumerate(seq_lens) for i in range(-(-n // block_size))}
+    spare = min(set(range(k_cache.shape[0])) - owned)
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        tables[b, -(-seq_len // block_size):] = spare
+        for i in range(max(0, seq_len - q_len - window + 1) // block_size):
+            k_cache[tables[b, i]] = float("nan")
+            v_cache[tables[b, i]] = float("nan")
+
+
+@pytest.mark.parametrize("window, softcap", [(8, None), (None, 2.0), (20, 3.0)],
+                         ids=["window8", "softcap2", "window20-softcap3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_and_softcap_match_reference_without_reading_freed_blocks(window, softcap, dtype):
+    # decodes past and within the window, a fresh prompt longer than it, chunks behind a cached prefix
+    q_lens, seq_lens = [1, 40, 1, 9, 1, 30], [90, 40, 6, 75, 33, 140]
+    q, key, value, k_cache, v_cache, slots, qsl, lens, tables = paged_batch(q_lens, seq_lens, heads=4, kv_heads=2,
+                                                                            block_size=8, dtype=dtype)
+    if window is not None:
+        poison_freed_blocks(k_cache, v_cache, tables, q_lens, seq_lens, window)  # (own blocks, so slots, kept)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.reshape_and_cache(key, value, ref_k, ref_v, slots)
+    expected = reference.paged_attention(q, ref_k, ref_v, torch.from_numpy(qsl), torch.from_numpy(lens),
+                                         torch.from_numpy(tables), 0.3, window, softcap)
+    assert not expected.isnan().any()
+    plan = cpu.plan_attention(qsl, lens, tables, k_cache.shape[1])
+    out = cpu.cache_and_attend(q, key, value, k_cache, v_cache, slots, plan, 0.3, window, softcap)
+    torch.testing.assert_close(out, expected, **TOLERANCE[q.dtype])
+    if window is not None:  # the windowed plan is built once per step and window, and reads fewer blocks
+        assert plan.for_window(window) is plan.for_window(window)
+        assert plan.for_window(window).decode_blocks.numel() < plan.decode_blocks.numel()
+
+
 # -- element-wise ---------------------------------------------------------------------------------------------------
 def test_rms_norm_and_fused_add_match_reference_and_update_the_residual_in_place():
     x, residual, weight = torch.randn(9, 48), torch.randn(9, 48), torch.randn(48)

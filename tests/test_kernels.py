@@ -273,6 +273,95 @@ def test_cache_write_then_attention_over_it():
     check_attention((q, k_cache, v_cache, qsl, lens, block_tables), 0.125, max_query_len=5, max_seq_len=40)
 
 
+# -- sliding window and soft-capping ----------------------------------------------------------------------------
+
+
+def poison_outside_window(batch, q_lens, seq_lens, window):
+    """Fill with NaN the blocks that lie wholly before every query's window (blocks the engine may have freed and
+    handed to another request), and point every unused table entry at a clean spare block: a kernel that reads a
+    freed block, even masked, then outputs NaN."""
+    q, k_cache, v_cache, qsl, lens, block_tables = batch
+    block_size = k_cache.shape[1]
+    owned = {int(block_tables[b, i]) for b, n in enumerate(seq_lens) for i in range(-(-n // block_size))}
+    spare = min(set(range(k_cache.shape[0])) - owned)
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        first_visible = max(0, seq_len - q_len - window + 1)
+        block_tables[b, -(-seq_len // block_size):] = spare
+        for i in range(first_visible // block_size):
+            k_cache[block_tables[b, i]] = float("nan")
+            v_cache[block_tables[b, i]] = float("nan")
+    return batch
+
+
+def naive_paged_attention(batch, scale, window=None, softcap=None):
+    """Row by row: the query at position p over keys max(0, p - window + 1)..p read slot by slot, capped scores."""
+    q, k_cache, v_cache, qsl, lens, block_tables = (t.cpu() for t in batch)
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(len(lens)):
+        start, end, seq_len = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+        for row in range(start, end):
+            p = seq_len - (end - start) + (row - start)
+            keys = range(0 if window is None else max(0, p - window + 1), p + 1)
+            slots = [(int(block_tables[b, j // block_size]), j % block_size) for j in keys]
+            k = torch.stack([k_cache[blk, off] for blk, off in slots]).double().repeat_interleave(group, 1)
+            v = torch.stack([v_cache[blk, off] for blk, off in slots]).double().repeat_interleave(group, 1)
+            scores = torch.einsum("hd,khd->hk", q[row].double(), k) * scale  # [H, keys]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[row] = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v)
+    return out.to(q.dtype)
+
+
+WINDOW_CASES = pytest.mark.parametrize("window, softcap", [(8, None), (None, 2.0), (20, 3.0)],
+                                       ids=["window8", "softcap2", "window20-softcap3"])
+
+
+@WINDOW_CASES
+def test_reference_window_and_softcap_match_a_naive_row_by_row_attention(window, softcap):
+    from asyncengine.kernels import reference
+
+    q_lens, seq_lens = [13, 9, 1, 1], [13, 45, 33, 6]
+    batch = make_batch(q_lens, seq_lens, block_size=4, spare_blocks=1)
+    if window is not None:
+        poison_outside_window(batch, q_lens, seq_lens, window)
+    q, k_cache, v_cache, qsl, lens, tables = batch
+    ref = reference.paged_attention(q, k_cache, v_cache, qsl.cpu(), lens.cpu(), tables, 0.3, window, softcap)
+    assert_matches(ref, naive_paged_attention(batch, 0.3, window, softcap), ATTENTION_TOLERANCE)
+
+
+@WINDOW_CASES
+@pytest.mark.parametrize("give_max_lens", [True, False])
+def test_attention_window_and_softcap_match_reference_without_reading_freed_blocks(window, softcap, give_max_lens):
+    """A fresh prompt longer than the window, chunks behind a cached prefix that starts before and inside the
+    window, decodes; blocks wholly outside every query's window are NaN (freed) and must not be read."""
+    from asyncengine.kernels import attention, reference
+
+    q_lens, seq_lens = [40, 9, 70, 1, 1, 1], [40, 75, 140, 33, 6, 90]
+    batch = make_batch(q_lens, seq_lens, block_size=8, spare_blocks=1)
+    if window is not None:
+        poison_outside_window(batch, q_lens, seq_lens, window)
+    q, k_cache, v_cache, qsl, lens, tables = batch
+    hints = dict(max_query_len=max(q_lens), max_seq_len=max(seq_lens)) if give_max_lens else {}
+    out = attention.paged_attention(q, k_cache, v_cache, qsl, lens, tables, 0.2, sliding_window=window,
+                                    softcap=softcap, **hints)
+    ref = reference.paged_attention(q, k_cache, v_cache, qsl.cpu(), lens.cpu(), tables, 0.2, window, softcap)
+    assert_matches(out, ref, ATTENTION_TOLERANCE)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_decode_split_kv_with_window_and_softcap(num_splits):
+    from asyncengine.kernels import attention, reference
+
+    q_lens, seq_lens = [1, 1, 1], [300, 5, 129]
+    batch = poison_outside_window(make_batch(q_lens, seq_lens, spare_blocks=1), q_lens, seq_lens, 50)
+    q, k_cache, v_cache, qsl, lens, tables = batch
+    out = attention.paged_attention_decode(q, k_cache, v_cache, qsl, lens, tables, 0.125, num_splits,
+                                           sliding_window=50, softcap=4.0)
+    ref = reference.paged_attention(q, k_cache, v_cache, qsl.cpu(), lens.cpu(), tables, 0.125, 50, 4.0)
+    assert_matches(out, ref, ATTENTION_TOLERANCE)
+
+
 def naive_bidirectional(q, k, v, lens, scale):
     """Per sequence, every query over every key of its own sequence (plain softmax), as encoders attend."""
     out, start = [], 0
@@ -411,3 +500,23 @@ def test_gpu_attention_decode_is_cuda_graph_capturable():
     torch.cuda.synchronize()
     ref = reference.paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.1)
     assert_matches(out, ref, ATTENTION_TOLERANCE)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_attention_window_and_softcap_at_gemma2_sizes():
+    """Gemma-2-9B's attention (16 query heads over 8 kv heads, head_dim 256, window 4096, soft-cap 50) in bf16
+    against the float32 reference: a mixed batch with prompts past the window, and a decode batch."""
+    from asyncengine.kernels import attention, reference
+
+    for q_lens, seq_lens in (([3000, 700, 1, 1, 1], [5000, 6000, 4097, 9000, 100]), ([1] * 32, [8000] * 32)):
+        batch = make_batch(q_lens, seq_lens, heads=16, kv_heads=8, head_dim=256, dtype=torch.bfloat16,
+                           spare_blocks=1)
+        poison_outside_window(batch, q_lens, seq_lens, 4096)
+        q, k_cache, v_cache, qsl, lens, tables = batch
+        out = attention.paged_attention(q, k_cache, v_cache, qsl, lens, tables, 256**-0.5, sliding_window=4096,
+                                        softcap=50.0, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), qsl.cpu(), lens.cpu(), tables,
+                                        256**-0.5, 4096, 50.0)
+        assert not out.isnan().any()
+        assert rel_error(out, ref) < 1e-2
