@@ -11,6 +11,14 @@ Python's hash(), which is unseeded for ints and easy to collide on purpose (x an
 Shared blocks are never written: a request only writes slots past its computed tokens, which lie in blocks it
 allocated fresh, and hits are capped so at least one prompt token is recomputed (its logits are needed).
 
+Sliding windows. When every layer of the model attends to at most `sliding_window` keys, a block that lies wholly
+before the window of a request's next query can never be read again: `allocate` gives such blocks back first (so
+they do not count against the KV budget). Their ids stay at the head of the request's block table, stale, and
+`num_released_blocks` counts them; the attention kernels never read a block before a query's window. With the
+prefix cache on, only registered blocks are released (they stay cached, as any freed block does). A block freed
+this way may be allocated to another request in the same step: the step reads only blocks inside the windows, and
+steps in flight run before it on the device's stream.
+
 Free list. Blocks with no reference sit in `free` in LRU order: allocation takes from the front. A freed block
 that holds registered KV goes to the back (kept as long as possible for reuse); an unregistered one goes to the
 front. Taking a registered block from the free list for a new owner evicts it from the cache.
@@ -44,10 +52,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: Optional[int] = None):
+        """sliding_window: the widest window when every layer has one (None: some layer sees the whole context)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
@@ -96,7 +107,10 @@ class BlockManager:
     # -- allocation -------------------------------------------------------------------------------------------
     def allocate(self, request: Request, num_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Grow the request's block table to hold num_tokens tokens, first adopting cached_blocks (only for a
-        request with an empty table). All or nothing: returns False, changing nothing, when blocks run short."""
+        request with an empty table). All or nothing: returns False, changing nothing, when blocks run short
+        (blocks outside every window of the request's next query, at num_computed_tokens, are released anyway)."""
+        if self.sliding_window is not None:
+            self.release_out_of_window(request)
         needed = self.blocks_for(num_tokens) - len(request.block_table) - len(cached_blocks)
         hits_in_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         if needed > len(self.free) - hits_in_free:
@@ -141,17 +155,32 @@ class BlockManager:
                 self.cached[block_hash] = block.block_id
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
+    def release_out_of_window(self, request: Request) -> None:
+        """Give back the blocks wholly before the first key that the request's next query (at position
+        num_computed_tokens) sees: no later query sees them either."""
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        dead = min(max(first_visible, 0) // self.block_size, len(request.block_table))
+        if self.enable_prefix_caching:  # an unregistered block would be registered later, under a stale id
+            dead = min(dead, request.num_registered_blocks)
+        for i in range(request.num_released_blocks, dead):
+            self._release(request.block_table[i])
+        request.num_released_blocks = max(request.num_released_blocks, dead)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.block_hash is None:
+                self.free.move_to_end(block_id, last=False)
+
     def free_request(self, request: Request) -> None:
         """Drop the request's references, last block first (so a shared prefix outlives its tails)."""
-        for block_id in reversed(request.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                if block.block_hash is None:
-                    self.free.move_to_end(block_id, last=False)
+        for block_id in reversed(request.block_table[request.num_released_blocks:]):
+            self._release(block_id)
         request.block_table = []
         request.num_registered_blocks = 0
+        request.num_released_blocks = 0
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens

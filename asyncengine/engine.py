@@ -83,18 +83,20 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        if self.runner.num_blocks * config.block_size < self.max_model_len:
+        if self.runner.num_blocks * config.block_size < self._tokens_one_sequence_holds():
             raise ValueError(
                 f"the KV cache holds {self.runner.num_blocks} blocks x {config.block_size} tokens = "
-                f"{self.runner.num_blocks * config.block_size} tokens, fewer than max_model_len ({self.max_model_len}): "
-                "give more KV memory (num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization) or lower max_model_len"
+                f"{self.runner.num_blocks * config.block_size} tokens, fewer than one sequence may hold at once "
+                f"({self._tokens_one_sequence_holds()}; max_model_len {self.max_model_len}): give more KV memory "
+                "(num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization) or lower max_model_len"
             )
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}), or a long prompt could never be scheduled"
             )
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.runner.kv_sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill, config.min_prefill_batch)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.stop)
@@ -104,6 +106,16 @@ class LLMEngine:
         self._stats = StepStats()  # observations since the last emit
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
+
+    def _tokens_one_sequence_holds(self) -> int:
+        """KV slots one sequence may hold at once: max_model_len, or, when every layer has a sliding window (blocks
+        before it are given back), its window plus two steps' tokens (one may still be in flight, its blocks not yet
+        released) plus two partial blocks."""
+        window = self.runner.kv_sliding_window
+        if window is None:
+            return self.max_model_len
+        step = self.config.max_num_batched_tokens
+        return min(self.max_model_len, window + 2 * step + 2 * self.config.block_size)
 
     def _max_model_len(self) -> int:
         return resolve_max_model_len(self.config, self.model_config)

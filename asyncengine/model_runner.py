@@ -100,6 +100,15 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.capture()
 
+    @property
+    def kv_sliding_window(self) -> Optional[int]:
+        """The widest sliding window when every layer of the model has one, else None: past it, KV blocks can be
+        given back (models list their layers' windows in `sliding_windows`; those that do not see everything)."""
+        windows = getattr(self.model, "sliding_windows", None)
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
+
     # -- KV cache sizing --------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
         return self.block_size * self.model_config.kv_bytes_per_token(self.model_config.dtype)

@@ -21,7 +21,7 @@ Invariants:
 Who writes what (everything else reads; the engine only creates the Request):
 - the scheduler: status, stop_reason, num_computed_tokens, num_inflight, token_ids (append_token), num_cached_tokens,
   num_preemptions, first_scheduled_time
-- the block manager: block_table, block_hashes, num_registered_blocks
+- the block manager: block_table, block_hashes, num_registered_blocks, num_released_blocks
 - the model runner: inflight_row
 - the output processor: logprobs, cumulative_logprob, first_token_time, last_token_time (and the detokenizer's own
   state)
@@ -80,6 +80,9 @@ class Request:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks, extended as they fill
         self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        # leading blocks of block_table given back because no layer's window can see them any more (their ids
+        # stay in the table, stale, so that positions keep their block index; the kernels never read them)
+        self.num_released_blocks = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.logprobs: list[dict[int, Logprob]] = []

@@ -1,0 +1,141 @@
+"""Sliding-window models and the KV blocks behind their windows: when every layer is local (Mistral, Phi-3), blocks
+wholly before the window of a request's next query are given back while it runs (so they do not count against the
+KV budget), and the tokens stay transformers' own; when some layers are global (Gemma 2/3), every block is kept.
+Also: LongRoPE's long factors, and the error for an unknown architecture.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from asyncengine import LLM, SamplingParams
+from asyncengine.block_manager import BlockManager
+from asyncengine.request import Request
+from checkpoints import SLIDING_WINDOW
+from conftest import assert_no_leaks
+
+BLOCK_SIZE = 4
+LONG_PROMPT = [0] + [(7 * i) % 300 + 6 for i in range(59)]  # 60 tokens, five windows long
+NEW_TOKENS = 40
+
+
+@functools.cache
+def transformers_greedy(folder) -> list[int]:
+    """transformers' greedy continuation of LONG_PROMPT (float32), once per checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    out = model.generate(torch.tensor([LONG_PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                         do_sample=False)
+    return out[0, len(LONG_PROMPT):].tolist()
+
+
+def live_blocks(request) -> int:
+    return len(request.block_table) - request.num_released_blocks
+
+
+def run_one_request(llm: LLM, prompt: list[int]):
+    """Generate greedily step by step; returns (tokens, the most blocks the request held at once, the request)."""
+    engine = llm.engine
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    most, request, tokens = 0, None, []
+    while engine.has_unfinished_requests():
+        if engine.scheduler.running:
+            request = engine.scheduler.running[0]
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+        if request is not None and not request.finished:
+            most = max(most, live_blocks(request))
+            bm = engine.block_manager
+            assert bm.num_free_blocks == bm.num_blocks - live_blocks(request), "a released block is still held"
+    return tokens, most, request
+
+
+@pytest.mark.parametrize("arch, prefix_caching", [("MistralForCausalLM", True), ("MistralForCausalLM", False),
+                                                  ("Phi3ForCausalLM", True)])
+def test_all_local_layers_give_back_blocks_behind_the_window(checkpoint_dir, arch, prefix_caching):
+    folder = checkpoint_dir(arch)
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, block_size=BLOCK_SIZE,
+              enable_prefix_caching=prefix_caching, max_num_batched_tokens=16)
+    assert llm.engine.block_manager.sliding_window == SLIDING_WINDOW
+    tokens, most, request = run_one_request(llm, LONG_PROMPT)
+    assert tokens == transformers_greedy(folder)
+    total_blocks = -(-(len(LONG_PROMPT) + NEW_TOKENS) // BLOCK_SIZE)  # 25 without releasing
+    # window (12) + a 16-token chunk, and one more chunk in flight before its blocks are registered
+    assert most <= -(-(SLIDING_WINDOW + 2 * 16) // BLOCK_SIZE) + 2 < total_blocks, most
+    assert_no_leaks(llm.engine)
+
+
+def test_released_blocks_stay_in_the_prefix_cache(checkpoint_dir):
+    """Blocks behind the window are freed as registered blocks: a second request with the same prompt finds them
+    in the prefix cache (until evicted) and gets the same tokens."""
+    folder = checkpoint_dir("MistralForCausalLM")
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, block_size=BLOCK_SIZE, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    first = llm.generate([LONG_PROMPT], params, use_tqdm=False)[0]
+    again = llm.generate([LONG_PROMPT], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= len(LONG_PROMPT) - BLOCK_SIZE
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+def test_global_layers_keep_every_block(checkpoint_dir, arch):
+    folder = checkpoint_dir(arch)
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, block_size=BLOCK_SIZE, max_num_batched_tokens=16)
+    assert llm.engine.block_manager.sliding_window is None  # layer 1 is global
+    tokens, most, request = run_one_request(llm, LONG_PROMPT)
+    assert tokens == transformers_greedy(folder)
+    assert most == -(-(len(LONG_PROMPT) + NEW_TOKENS - 1) // BLOCK_SIZE)  # every token's block, to the last
+    assert_no_leaks(llm.engine)
+
+
+def test_block_manager_releases_only_registered_blocks_with_prefix_caching():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, sliding_window=6)
+    request = Request("r", list(range(40)), SamplingParams(max_tokens=1), max_tokens=1)
+    assert bm.allocate(request, 20)
+    request.num_computed_tokens = 20  # next query at 20 sees 15..20: blocks 0-2 (tokens 0-11) are dead
+    assert bm.allocate(request, 24)
+    assert request.num_released_blocks == 0, "unregistered blocks must not be released"
+    bm.register_full_blocks(request, 20)
+    assert bm.allocate(request, 24)
+    assert request.num_released_blocks == 3 and bm.num_free_blocks == 16 - 3
+    assert all(bm.blocks[b].block_hash is not None for b in request.block_table[:3])  # still cached
+    bm.free_request(request)
+    assert bm.num_free_blocks == 16 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_longrope_uses_the_long_factors_past_the_original_length(checkpoint_dir):
+    """Positions from original_max_position_embeddings on get transformers' long-factor rotary (cos, sin); earlier
+    ones its short-factor rotary, with the same attention factor."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from asyncengine.models.layers import RotaryEmbedding
+    from asyncengine.models.llama import rope_config
+
+    cfg = AutoConfig.from_pretrained(str(checkpoint_dir("Phi3ForCausalLM")))
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    original = 128
+    ours = RotaryEmbedding(head_dim, 256, rope_config(cfg)).cos_sin_cache  # [256, head_dim]
+    theirs = Phi3RotaryEmbedding(cfg)
+    x = torch.zeros(1, 1, head_dim)
+    for positions in (torch.arange(0, original), torch.arange(original, 256)):
+        cos, sin = theirs(x, positions[None, :])  # [1, n, head_dim], halves repeated
+        expected = torch.cat((cos[0, :, : head_dim // 2], sin[0, :, : head_dim // 2]), dim=-1)
+        torch.testing.assert_close(ours[positions], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_architecture_lists_the_supported_ones_and_the_plugin_route(tmp_path, llama_dir):
+    for f in llama_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"FalconForCausalLM.*not supported.*Gemma2ForCausalLM.*Phi3ForCausalLM.*"
+                                         r"asyncengine\.plugins.*register_model"):
+        LLM(str(tmp_path))
