@@ -83,11 +83,13 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        if self.runner.num_blocks * config.block_size < self._tokens_one_sequence_holds():
+        one_sequence = self._tokens_one_sequence_holds()
+        if self.runner.num_blocks * config.block_size < one_sequence:
+            what = (f"max_model_len ({self.max_model_len})" if one_sequence == self.max_model_len else
+                    f"the {one_sequence} tokens one sequence holds at once (its sliding window and two steps)")
             raise ValueError(
                 f"the KV cache holds {self.runner.num_blocks} blocks x {config.block_size} tokens = "
-                f"{self.runner.num_blocks * config.block_size} tokens, fewer than one sequence may hold at once "
-                f"({self._tokens_one_sequence_holds()}; max_model_len {self.max_model_len}): give more KV memory "
+                f"{self.runner.num_blocks * config.block_size} tokens, fewer than {what}: give more KV memory "
                 "(num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization) or lower max_model_len"
             )
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:

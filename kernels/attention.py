@@ -606,7 +606,7 @@ def paged_attention(
             kv_bound = min(kv_bound, sliding_window + DECODE_BLOCK_N)
         splits = decode_num_splits(num_seqs, k_cache.shape[2], kv_bound, _num_sms(q.device))
         _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, splits, out,
-                       sliding_window, softcap)
+                       sliding_window=sliding_window, softcap=softcap)
     else:
         _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
                         sliding_window=sliding_window, softcap=softcap)

@@ -94,6 +94,23 @@ def test_small_model_float32_logits_match_transformers(tmp_path):
     assert cos >= 0.9999 and top1 >= 0.99, (cos, top1)
 
 
+@pytest.mark.parametrize("arch, length", [("MistralForCausalLM", 256), ("Gemma2ForCausalLM", 256),
+                                          ("Gemma3ForCausalLM", 256), ("Phi3ForCausalLM", 120)])
+def test_windowed_and_softcapped_families_float32_logits_match_transformers(tmp_path, arch, length):
+    """Sliding windows (12 tokens, far shorter than the sequence), soft-capping and Gemma's and Phi-3's other
+    changes through the Triton kernels and CUDA-graph decode (Phi-3 within its LongRoPE pretraining length, where
+    transformers uses the short factors throughout)."""
+    from checkpoints import build_checkpoint
+
+    folder = build_checkpoint(tmp_path / arch, arch, max_position_embeddings=1024, lm_head_std=0.5)
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", max_model_len=512, max_num_seqs=8,
+                                    gpu_memory_utilization=0.3))
+    ours, exact, _ = compare_with_transformers(folder, engine, length=length, prefill_len=length * 3 // 4,
+                                               with_bf16=False)
+    cos, top1 = agreement(ours, exact)
+    assert cos >= 0.9999 and top1 >= 0.99, (cos, top1)
+
+
 def test_bf16_logits_as_close_to_float32_as_transformers_bf16(tmp_path):
     """In bf16, on random weights, rounding alone moves logits enough to flip near-ties, for transformers too; our
     bf16 must be at least as close to the float32 function as transformers' own bf16 run, on a small checkpoint

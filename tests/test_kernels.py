@@ -238,7 +238,7 @@ def test_attention_launcher_takes_decode_path_for_single_token_queries(give_max_
 
     taken = []
     real = attention._launch_decode
-    monkeypatch.setattr(attention, "_launch_decode", lambda *a: taken.append(a[-2]) or real(*a))
+    monkeypatch.setattr(attention, "_launch_decode", lambda *a, **kw: taken.append(a[-2]) or real(*a, **kw))
     batch = make_batch([1, 1], [600, 130], heads=8, kv_heads=2)
     hints = dict(max_query_len=1, max_seq_len=600) if give_max_lens else {}
     check_attention(batch, 0.125, **hints)

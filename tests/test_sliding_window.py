@@ -139,3 +139,13 @@ def test_unknown_architecture_lists_the_supported_ones_and_the_plugin_route(tmp_
     with pytest.raises(ValueError, match=r"FalconForCausalLM.*not supported.*Gemma2ForCausalLM.*Phi3ForCausalLM.*"
                                          r"asyncengine\.plugins.*register_model"):
         LLM(str(tmp_path))
+
+
+def test_all_local_kv_cache_must_hold_the_window_and_two_steps(checkpoint_dir):
+    """Windowed: a cache far smaller than max_model_len is enough, but not one smaller than the window and two
+    steps (12 + 2 * 16 + 2 * 4 = 52 tokens here)."""
+    folder = str(checkpoint_dir("MistralForCausalLM"))
+    options = dict(dtype="float32", max_model_len=128, block_size=BLOCK_SIZE, max_num_batched_tokens=16)
+    LLM(folder, num_kv_blocks=13, **options)
+    with pytest.raises(ValueError, match=r"12 blocks x 4 tokens = 48 tokens, fewer than the 52 tokens one sequence"):
+        LLM(folder, num_kv_blocks=12, **options)

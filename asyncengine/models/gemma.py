@@ -52,6 +52,14 @@ def gemma_rope(cfg, sliding: bool) -> dict:
     return rope
 
 
+def gemma_sliding_windows(cfg, global_every: int) -> list[Optional[int]]:
+    """Each layer's window: from `layer_types`, or (transformers before it had them) every `global_every`-th
+    layer global and the others local."""
+    if getattr(cfg, "layer_types", None) is not None:
+        return layer_sliding_windows(cfg)
+    return [None if (i + 1) % global_every == 0 else cfg.sliding_window for i in range(cfg.num_hidden_layers)]
+
+
 class GemmaAttention(Attention):
     """llama.Attention with Gemma's scale, soft-cap, sliding window, rope per layer type and q/k norms."""
 
@@ -107,6 +115,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     qk_norm = False
 
+    def global_every(self, cfg) -> int:
+        return 2  # Gemma 2: odd layers global
+
     def __init__(self, cfg, dtype: torch.dtype, max_positions: int):
         nn.Module.__init__(self)
         self.config = cfg
@@ -115,7 +126,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         # sqrt(hidden) rounded to the weights' dtype, as transformers multiplies it
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5, dtype=dtype), persistent=False)
-        self.sliding_windows = layer_sliding_windows(cfg)
+        self.sliding_windows = gemma_sliding_windows(cfg, self.global_every(cfg))
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(cfg, dtype, max_positions, window, self.qk_norm) for window in self.sliding_windows
         )
@@ -145,3 +156,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
+
+    def global_every(self, cfg) -> int:
+        return getattr(cfg, "sliding_window_pattern", None) or 6
