@@ -149,3 +149,24 @@ def test_all_local_kv_cache_must_hold_the_window_and_two_steps(checkpoint_dir):
     LLM(folder, num_kv_blocks=13, **options)
     with pytest.raises(ValueError, match=r"12 blocks x 4 tokens = 48 tokens, fewer than the 52 tokens one sequence"):
         LLM(folder, num_kv_blocks=12, **options)
+
+
+def test_gemma2_final_logit_softcap_shapes_the_logprobs_as_in_transformers(checkpoint_dir):
+    """The final soft-cap leaves the argmax alone but not the distribution: top-5 logprobs of the first sampled
+    position equal transformers' log-softmax of its capped logits (cap 8 here)."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import LOGPROB_ATOL
+
+    folder = checkpoint_dir("Gemma2ForCausalLM")
+    llm = LLM(str(folder), dtype="float32", max_model_len=128)
+    out = llm.generate([LONG_PROMPT], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    ours = {token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()}
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    logits = model(torch.tensor([LONG_PROMPT])).logits[0, -1]
+    theirs = torch.log_softmax(logits, -1)
+    uncapped = torch.log_softmax(torch.atanh(logits / 8.0) * 8.0, -1)
+    assert (uncapped - theirs).abs().max() > 10 * LOGPROB_ATOL, "the cap must matter for this checkpoint"
+    top = theirs.topk(5)
+    assert set(ours) == set(top.indices.tolist())
+    assert all(abs(ours[t] - theirs[t].item()) <= LOGPROB_ATOL for t in ours), (ours, top)
