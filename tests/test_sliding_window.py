@@ -1,7 +1,8 @@
 """Sliding-window models and the KV blocks behind their windows: when every layer is local (Mistral, Phi-3), blocks
 wholly before the window of a request's next query are given back while it runs (so they do not count against the
 KV budget), and the tokens stay transformers' own; when some layers are global (Gemma 2/3), every block is kept.
-Also: LongRoPE's long factors, and the error for an unknown architecture.
+Also: lookahead over released blocks, the KV-size bound, Gemma 2's final soft-cap, LongRoPE's long factors, and the
+error for an unknown architecture.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ NEW_TOKENS = 40
 
 
 @functools.cache
-def transformers_greedy(folder) -> list[int]:
-    """transformers' greedy continuation of LONG_PROMPT (float32), once per checkpoint."""
+def transformers_greedy(folder, prompt: tuple = tuple(LONG_PROMPT)) -> list[int]:
+    """transformers' greedy continuation (NEW_TOKENS, float32) of a prompt, once per checkpoint and prompt."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    out = model.generate(torch.tensor([LONG_PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                          do_sample=False)
-    return out[0, len(LONG_PROMPT):].tolist()
+    return out[0, len(prompt):].tolist()
 
 
 def live_blocks(request) -> int:
@@ -67,6 +68,24 @@ def test_all_local_layers_give_back_blocks_behind_the_window(checkpoint_dir, arc
     total_blocks = -(-(len(LONG_PROMPT) + NEW_TOKENS) // BLOCK_SIZE)  # 25 without releasing
     # window (12) + a 16-token chunk, and one more chunk in flight before its blocks are registered
     assert most <= -(-(SLIDING_WINDOW + 2 * 16) // BLOCK_SIZE) + 2 < total_blocks, most
+    assert_no_leaks(llm.engine)
+
+
+def test_lookahead_with_blocks_released_behind_the_window(checkpoint_dir):
+    """Lookahead schedules a step while the previous one is in flight: blocks released for the new step are
+    outside both steps' windows, so tokens stay transformers' own (three requests sharing 14 blocks, chunked)."""
+    from test_lookahead import count_feedback_steps
+
+    folder = checkpoint_dir("MistralForCausalLM")
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, block_size=BLOCK_SIZE, max_num_batched_tokens=16,
+              num_kv_blocks=14, async_scheduling=True)
+    counter = count_feedback_steps(llm)
+    prompts = [LONG_PROMPT, LONG_PROMPT[:25], LONG_PROMPT[10:50]]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(prompt))
+    assert counter["feedback"] > 0, "lookahead never fed an in-flight token"
     assert_no_leaks(llm.engine)
 
 
