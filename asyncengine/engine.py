@@ -83,7 +83,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        one_sequence = self._tokens_one_sequence_holds()
+        one_sequence = self.runner.tokens_one_sequence_holds()
         if self.runner.num_blocks * config.block_size < one_sequence:
             what = (f"max_model_len ({self.max_model_len})" if one_sequence == self.max_model_len else
                     f"the {one_sequence} tokens one sequence holds at once (its sliding window and two steps)")
@@ -108,16 +108,6 @@ class LLMEngine:
         self._stats = StepStats()  # observations since the last emit
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
-
-    def _tokens_one_sequence_holds(self) -> int:
-        """KV slots one sequence may hold at once: max_model_len, or, when every layer has a sliding window (blocks
-        before it are given back), its window plus two steps' tokens (one may still be in flight, its blocks not yet
-        released) plus two partial blocks."""
-        window = self.runner.kv_sliding_window
-        if window is None:
-            return self.max_model_len
-        step = self.config.max_num_batched_tokens
-        return min(self.max_model_len, window + 2 * step + 2 * self.config.block_size)
 
     def _max_model_len(self) -> int:
         return resolve_max_model_len(self.config, self.model_config)

@@ -109,6 +109,16 @@ class ModelRunner:
             return None
         return max(windows)
 
+    def tokens_one_sequence_holds(self) -> int:
+        """KV slots one sequence may hold at once: max_model_len, or, when every layer has a sliding window (blocks
+        before it are given back), its window plus two steps' tokens (one may still be in flight, its blocks not yet
+        released) plus two partial blocks."""
+        window = self.kv_sliding_window
+        if window is None:
+            return self.max_model_len
+        step = self.config.max_num_batched_tokens
+        return min(self.max_model_len, window + 2 * step + 2 * self.block_size)
+
     # -- KV cache sizing --------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
         return self.block_size * self.model_config.kv_bytes_per_token(self.model_config.dtype)
@@ -116,8 +126,8 @@ class ModelRunner:
     def _choose_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        # Never more than every sequence slot filled to max_model_len needs.
-        enough = self.config.max_num_seqs * (-(-self.max_model_len // self.block_size) + 1)
+        # Never more than every sequence slot filled to what one sequence holds at once needs.
+        enough = self.config.max_num_seqs * (-(-self.tokens_one_sequence_holds() // self.block_size) + 1)
         if self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
         else:

@@ -162,10 +162,12 @@ def test_unknown_architecture_lists_the_supported_ones_and_the_plugin_route(tmp_
 
 def test_all_local_kv_cache_must_hold_the_window_and_two_steps(checkpoint_dir):
     """Windowed: a cache far smaller than max_model_len is enough, but not one smaller than the window and two
-    steps (12 + 2 * 16 + 2 * 4 = 52 tokens here)."""
+    steps (12 + 2 * 16 + 2 * 4 = 52 tokens here); the cache sized from memory counts that much per sequence."""
     folder = str(checkpoint_dir("MistralForCausalLM"))
     options = dict(dtype="float32", max_model_len=128, block_size=BLOCK_SIZE, max_num_batched_tokens=16)
     LLM(folder, num_kv_blocks=13, **options)
+    sized = LLM(folder, max_num_seqs=4, **options)  # sized by itself: per sequence slot 52 tokens, not 128
+    assert sized.engine.runner.num_blocks == 4 * (52 // BLOCK_SIZE + 1)
     with pytest.raises(ValueError, match=r"12 blocks x 4 tokens = 48 tokens, fewer than the 52 tokens one sequence"):
         LLM(folder, num_kv_blocks=12, **options)
 
