@@ -48,7 +48,8 @@ def build_tokenizer(folder: Path, vocab_size: int = 384):
 
 
 def _config(arch: str, vocab_size: int, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -80,6 +81,18 @@ def _config(arch: str, vocab_size: int, **overrides):
     elif arch == "Qwen3ForCausalLM":
         cls = Qwen3Config
         common["head_dim"] = 32  # Qwen3 decouples head_dim from hidden / heads
+    elif arch == "MixtralForCausalLM":  # 8 experts, top-2, as Mixtral-8x7B
+        cls = MixtralConfig
+        common.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)
+    elif arch == "Qwen2MoeForCausalLM":  # top-4 of 8 without renormalising, a shared expert, one dense layer
+        cls = Qwen2MoeConfig
+        common.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=96, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[1], use_sliding_window=False, tie_word_embeddings=True)
+    elif arch == "Qwen3MoeForCausalLM":  # many small experts, top-4 of 16, renormalised, per-head q/k norms
+        cls = Qwen3MoeConfig
+        common.update(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
+                      head_dim=32, sliding_window=None, use_sliding_window=False)
     else:
         raise ValueError(arch)
     common.update(overrides)
@@ -103,7 +116,7 @@ def build_checkpoint(
         for name, p in model.named_parameters():
             if name == "lm_head.weight":
                 p.normal_(0.0, lm_head_std)
-            elif p.dim() == 2:
+            elif p.dim() >= 2:  # matrices, and experts stacked as [E, out, in] by transformers 5
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
@@ -112,4 +125,5 @@ def build_checkpoint(
     return folder
 
 
-ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+                 "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
