@@ -128,14 +128,6 @@ def _num_experts(cfg) -> int:
     return getattr(cfg, "num_local_experts", None) or cfg.num_experts  # Mixtral's name, then Qwen's
 
 
-def _reject_sliding_window(cfg, max_positions: int) -> None:
-    """The paged kernels attend over the whole context; a window shorter than it would change the outputs."""
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    if window is not None and window < max_positions:
-        raise ValueError(f"sliding_window={window} is not supported for {cfg.architectures} yet (the model would "
-                         f"attend beyond the window); use a checkpoint without it or max_model_len <= {window}")
-
-
 # checkpoint names of expert weights: "<prefix>.experts.<e>.<proj>.weight" (per expert, as on the hub) or
 # "<prefix>.experts.gate_up_proj" / ".down_proj" (stacked, as transformers 5 saves some families)
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -184,10 +176,6 @@ class MoeLoadingMixin:
 class MixtralForCausalLM(MoeLoadingMixin, LlamaForCausalLM):
     """Mixtral: every layer sparse (num_local_experts experts, top num_experts_per_tok, renormalised)."""
 
-    def __init__(self, cfg, dtype: torch.dtype, max_positions: int):
-        _reject_sliding_window(cfg, max_positions)
-        super().__init__(cfg, dtype, max_positions)
-
     def make_mlp(self, cfg, dtype: torch.dtype, layer_index: int) -> nn.Module:
         return SparseMoeBlock(cfg, dtype, cfg.intermediate_size, renormalize=True)
 
@@ -195,10 +183,6 @@ class MixtralForCausalLM(MoeLoadingMixin, LlamaForCausalLM):
 class QwenMoeMixin(MoeLoadingMixin):
     """Qwen2-MoE / Qwen3-MoE: sparse layers every decoder_sparse_step-th layer outside mlp_only_layers (the others
     a dense MLP of intermediate_size); experts of moe_intermediate_size; renormalised when norm_topk_prob."""
-
-    def __init__(self, cfg, dtype: torch.dtype, max_positions: int):
-        _reject_sliding_window(cfg, max_positions)
-        super().__init__(cfg, dtype, max_positions)
 
     def make_mlp(self, cfg, dtype: torch.dtype, layer_index: int) -> nn.Module:
         step = getattr(cfg, "decoder_sparse_step", 1) or 1
