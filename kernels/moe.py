@@ -12,8 +12,15 @@ One call (T tokens, K experts per token, E experts, N = T * K assignments, assig
     4. grouped GEMM      down [N, H] = act @ w2[expert]^T, times the assignment's routing weight in the epilogue
     5. sum over K        out [T, H]
 
-A decode batch therefore costs the same five launches as a prefill, never one per expert. Matches
-`reference.fused_moe`; tile sizes are fixed heuristics chosen from the number of assignments per expert.
+Decode-sized batches (at most DECODE_MAX_TOKENS tokens) skip the grouping, whose dozen small launches would cost
+more than the products at batch 1: each expert is then hit by about one assignment, so a matrix-vector program per
+(assignment, column block) reads each routed expert's weights once, like the grouped GEMM, in two launches:
+
+    1. gate_up_act       act [N, I] = silu(x @ w13[e, :I]^T) * (x @ w13[e, I:]^T), the activation in the epilogue
+    2. down_reduce       out [T, H] = sum over the token's K assignments of weight * act @ w2[e]^T
+
+Neither path ever launches one kernel per expert. Both match `reference.fused_moe`, including where it rounds to
+the input dtype; tile sizes are fixed heuristics chosen from the number of assignments per expert.
 """
 
 from __future__ import annotations
@@ -37,15 +44,15 @@ class TileConfig:
     num_stages: int
 
 
-# Few assignments per expert (decode): rows are mostly padding, so the smallest M tile tl.dot allows and wide K
+# Few assignments per expert: rows are mostly padding, so the smallest M tile tl.dot allows and wide K
 # tiles that stream the expert's weights; many (prefill): square-ish tiles that reuse each weight tile across rows.
-DECODE_TILES = TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+SPARSE_TILES = TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
 PREFILL_TILES = TileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 def tile_config(num_assignments: int, num_experts: int) -> TileConfig:
     """Tiles for N assignments over E experts (host ints only, so the choice never syncs)."""
-    return DECODE_TILES if num_assignments <= 2 * num_experts else PREFILL_TILES
+    return SPARSE_TILES if num_assignments <= 2 * num_experts else PREFILL_TILES
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +151,108 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, block_expert, a_row_div: int, ti
     )  # fmt: skip
 
 
+# -- decode-sized batches: no grouping ----------------------------------------------------------------------------
+DECODE_MAX_TOKENS = 16
+DECODE_BLOCK_N, DECODE_BLOCK_K = 16, 256
+
+
+@triton.jit
+def _gate_up_act_kernel(
+    x_ptr,  # [T, H]
+    w13_ptr,  # [E, 2I, H]
+    ids_ptr,  # [N] expert of each assignment (topk_ids flattened)
+    act_ptr,  # [N, I]
+    hidden_size,
+    inter,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_act,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """act[i, cols] for assignment i = (token i // TOP_K, expert ids[i]) and one block of intermediate columns."""
+    assignment = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < inter
+    expert = tl.load(ids_ptr + assignment).to(tl.int64)
+    x_row = x_ptr + (assignment // TOP_K).to(tl.int64) * stride_x
+    gate_rows = w13_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    up_rows = gate_rows + inter * stride_wn
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k_start in range(0, hidden_size, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_valid = ks < hidden_size
+        x = tl.load(x_row + ks, mask=k_valid, other=0.0).to(tl.float32)[None, :]
+        mask = col_valid[:, None] & k_valid[None, :]
+        gate += tl.sum(tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        up += tl.sum(tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+    # Rounded where the reference rounds: the projections' outputs, then silu(gate) (as activation.silu_and_mul).
+    dtype = act_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(act_ptr + assignment.to(tl.int64) * stride_act + cols, (silu * up).to(dtype), mask=col_valid)
+
+
+@triton.jit
+def _down_reduce_kernel(
+    act_ptr,  # [N, I]
+    w2_ptr,  # [E, H, I]
+    ids_ptr,  # [N]
+    weights_ptr,  # [N] float32
+    out_ptr,  # [T, H]
+    hidden_size,
+    inter,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[t, cols] = sum over k of weight[t, k] * (act[t * TOP_K + k] @ w2[ids[t, k]]^T)[cols]."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < hidden_size
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        assignment = token * TOP_K + k
+        expert = tl.load(ids_ptr + assignment).to(tl.int64)
+        rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        act_row = act_ptr + assignment.to(tl.int64) * stride_act
+        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j_start in range(0, inter, BLOCK_K):
+            js = j_start + tl.arange(0, BLOCK_K)
+            j_valid = js < inter
+            a = tl.load(act_row + js, mask=j_valid, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(rows + js[None, :], mask=col_valid[:, None] & j_valid[None, :], other=0.0).to(tl.float32)
+            part += tl.sum(w * a, axis=1)
+        # the expert's output rounds to the dtype (as the reference's projection), then weighs in float32
+        total += part.to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + assignment)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_valid)
+
+
+def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int) -> torch.Tensor:
+    """weights, ids: [N] flattened routing. Two launches whatever the routing."""
+    tokens, size = hidden.shape
+    num, inter = ids.numel(), w2.shape[2]
+    act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)
+    _gate_up_act_kernel[(num, triton.cdiv(inter, DECODE_BLOCK_N))](
+        hidden, w13, ids, act, size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=DECODE_BLOCK_N, BLOCK_K=DECODE_BLOCK_K, num_warps=4,
+    )  # fmt: skip
+    out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
+    _down_reduce_kernel[(tokens, triton.cdiv(size, DECODE_BLOCK_N))](
+        act, w2, ids, weights, out, size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_N=DECODE_BLOCK_N, BLOCK_K=DECODE_BLOCK_K, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def _check_inputs(hidden, w13, w2, topk_weights, topk_ids) -> None:
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("hidden must be [T, H], w13 [E, 2I, H] and w2 [E, H, I]")
@@ -167,12 +276,14 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     num = tokens * top_k
     if tokens == 0:
         return torch.empty((0, size), dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.reshape(-1).float().contiguous()  # [N]
+    if tokens <= DECODE_MAX_TOKENS:
+        return _fused_moe_decode(hidden, w13, w2, weights, topk_ids.reshape(-1).contiguous(), top_k)
     tiles = tile_config(num, num_experts)
     sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tiles.block_m)
     gate_up = torch.empty((num, 2 * inter), dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, gate_up, None, sorted_ids, block_expert, top_k, tiles)
     act = activation.silu_and_mul(gate_up)  # [N, I]
     down = torch.empty((num, size), dtype=hidden.dtype, device=hidden.device)
-    weights = topk_weights.reshape(-1).float().contiguous()  # [N]
     _grouped_gemm(act, w2, down, weights, sorted_ids, block_expert, 1, tiles)
     return down.view(tokens, top_k, size).sum(dim=1)  # [T, H]; sum accumulates in float32, rounds once

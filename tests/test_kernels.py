@@ -478,13 +478,22 @@ def test_moe_align_groups_assignments_by_expert_in_padded_blocks():
     assert [e for e in block_expert.tolist() if e >= 0] == [0, 1, 2, 3]  # one block each; expert 3 fills one
 
 
+@pytest.fixture(params=["grouped", "decode"])
+def moe_path(request, monkeypatch):
+    """Run fused_moe through the grouped GEMMs or through the decode kernels, whatever the batch size."""
+    from asyncengine.kernels import moe
+
+    monkeypatch.setattr(moe, "DECODE_MAX_TOKENS", 0 if request.param == "grouped" else 10**6)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize(
     "tokens, experts, top_k, hidden, inter",
-    [(1, 8, 2, 64, 48), (5, 16, 4, 96, 32), (70, 4, 2, 32, 80)],
-    ids=["decode-top2", "few-tokens-many-experts", "prefill-tiles"],
+    [(1, 8, 2, 64, 48), (5, 16, 4, 96, 32), (70, 4, 2, 32, 80), (3, 4, 1, 300, 20)],
+    ids=["decode-top2", "few-tokens-many-experts", "prefill-tiles", "top1-hidden-over-k-tiles"],
 )
-def test_fused_moe_matches_reference(dtype, tokens, experts, top_k, hidden, inter):
+def test_fused_moe_matches_reference(dtype, tokens, experts, top_k, hidden, inter, moe_path):
     """Small sizes off tile boundaries; 70 tokens over 4 experts takes the prefill tiles, several M blocks each."""
     from asyncengine.kernels import moe, reference
 
@@ -494,7 +503,7 @@ def test_fused_moe_matches_reference(dtype, tokens, experts, top_k, hidden, inte
     assert rel_error(out, ref) < (1e-5 if dtype == torch.float32 else MOE_BF16_REL_ERROR)
 
 
-def test_fused_moe_when_every_token_picks_the_same_experts():
+def test_fused_moe_when_every_token_picks_the_same_experts(moe_path):
     """Load imbalance and repeated ids: all tokens on experts 2 and 2 again (one expert, many blocks)."""
     from asyncengine.kernels import moe, reference
 
@@ -505,14 +514,19 @@ def test_fused_moe_when_every_token_picks_the_same_experts():
 
 
 def test_fused_moe_launches_the_same_kernels_whatever_the_routing(monkeypatch):
-    """Decode must not launch one kernel per expert: two grouped GEMMs per call, however many experts are hit."""
+    """No batch launches one kernel per expert: decode-sized batches take the two decode kernels, larger ones two
+    grouped GEMMs, however many experts are hit."""
     from asyncengine.kernels import moe
 
-    launches = []
-    real = moe._grouped_gemm
-    monkeypatch.setattr(moe, "_grouped_gemm", lambda *a: launches.append(1) or real(*a))
+    calls = []
+    for name in ("_grouped_gemm", "_fused_moe_decode"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     moe.fused_moe(*make_moe(4, 16, 4, 32, 16))  # up to 16 experts hit
-    assert len(launches) == 2
+    assert calls == ["_fused_moe_decode"]
+    calls.clear()
+    moe.fused_moe(*make_moe(moe.DECODE_MAX_TOKENS + 1, 16, 4, 32, 16))
+    assert calls == ["_grouped_gemm", "_grouped_gemm"]
 
 
 def test_fused_moe_rejects_mismatched_shapes():
