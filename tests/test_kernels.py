@@ -478,37 +478,42 @@ def test_moe_align_groups_assignments_by_expert_in_padded_blocks():
     assert [e for e in block_expert.tolist() if e >= 0] == [0, 1, 2, 3]  # one block each; expert 3 fills one
 
 
-@pytest.fixture(params=["grouped", "decode"])
-def moe_path(request, monkeypatch):
+def force_moe_path(monkeypatch, path: str) -> None:
     """Run fused_moe through the grouped GEMMs or through the decode kernels, whatever the batch size."""
     from asyncengine.kernels import moe
 
-    monkeypatch.setattr(moe, "DECODE_MAX_TOKENS", 0 if request.param == "grouped" else 10**6)
-    return request.param
+    monkeypatch.setattr(moe, "DECODE_MAX_TOKENS", 0 if path == "grouped" else 10**6)
+
+
+MOE_CASES = {  # (tokens, experts, top_k, hidden, inter), sizes off tile boundaries
+    "decode-top2": (1, 8, 2, 64, 48),
+    "few-tokens-many-experts": (5, 16, 4, 96, 32),
+    "top1-hidden-over-k-tiles": (3, 4, 1, 300, 20),
+    "prefill-tiles": (70, 4, 2, 32, 80),  # several M blocks per expert, prefill tiles (grouped path only)
+}
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize(
-    "tokens, experts, top_k, hidden, inter",
-    [(1, 8, 2, 64, 48), (5, 16, 4, 96, 32), (70, 4, 2, 32, 80), (3, 4, 1, 300, 20)],
-    ids=["decode-top2", "few-tokens-many-experts", "prefill-tiles", "top1-hidden-over-k-tiles"],
-)
-def test_fused_moe_matches_reference(dtype, tokens, experts, top_k, hidden, inter, moe_path):
-    """Small sizes off tile boundaries; 70 tokens over 4 experts takes the prefill tiles, several M blocks each."""
+@pytest.mark.parametrize("path, case", [(p, c) for c in MOE_CASES for p in ("grouped", "decode")
+                                        if not (p == "decode" and c == "prefill-tiles")])  # fmt: skip
+def test_fused_moe_matches_reference(dtype, path, case, monkeypatch):
     from asyncengine.kernels import moe, reference
 
-    args = make_moe(tokens, experts, top_k, hidden, inter, dtype)
+    force_moe_path(monkeypatch, path)
+    args = make_moe(*MOE_CASES[case], dtype)
     out, ref = moe.fused_moe(*args), reference.fused_moe(*args)
     assert_matches(out, ref, MOE_TOLERANCE)
     assert rel_error(out, ref) < (1e-5 if dtype == torch.float32 else MOE_BF16_REL_ERROR)
 
 
-def test_fused_moe_when_every_token_picks_the_same_experts(moe_path):
+@pytest.mark.parametrize("path, tokens", [("grouped", 40), ("decode", 6)])
+def test_fused_moe_when_every_token_picks_the_same_experts(path, tokens, monkeypatch):
     """Load imbalance and repeated ids: all tokens on experts 2 and 2 again (one expert, many blocks)."""
     from asyncengine.kernels import moe, reference
 
-    x, w13, w2, weights, _ = make_moe(40, 6, 2, 32, 16)
-    ids = torch.full((40, 2), 2, device=DEVICE)
+    force_moe_path(monkeypatch, path)
+    x, w13, w2, weights, _ = make_moe(tokens, 6, 2, 32, 16)
+    ids = torch.full((tokens, 2), 2, device=DEVICE)
     assert_matches(moe.fused_moe(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids),
                    MOE_TOLERANCE)
 
@@ -522,10 +527,10 @@ def test_fused_moe_launches_the_same_kernels_whatever_the_routing(monkeypatch):
     for name in ("_grouped_gemm", "_fused_moe_decode"):
         real = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
-    moe.fused_moe(*make_moe(4, 16, 4, 32, 16))  # up to 16 experts hit
+    moe.fused_moe(*make_moe(4, 16, 4, 16, 16))  # up to 16 experts hit
     assert calls == ["_fused_moe_decode"]
     calls.clear()
-    moe.fused_moe(*make_moe(moe.DECODE_MAX_TOKENS + 1, 16, 4, 32, 16))
+    moe.fused_moe(*make_moe(moe.DECODE_MAX_TOKENS + 1, 16, 4, 16, 16))
     assert calls == ["_grouped_gemm", "_grouped_gemm"]
 
 
