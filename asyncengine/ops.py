@@ -71,6 +71,11 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return _impl(hidden, "moe").fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Mixture-of-experts routing (see reference.topk_softmax): [T, E] -> (weights [T, K] float32, ids [T, K])."""
+    return _impl(router_logits, "moe").topk_softmax(router_logits, top_k, renormalize)
+
+
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     _impl(key, "cache").reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 

@@ -12,6 +12,8 @@ One call (T tokens, K experts per token, E experts, N = T * K assignments, assig
     4. grouped GEMM      down [N, H] = act @ w2[expert]^T, times the assignment's routing weight in the epilogue
     5. sum over K        out [T, H]
 
+Routing (`topk_softmax`: softmax, top-k, renormalisation) is one more launch.
+
 Decode-sized batches (at most DECODE_MAX_TOKENS tokens) skip the grouping, whose dozen small launches would cost
 more than the products at batch 1: each expert is then hit by about one assignment, so a matrix-vector program per
 (assignment, column block) reads each routed expert's weights once, like the grouped GEMM, in two launches:
@@ -149,6 +151,61 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, block_expert, a_row_div: int, ti
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
+
+
+# -- routing --------------------------------------------------------------------------------------------------
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr,  # [T, E]
+    weights_ptr,  # [T, TOP_K] float32
+    ids_ptr,  # [T, TOP_K] int64
+    num_experts,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """One token: softmax over its experts in float32, then TOP_K rounds of argmax (the lowest index among ties)."""
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS_PAD)
+    valid = experts < num_experts
+    x = tl.load(logits_ptr + row * stride_logits + experts, mask=valid, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(valid, p / tl.sum(p, axis=0), -1.0)  # -1: never chosen
+    slots = tl.arange(0, TOP_K_PAD)
+    top_weights = tl.zeros((TOP_K_PAD,), dtype=tl.float32)
+    top_ids = tl.zeros((TOP_K_PAD,), dtype=tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        chosen = tl.min(tl.where(p == best, experts, EXPERTS_PAD), axis=0)
+        top_weights = tl.where(slots == k, best, top_weights)
+        top_ids = tl.where(slots == k, chosen.to(tl.int64), top_ids)
+        p = tl.where(experts == chosen, -1.0, p)
+    if RENORMALIZE:
+        top_weights = top_weights / tl.sum(top_weights, axis=0)
+    out = slots < TOP_K
+    tl.store(weights_ptr + row * TOP_K + slots, top_weights, mask=out)
+    tl.store(ids_ptr + row * TOP_K + slots, top_ids, mask=out)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, K] float32, ids [T, K] int64), in one launch. As the reference, except
+    that among tied probabilities the lowest expert index is chosen first (torch.topk leaves that unspecified)."""
+    if router_logits.dim() != 2 or router_logits.stride(1) != 1:
+        raise ValueError(f"router_logits must be [T, E] with contiguous rows, got {tuple(router_logits.shape)}")
+    tokens, num_experts = router_logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} must be in [1, {num_experts}]")
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    if tokens:
+        _topk_softmax_kernel[(tokens,)](
+            router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+            TOP_K_PAD=triton.next_power_of_2(top_k), EXPERTS_PAD=triton.next_power_of_2(num_experts),
+            RENORMALIZE=renormalize, num_warps=1 if num_experts <= 256 else 4,
+        )  # fmt: skip
+    return weights, ids
 
 
 # -- decode-sized batches: no grouping ----------------------------------------------------------------------------

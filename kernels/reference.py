@@ -174,6 +174,17 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_st
     return out.transpose(1, 2)[seq_of_token, index_in_seq]
 
 
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixture-of-experts routing as transformers computes it: router_logits [T, E] -> (weights [T, K] float32,
+    ids [T, K] int64): softmax over all experts in float32, torch.topk of the probabilities (its order, and its
+    choice among tied ones), divided by their sum when `renormalize`."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """Mixture of gated-MLP experts: each token through its top-k experts, outputs summed with routing weights.

@@ -534,6 +534,29 @@ def test_fused_moe_launches_the_same_kernels_whatever_the_routing(monkeypatch):
     assert calls == ["_grouped_gemm", "_grouped_gemm"]
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("experts, top_k", [(128, 8), (60, 4), (8, 2)], ids=["qwen3", "qwen2-60", "mixtral"])
+def test_topk_softmax_matches_reference_routing(experts, top_k, renormalize):
+    from asyncengine.kernels import moe, reference
+
+    logits = torch.randn(37, experts, device=DEVICE) * 3  # float32: no ties
+    weights, ids = moe.topk_softmax(logits, top_k, renormalize)
+    ref_weights, ref_ids = reference.topk_softmax(logits, top_k, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+def test_topk_softmax_breaks_ties_toward_the_lowest_expert():
+    from asyncengine.kernels import moe
+
+    logits = torch.zeros(3, 60, dtype=torch.bfloat16, device=DEVICE)  # every expert tied
+    logits[1, [7, 3, 50]] = 1.0  # three tied at the top, then 57 tied below
+    weights, ids = moe.topk_softmax(logits, 4, renormalize=True)
+    assert ids.tolist() == [[0, 1, 2, 3], [3, 7, 50, 0], [0, 1, 2, 3]]
+    torch.testing.assert_close(weights[0], torch.full((4,), 0.25, device=DEVICE))
+    assert weights[1, 0] == weights[1, 1] == weights[1, 2] > weights[1, 3]
+
+
 def test_fused_moe_rejects_mismatched_shapes():
     from asyncengine.kernels import moe
 
@@ -572,8 +595,8 @@ def test_gpu_fused_moe_at_real_expert_shapes(shape, tokens):
 @needs_cuda
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
 def test_gpu_fused_moe_with_tied_router_logits(shape):
-    """Tied router probabilities (all logits equal, or pairs equal): torch.topk's choice is what the reference
-    and transformers use, and the kernel computes exactly that routing."""
+    """Tied router probabilities (all logits equal, or pairs equal): the routing kernel picks distinct experts
+    (the lowest index first among ties) and the MoE kernel computes exactly that routing."""
     from asyncengine.models.moe import select_experts
 
     experts, top_k, hidden, inter = MOE_SHAPES[shape]

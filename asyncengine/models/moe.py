@@ -30,13 +30,9 @@ from asyncengine.quantization import set_weight_attrs
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64), as transformers routes:
-    softmax in float32, torch.topk (so tied probabilities pick the same experts as transformers), renormalised
-    to sum to one when asked."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    softmax in float32, the top k, renormalised to sum to one when asked (`reference.topk_softmax`; on CPU its
+    torch.topk picks among tied experts exactly as transformers does)."""
+    return ops.topk_softmax(router_logits, top_k, renormalize)
 
 
 class Router(nn.Module):
