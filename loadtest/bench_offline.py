@@ -666,6 +666,9 @@ def run_moe(args) -> int:
         if part == "peers":
             print(json.dumps(results["peers"], indent=2))
             return 0
+    peers_file = out_dir / f"bench_offline_{args.family}{'_tiny' if args.tiny else ''}_peers.json"
+    if part == "engine" and peers_file.exists():  # transformers measured by an earlier --moe-part peers call
+        results["peers"] = json.loads(peers_file.read_text())["peers"]
     t0 = time.perf_counter()
     llm = LLM(str(folder), dtype="bfloat16" if device == "cuda" else "float32", max_model_len=4096,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -713,7 +716,8 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-w1-requests", type=int, default=1000, help="W1 requests in the MoE mode")
     parser.add_argument("--moe-part", choices=["all", "build", "peers", "engine"], default="all",
                         help="MoE mode in parts, for machines that limit one command's time: build the checkpoint "
-                             "only, or run only transformers or only the engine on it (each writes its own JSON)")
+                             "only, or run only transformers or only the engine on it (each writes its own JSON; "
+                             "the engine part reports against the peers part's JSON when --out holds it)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--w1-only", action="store_true", help="stop after W1 (the served benchmark's reference)")
