@@ -487,7 +487,7 @@ def force_moe_path(monkeypatch, path: str) -> None:
 
 MOE_CASES = {  # (tokens, experts, top_k, hidden, inter), sizes off tile boundaries
     "decode-top2": (1, 8, 2, 64, 48),
-    "few-tokens-many-experts": (5, 16, 4, 96, 32),
+    "few-tokens-many-experts": (5, 16, 4, 48, 32),
     "top1-hidden-over-k-tiles": (3, 4, 1, 300, 20),
     "prefill-tiles": (70, 4, 2, 32, 80),  # several M blocks per expert, prefill tiles (grouped path only)
 }
@@ -539,7 +539,7 @@ def test_fused_moe_launches_the_same_kernels_whatever_the_routing(monkeypatch):
 def test_topk_softmax_matches_reference_routing(experts, top_k, renormalize):
     from asyncengine.kernels import moe, reference
 
-    logits = torch.randn(37, experts, device=DEVICE) * 3  # float32: no ties
+    logits = torch.randn(9, experts, device=DEVICE) * 3  # float32: no ties
     weights, ids = moe.topk_softmax(logits, top_k, renormalize)
     ref_weights, ref_ids = reference.topk_softmax(logits, top_k, renormalize)
     assert torch.equal(ids, ref_ids)
