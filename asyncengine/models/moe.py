@@ -51,7 +51,7 @@ class FusedMoE(nn.Module):
 
     w13_weight: [E, 2 * I_rank, hidden] laid out [gate | up] per expert; w2_weight: [E, hidden, I_rank], with
     I_rank = intermediate / tp_size(). Checkpoint tensors arrive per expert (shard id (expert, "gate" | "up" |
-    "down")) or, as transformers 5 saves some checkpoints, stacked for all experts (("all", "gate_up" | "down")).
+    "down")) or stacked for all experts, the layout transformers 5 holds in memory (("all", "gate_up" | "down")).
     """
 
     PER_EXPERT = ("gate", "up", "down")
@@ -125,7 +125,7 @@ def _num_experts(cfg) -> int:
 
 
 # checkpoint names of expert weights: "<prefix>.experts.<e>.<proj>.weight" (per expert, as on the hub) or
-# "<prefix>.experts.gate_up_proj" / ".down_proj" (stacked, as transformers 5 saves some families)
+# "<prefix>.experts.gate_up_proj" / ".down_proj" (stacked, the layout transformers 5 holds in memory)
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
