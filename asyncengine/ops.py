@@ -26,12 +26,13 @@ def _triton_kernels():
     """The Triton kernel modules, or None when Triton cannot run here. Asked only for CUDA tensors, once: a
     failure is logged as an error, since the torch references are far slower on a GPU."""
     try:
-        from asyncengine.kernels import activation, attention, cache, norm, rotary
+        from asyncengine.kernels import activation, attention, cache, moe, norm, rotary
     except Exception:  # Triton missing or broken: fall back to the references, loudly
         logger.exception("the Triton kernels failed to import on a CUDA device; every kernel falls back to its "
                          "torch reference (correct, but much slower). Install a Triton that matches torch.")
         return None
-    return {"activation": activation, "attention": attention, "cache": cache, "norm": norm, "rotary": rotary}
+    return {"activation": activation, "attention": attention, "cache": cache, "moe": moe, "norm": norm,
+            "rotary": rotary}
 
 
 def _impl(x: torch.Tensor, family: str):
@@ -68,6 +69,17 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_embedding(positions, q, k, cos_sin_cache, head_dim: int):
     return _impl(q, "rotary").rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Top-k mixture of gated-MLP experts (see reference.fused_moe): hidden [T, H] -> [T, H]. CPU takes the
+    reference, which already groups the tokens by expert."""
+    return _impl(hidden, "moe").fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Mixture-of-experts routing (see reference.topk_softmax): [T, E] -> (weights [T, K] float32, ids [T, K])."""
+    return _impl(router_logits, "moe").topk_softmax(router_logits, top_k, renormalize)
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -5,6 +5,7 @@
     rotary.py      rotary_embedding (neox style, in place)
     cache.py       reshape_and_cache (paged KV write, slot < 0 skipped)
     attention.py   paged_attention (2D kernel for prefill / mixed batches, split-KV kernel for decode)
+    moe.py         fused_moe (mixture of experts: tokens grouped by expert, one grouped GEMM per projection)
     reference.py   the torch definition of every kernel above
 
 Each Triton module has the signature of its counterpart in `reference.py`. Nothing in this package imports the

@@ -226,3 +226,36 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_st
         attn_mask=key_valid[:, None, None, :], scale=scale,
     )  # [B, H, L, D]
     return out.transpose(1, 2)[seq_of_token, index_in_seq]
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixture-of-experts routing as transformers computes it: router_logits [T, E] -> (weights [T, K] float32,
+    ids [T, K] int64): softmax over all experts in float32, torch.topk of the probabilities (its order, and its
+    choice among tied ones), divided by their sum when `renormalize`."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Mixture of gated-MLP experts: each token through its top-k experts, outputs summed with routing weights.
+
+    hidden: [T, H]; w13: [E, 2I, H] laid out as [gate | up] along dim 1; w2: [E, H, I];
+    topk_weights: [T, K] (float32); topk_ids: [T, K] int, each in [0, E).
+    out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)), e = topk_ids[t, k].
+    Each expert's projections run in the input dtype (as a GEMM would); the weighted sum is taken in float32 and
+    rounded once. Returns [T, H] in hidden's dtype. One loop iteration per expert that has tokens.
+    """
+    tokens, top_k = topk_ids.shape
+    out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.reshape(-1)
+    for expert in flat_ids.unique().tolist():
+        slots = (flat_ids == expert).nonzero().squeeze(1)  # positions in the flattened [T * K] assignments
+        rows = slots // top_k
+        x = hidden[rows]  # [n, H]
+        down = F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert])  # [n, H]
+        out.index_add_(0, rows, down.float() * topk_weights.reshape(-1)[slots, None].float())
+    return out.to(hidden.dtype)

@@ -1,6 +1,6 @@
 """Benchmark of the Triton kernels at Llama-3-8B sizes (bf16) against the torch reference and dense SDPA.
 
-    python loadtest/bench_kernels.py
+    python loadtest/bench_kernels.py [--sweep | --moe]
 
 Cases: paged_attention decode (batch 1 and 64 at 1k context; eager and replayed from a CUDA graph), prefill
 (4 x 2048), and the row-wise kernels. Times are do_bench medians (CUDA events). Decode is memory bound, so it
@@ -180,6 +180,34 @@ def sweep_decode() -> list[tuple]:
     return rows
 
 
+# (experts, top_k, hidden, intermediate) of the mixtures of experts in issue 18
+MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+
+
+def moe_rows(shape: str, tokens: int) -> list[tuple]:
+    """fused_moe (routing included) against the reference; rate: bytes of the experts the batch hits, read once,
+    per second (decode is bound by them: compare with the device's copy bandwidth)."""
+    from asyncengine.kernels import moe
+
+    experts, top_k, hidden, inter = MOE_SHAPES[shape]
+    x = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=DTYPE, device="cuda") * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, dtype=DTYPE, device="cuda") * inter**-0.5
+    logits = torch.randn(tokens, experts, dtype=DTYPE, device="cuda")
+    weights, ids = moe.topk_softmax(logits, top_k, True)
+    hit_bytes = ids.unique().numel() * 3 * hidden * inter * w13.element_size()
+
+    def triton_fn():
+        moe.fused_moe(x, w13, w2, *moe.topk_softmax(logits, top_k, True))
+
+    ref_ms = median_ms(lambda: reference.fused_moe(x, w13, w2, *reference.topk_softmax(logits, top_k, True)))
+    name = f"moe {shape} T={tokens}"
+    path = "decode" if tokens <= moe.DECODE_MAX_TOKENS else "grouped"
+    return [(name, impl, ms, f"{hit_bytes / ms / 1e6:8.0f} GB/s", ref_ms / ms)
+            for impl, ms in (("reference", ref_ms), (f"{path}", median_ms(triton_fn)),
+                             (f"{path} graph", graph_ms(triton_fn)))]
+
+
 def print_table(rows: list[tuple]) -> None:
     width = max(len(r[0]) for r in rows) + 1
     print(f"{'case':{width}} {'impl':13} {'median us':>10} {'rate':>16} {'vs ref':>7}")
@@ -188,12 +216,17 @@ def print_table(rows: list[tuple]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Default: the comparison table. --sweep: tile and split variants of the attention kernels."""
+    """Default: the comparison table. --sweep: tile and split variants of the attention kernels. --moe: the fused
+    mixture-of-experts kernels at Qwen3-30B-A3B and Mixtral-8x7B expert shapes."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if "--moe" in args:
+        print_table([row for shape in MOE_SHAPES for tokens in (1, 8, 16, 17, 64, 512, 4096)
+                     for row in moe_rows(shape, tokens)])
+        return
     if "--sweep" in args:
         print_table(sweep_prefill() + sweep_decode())
         return

@@ -11,6 +11,15 @@ bf16 weights, runs the transformers peers on W2 first (then frees them), then th
   W1-structured (--only): W1 with every 4th request under a JSON schema against plain W1, and the per-step mask
   cost (--tiny: a CPU smoke run of it on the embedded default model)
 Prints one table and writes JSON. Each section is timed after a warm-up with the same shapes.
+
+    python -m loadtest.bench_offline --family qwen3-30b-a3b --out results/ [--quick] [--tiny]
+
+The mixture-of-experts mode (issue 18): a Qwen3-30B-A3B-shape checkpoint (48 layers, hidden 2048, 128 experts of
+intermediate 768, top-8, 32/4 heads) with random bf16 weights, written layer by layer (about 61 GB: put
+--checkpoint on a disk with room), then W3 (batch-1 decode at 1,000 tokens of context, against its roofline: the
+parameters one token activates plus its KV, at the measured copy bandwidth) and W1 (requests/s), each against
+transformers on the same checkpoint in the same run (generate at batch 1 for W3, its continuous batching with each
+request's own max_new_tokens for W1). --tiny: the same mode at a tiny shape on the CPU (a smoke run).
 """
 
 from __future__ import annotations
@@ -189,7 +198,8 @@ class PhaseTimer:
     def __exit__(self, *exc):
         for (obj, name), original in self._originals.items():
             setattr(obj, name, original)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         self.graph_gpu_s = sum(s.elapsed_time(e) for s, e in self.events) / 1e3
         self.steps["graph"] = len(self.events)
 
@@ -470,10 +480,244 @@ def run_peers(folder: Path, prompts, n_out: int, batch: int, cb_requests: int) -
     return res
 
 
+# -- the mixture-of-experts mode (--family qwen3-30b-a3b) ---------------------------------------------------------
+QWEN3_30B_A3B = dict(
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, use_sliding_window=False,
+    sliding_window=None, architectures=["Qwen3MoeForCausalLM"],
+)
+QWEN3_MOE_TINY = dict(QWEN3_30B_A3B, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
+                      num_experts_per_tok=4, vocab_size=1024, max_position_embeddings=4096)
+
+
+def moe_layer_tensors(cfg: dict, layer: int, gen: torch.Generator, device: str) -> dict:
+    """One decoder layer's tensors under their hub names (experts one by one), random bf16, norms at one."""
+    h, inter, d = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    prefix = f"model.layers.{layer}."
+    shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+              "self_attn.o_proj.weight": (h, q), "mlp.gate.weight": (cfg["num_experts"], h)}
+    for e in range(cfg["num_experts"]):
+        shapes.update({f"mlp.experts.{e}.gate_proj.weight": (inter, h), f"mlp.experts.{e}.up_proj.weight": (inter, h),
+                       f"mlp.experts.{e}.down_proj.weight": (h, inter)})
+    out = {prefix + n: torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen).cpu()
+           for n, shape in shapes.items()}
+    for norm, size in (("input_layernorm", h), ("post_attention_layernorm", h), ("self_attn.q_norm", d),
+                       ("self_attn.k_norm", d)):
+        out[f"{prefix}{norm}.weight"] = torch.ones(size, dtype=torch.bfloat16)
+    return out
+
+
+def build_moe_checkpoint(folder: Path, cfg: dict, device: str) -> Path:
+    """A Qwen3-MoE checkpoint of shape `cfg` with random bf16 weights, one safetensors shard per layer (bounded
+    memory) and an index, as the hub lays it out; refuses to start without the disk space it needs."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import Qwen3MoeConfig
+
+    if (folder / "config.json").exists():
+        return folder
+    config = Qwen3MoeConfig(**cfg)
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    experts = cfg["num_experts"] * 3 * h * cfg["moe_intermediate_size"]
+    attn = h * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
+    need = 2 * (cfg["num_hidden_layers"] * (experts + attn + cfg["num_experts"] * h) + 2 * v * h)
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < need * 1.02:
+        raise SystemExit(f"{folder} has {free / 1e9:.1f} GB free; the checkpoint needs {need / 1e9:.1f} GB "
+                         f"(pass --checkpoint on a larger disk)")
+    gen = torch.Generator(device=device).manual_seed(0)
+    weight_map = {}
+
+    def save(tensors: dict, name: str) -> None:
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+
+    top = {"model.embed_tokens.weight": torch.empty(v, h, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=gen).cpu(),
+           "lm_head.weight": torch.empty(v, h, dtype=torch.bfloat16, device=device).normal_(0, 0.25, generator=gen).cpu(),
+           "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}  # lm_head std 0.25: peaked logits
+    save(top, "model-top.safetensors")
+    for layer in range(cfg["num_hidden_layers"]):
+        save(moe_layer_tensors(cfg, layer, gen, device), f"model-layer{layer:03d}.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": need},
+                                                                       "weight_map": weight_map}))
+    config.save_pretrained(str(folder))
+    build_tokenizer(folder, v)
+    return folder
+
+
+def active_params(llm) -> int:
+    """Parameters one batch-1 decode token reads: every matrix but the embedding table, experts counted at
+    top_k / num_experts (the experts it is routed to)."""
+    cfg = llm.engine.model_config.hf_config
+    share = cfg.num_experts_per_tok / cfg.num_experts
+    return int(sum(p.numel() * (share if ".experts." in name else 1.0)
+                   for name, p in llm.engine.runner.model.named_parameters() if "embed" not in name))
+
+
+def hf_batch1_decode_ms(model, vocab: int, device: str, context: int = 1000, new_tokens: int = 200) -> float:
+    """transformers generate at batch 1: ms per output token, (time for new_tokens) - (time for one), same prompt."""
+    prompt = torch.tensor([np.random.default_rng(3).integers(3, vocab, size=context).tolist()], device=device)
+    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+
+    def timed(n: int) -> float:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        sync()
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        timed(8)  # warm-up
+        return (timed(new_tokens + 1) - timed(1)) / new_tokens * 1e3
+
+
+def hf_continuous_batching(model, prompts, outs) -> dict:
+    """transformers' continuous batching manager on W1: every request with its own max_new_tokens, EOS ignored."""
+    from transformers import GenerationConfig
+
+    gen_cfg = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(outs))
+    made, finished = 0, 0
+    with model.continuous_batching_context_manager(generation_config=gen_cfg, block=True, timeout=5) as manager:
+        start = time.perf_counter()
+        for i, (prompt, n_out) in enumerate(zip(prompts, outs)):
+            manager.add_request(prompt, request_id=f"w1-{i}", max_new_tokens=n_out)
+        while finished < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                finished += 1
+                made += len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped before every request finished")
+        elapsed = time.perf_counter() - start
+    return dict(requests=len(prompts), seconds=elapsed, req_per_s=len(prompts) / elapsed,
+                output_tok_per_s=made / elapsed, output_tokens=made, output_tokens_asked=sum(outs))
+
+
+def run_moe_peers(folder: Path, w1, vocab: int, device: str, w3_shape: tuple[int, int]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype,
+                                                 device_map=device if device == "cuda" else None).eval()
+    res = {"hf_W3_ms_per_token": hf_batch1_decode_ms(model, vocab, device, *w3_shape)}
+    try:
+        res["hf_W1"] = hf_continuous_batching(model, *w1)
+    except Exception as exc:  # record why, keep the engine's half of the benchmark
+        res["hf_W1"] = dict(error=repr(exc)[:500])
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def measure_cpu_copy_bandwidth(mib: int = 256) -> float:
+    src = torch.randn(mib * 2**18)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / float(np.median(times[2:]))
+
+
+def run_moe(args) -> int:
+    """The MoE mode: W3 and W1 on a Qwen3-30B-A3B-shape checkpoint, each against transformers in the same run."""
+    from asyncengine import LLM
+
+    device = "cpu" if args.tiny else "cuda"
+    cfg = QWEN3_MOE_TINY if args.tiny else QWEN3_30B_A3B
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict = {"family": args.family, "tiny": args.tiny, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+                     "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+
+    def save():
+        name = f"bench_offline_{args.family}{'_tiny' if args.tiny else ''}{'' if part == 'all' else '_' + part}.json"
+        (out_dir / name).write_text(json.dumps(results, indent=2))
+
+    part = args.moe_part
+
+    results["copy_bandwidth_GBps"] = (measure_copy_bandwidth() if device == "cuda" else measure_cpu_copy_bandwidth()) / 1e9
+    t0 = time.perf_counter()
+    folder = build_moe_checkpoint(Path(args.checkpoint) if args.checkpoint != DEFAULT_CHECKPOINT else
+                                  Path(f"/tmp/{args.family}{'-tiny' if args.tiny else ''}-random"), cfg, device)
+    results["build_checkpoint_s"] = time.perf_counter() - t0
+    if part == "build":
+        save()
+        return 0
+    vocab = cfg["vocab_size"]
+    n = 16 if args.tiny else (100 if args.quick else args.moe_w1_requests)
+    w1 = w1_workload(n, vocab)
+    w3_shape = (100, 20) if args.tiny else (1000, 200)  # (context, new tokens)
+    if args.tiny:
+        w1 = (w1[0], [min(o, 24) for o in w1[1]])
+    if not args.skip_peers and part in ("all", "peers"):
+        results["peers"] = run_moe_peers(folder, w1, vocab, device, w3_shape)
+        save()
+        if part == "peers":
+            print(json.dumps(results["peers"], indent=2))
+            return 0
+    peers_file = out_dir / f"bench_offline_{args.family}{'_tiny' if args.tiny else ''}_peers.json"
+    if part == "engine" and peers_file.exists():  # transformers measured by an earlier --moe-part peers call
+        results["peers"] = json.loads(peers_file.read_text())["peers"]
+    t0 = time.perf_counter()
+    llm = LLM(str(folder), dtype="bfloat16" if device == "cuda" else "float32", max_model_len=4096,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              **({"gpu_memory_utilization": 0.90} if device == "cuda" else {}))
+    results["engine_init_s"] = time.perf_counter() - t0
+    run_engine(llm, *sharegpt_like(min(n, 64), 200, 32, seed=8, vocab=vocab))  # warm-up: compile every shape
+    results["W1"] = run_engine(llm, *w1)
+    save()
+    w3 = batch1_decode_ms(llm, vocab, *w3_shape)
+    results["W3_ms_per_token"], results["W3_graph_replay_gpu_ms"] = w3["ms_per_token"], w3["graph_replay_gpu_ms"]
+    n_active = active_params(llm)
+    kv_bytes = (w3_shape[0] + w3_shape[1] // 2) * llm.engine.model_config.kv_bytes_per_token(torch.bfloat16)
+    results["W3_active_params"] = n_active
+    results["W3_bytes_per_step"] = 2 * n_active + kv_bytes
+    results["W3_roofline_ms"] = results["W3_bytes_per_step"] / (results["copy_bandwidth_GBps"] * 1e9) * 1e3
+    save()
+    print_moe_table(results)
+    return 0
+
+
+def print_moe_table(r: dict) -> None:
+    peers = r.get("peers", {})
+    hf_w1, hf_w3 = peers.get("hf_W1", {}), peers.get("hf_W3_ms_per_token")
+    w1, w3 = r["W1"]["req_per_s"], r["W3_ms_per_token"]
+    print(f"\n{r['device']}  {r['date']}  {r['family']}  copy {r['copy_bandwidth_GBps']:.0f} GB/s")
+    print(f"W1 ({r['W1']['requests']} requests) req/s   engine {w1:8.2f}   transformers "
+          + (f"{hf_w1['req_per_s']:8.2f}   {w1 / hf_w1['req_per_s']:.1f}x" if "req_per_s" in hf_w1 else f"n/a {hf_w1}"))
+    print(f"W3 ms/token (bs1, 1k ctx)  engine {w3:8.2f}   transformers "
+          + (f"{hf_w3:8.2f}   {hf_w3 / w3:.1f}x" if hf_w3 else "n/a")
+          + f"   roofline {r['W3_roofline_ms']:.2f} ms ({r['W3_active_params'] / 1e9:.2f} B active params + KV): "
+          f"{r['W3_roofline_ms'] / w3:.0%} of roofline")
+
+
+DEFAULT_CHECKPOINT = "/tmp/llama3-8b-random"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--checkpoint", default="/tmp/llama3-8b-random")
+    parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT,
+                        help="checkpoint folder (built there if missing); the MoE family defaults to "
+                             "/tmp/<family>-random")
+    parser.add_argument("--family", choices=["llama3-8b", "qwen3-30b-a3b"], default="llama3-8b",
+                        help="qwen3-30b-a3b: the mixture-of-experts mode (W3 and W1 against transformers)")
+    parser.add_argument("--moe-w1-requests", type=int, default=1000, help="W1 requests in the MoE mode")
+    parser.add_argument("--moe-part", choices=["all", "build", "peers", "engine"], default="all",
+                        help="MoE mode in parts, for machines that limit one command's time: build the checkpoint "
+                             "only, or run only transformers or only the engine on it (each writes its own JSON; "
+                             "the engine part reports against the peers part's JSON when --out holds it)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--w1-only", action="store_true", help="stop after W1 (the served benchmark's reference)")
@@ -485,8 +729,11 @@ def main(argv=None) -> int:
                         help="1024 since run 23; 256 before (run 22, H200: W1 1.10x, W2 1.03x at 1024)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--tiny", action="store_true",
-                        help="W1-structured as a CPU smoke run: 32 short requests on the embedded default model")
+                        help="a CPU smoke run: W1-structured on the embedded default model (32 short requests), "
+                             "or with --family qwen3-30b-a3b the MoE mode at a tiny shape")
     args = parser.parse_args(argv)
+    if args.family != "llama3-8b":
+        return run_moe(args)
     if args.tiny:
         return run_tiny_structured(Path(args.out))
     out_dir = Path(args.out)

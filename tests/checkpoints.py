@@ -51,7 +51,8 @@ SLIDING_WINDOW = 12  # tokens; shorter than most test prompts, and than every pr
 
 
 def _config(arch: str, vocab_size: int, **overrides):
-    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -106,6 +107,18 @@ def _config(arch: str, vocab_size: int, **overrides):
             "short_factor": [1.0 + 0.25 * i for i in range(head_dim // 2)],
             "long_factor": [2.0 + i for i in range(head_dim // 2)],
         })
+    elif arch == "MixtralForCausalLM":  # 8 experts, top-2, as Mixtral-8x7B
+        cls = MixtralConfig
+        common.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, sliding_window=None)
+    elif arch == "Qwen2MoeForCausalLM":  # top-4 of 8 without renormalising, a shared expert, one dense layer
+        cls = Qwen2MoeConfig
+        common.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=96, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[1], use_sliding_window=False, tie_word_embeddings=True)
+    elif arch == "Qwen3MoeForCausalLM":  # many small experts, top-4 of 16, renormalised, per-head q/k norms
+        cls = Qwen3MoeConfig
+        common.update(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
+                      head_dim=32, sliding_window=None, use_sliding_window=False)
     else:
         raise ValueError(arch)
     common.update(overrides)
@@ -129,7 +142,7 @@ def build_checkpoint(
         for name, p in model.named_parameters():
             if name == "lm_head.weight":
                 p.normal_(0.0, lm_head_std)
-            elif p.dim() == 2:
+            elif p.dim() >= 2:  # matrices, and experts stacked as [E, out, in] by transformers 5
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
@@ -141,4 +154,5 @@ def build_checkpoint(
 
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]
+                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+                 "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]

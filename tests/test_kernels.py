@@ -520,3 +520,221 @@ def test_gpu_attention_window_and_softcap_at_gemma2_sizes():
                                         256**-0.5, 4096, 50.0)
         assert not out.isnan().any()
         assert rel_error(out, ref) < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fused mixture of experts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def naive_moe(hidden, w13, w2, topk_weights, topk_ids):
+    """Token by token, expert by expert, in float64: the definition the reference must meet."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64, device=hidden.device)
+    inter = w13.shape[1] // 2
+    for t in range(hidden.shape[0]):
+        for weight, expert in zip(topk_weights[t].tolist(), topk_ids[t].tolist()):
+            gate_up = w13[expert].double() @ hidden[t].double()
+            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += weight * (w2[expert].double() @ act)
+    return out
+
+
+# Two chained GEMMs with bf16 intermediates: an intermediate that rounds the other way (its float32 sum ran in
+# another order) moves an output by a few bf16 ulps, so elementwise bf16 bounds are wider than TOLERANCE's.
+# The interpreter also truncates each float32 -> bf16 rounding (gate_up, act, down: about 0.4% low each, so ~1.5%
+# in all); a GPU rounds to nearest, unbiased.
+MOE_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (6e-2, 6e-2)}
+MOE_BF16_REL_ERROR = 3e-2 if not torch.cuda.is_available() else 1e-2
+
+
+def make_moe(tokens, experts, top_k, hidden, inter, dtype=torch.float32, device=DEVICE):
+    """Random inputs and expert weights (scaled so outputs are O(1)), and a random top-k routing per token."""
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=device) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device=device) * inter**-0.5).to(dtype)
+    topk_ids = torch.rand(tokens, experts, device=device).topk(top_k, dim=-1).indices
+    topk_weights = torch.softmax(torch.randn(tokens, top_k, device=device), dim=-1)
+    return x, w13, w2, topk_weights, topk_ids
+
+
+def test_moe_reference_matches_naive_definition():
+    from asyncengine.kernels import reference
+
+    args = make_moe(9, 6, 2, 32, 24, device="cpu")
+    out = reference.fused_moe(*args)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), naive_moe(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_moe_align_groups_assignments_by_expert_in_padded_blocks():
+    from asyncengine.kernels.moe import align_by_expert
+
+    topk_ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]], device=DEVICE)  # expert 3 four times, 4 unused
+    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts=5, block_m=4)
+    n = topk_ids.numel()
+    assert sorted_ids.numel() % 4 == 0 and sorted_ids.numel() >= n + 4 * 3
+    blocks = sorted_ids.view(-1, 4).tolist()
+    flat = topk_ids.reshape(-1).tolist()
+    seen = []
+    for block, expert in zip(blocks, block_expert.tolist()):
+        real = [i for i in block if i < n]
+        if expert < 0:
+            assert not real, "a block past the last expert holds assignments"
+            continue
+        assert all(flat[i] == expert for i in real) and real == sorted(real), (block, expert)
+        seen += real
+    assert sorted(seen) == list(range(n)), "every assignment appears exactly once"
+    assert [e for e in block_expert.tolist() if e >= 0] == [0, 1, 2, 3]  # one block each; expert 3 fills one
+
+
+def force_moe_path(monkeypatch, path: str) -> None:
+    """Run fused_moe through the grouped GEMMs or through the decode kernels, whatever the batch size."""
+    from asyncengine.kernels import moe
+
+    monkeypatch.setattr(moe, "DECODE_MAX_TOKENS", 0 if path == "grouped" else 10**6)
+
+
+MOE_CASES = {  # (tokens, experts, top_k, hidden, inter), sizes off tile boundaries
+    "decode-top2": (1, 8, 2, 64, 48),
+    "few-tokens-many-experts": (5, 16, 4, 48, 32),
+    "top1-hidden-over-k-tiles": (3, 4, 1, 300, 20),
+    "prefill-tiles": (70, 4, 2, 32, 80),  # several M blocks per expert, prefill tiles (grouped path only)
+}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("path, case", [(p, c) for c in MOE_CASES for p in ("grouped", "decode")
+                                        if not (p == "decode" and c == "prefill-tiles")])  # fmt: skip
+def test_fused_moe_matches_reference(dtype, path, case, monkeypatch):
+    from asyncengine.kernels import moe, reference
+
+    force_moe_path(monkeypatch, path)
+    args = make_moe(*MOE_CASES[case], dtype)
+    out, ref = moe.fused_moe(*args), reference.fused_moe(*args)
+    assert_matches(out, ref, MOE_TOLERANCE)
+    assert rel_error(out, ref) < (1e-5 if dtype == torch.float32 else MOE_BF16_REL_ERROR)
+
+
+@pytest.mark.parametrize("path, tokens", [("grouped", 40), ("decode", 6)])
+def test_fused_moe_when_every_token_picks_the_same_experts(path, tokens, monkeypatch):
+    """Load imbalance and repeated ids: all tokens on experts 2 and 2 again (one expert, many blocks)."""
+    from asyncengine.kernels import moe, reference
+
+    force_moe_path(monkeypatch, path)
+    x, w13, w2, weights, _ = make_moe(tokens, 6, 2, 32, 16)
+    ids = torch.full((tokens, 2), 2, device=DEVICE)
+    assert_matches(moe.fused_moe(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids),
+                   MOE_TOLERANCE)
+
+
+def test_fused_moe_launches_the_same_kernels_whatever_the_routing(monkeypatch):
+    """No batch launches one kernel per expert: decode-sized batches take the two decode kernels, larger ones two
+    grouped GEMMs, however many experts are hit."""
+    from asyncengine.kernels import moe
+
+    calls = []
+    for name in ("_grouped_gemm", "_fused_moe_decode"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    moe.fused_moe(*make_moe(4, 16, 4, 16, 16))  # up to 16 experts hit
+    assert calls == ["_fused_moe_decode"]
+    calls.clear()
+    moe.fused_moe(*make_moe(moe.DECODE_MAX_TOKENS + 1, 16, 4, 16, 16))
+    assert calls == ["_grouped_gemm", "_grouped_gemm"]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("experts, top_k", [(128, 8), (60, 4), (8, 2)], ids=["qwen3", "qwen2-60", "mixtral"])
+def test_topk_softmax_matches_reference_routing(experts, top_k, renormalize):
+    from asyncengine.kernels import moe, reference
+
+    logits = torch.randn(9, experts, device=DEVICE) * 3  # float32: no ties
+    weights, ids = moe.topk_softmax(logits, top_k, renormalize)
+    ref_weights, ref_ids = reference.topk_softmax(logits, top_k, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+def test_topk_softmax_breaks_ties_toward_the_lowest_expert():
+    from asyncengine.kernels import moe
+
+    logits = torch.zeros(3, 60, dtype=torch.bfloat16, device=DEVICE)  # every expert tied
+    logits[1, [7, 3, 50]] = 1.0  # three tied at the top, then 57 tied below
+    weights, ids = moe.topk_softmax(logits, 4, renormalize=True)
+    assert ids.tolist() == [[0, 1, 2, 3], [3, 7, 50, 0], [0, 1, 2, 3]]
+    torch.testing.assert_close(weights[0], torch.full((4,), 0.25, device=DEVICE))
+    assert weights[1, 0] == weights[1, 1] == weights[1, 2] > weights[1, 3]
+
+
+def test_fused_moe_rejects_mismatched_shapes():
+    from asyncengine.kernels import moe
+
+    x, w13, w2, weights, ids = make_moe(3, 4, 2, 32, 16)
+    with pytest.raises(ValueError, match="w13"):
+        moe.fused_moe(x, w13[:, :, :16], w2, weights, ids)
+    with pytest.raises(ValueError, match="topk"):
+        moe.fused_moe(x, w13, w2, weights[:2], ids)
+
+
+# GPU: expert shapes of Mixtral-8x7B (8 experts, top-2, hidden 4096, intermediate 14336) and Qwen3-30B-A3B
+# (128 experts, top-8, hidden 2048, intermediate 768), bf16, against the reference on float32 copies.
+MOE_SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
+
+
+def moe_error_vs_fp32_reference(x, w13, w2, topk_weights, topk_ids) -> float:
+    from asyncengine.kernels import moe, reference
+
+    out = moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    assert out.shape == x.shape and out.dtype == x.dtype and not out.isnan().any(), "unwritten or NaN outputs"
+    ref = reference.fused_moe(x.float(), w13.float(), w2.float(), topk_weights, topk_ids)
+    return rel_error(out, ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+@pytest.mark.parametrize("tokens", [1, 3, 64, 1000])
+def test_gpu_fused_moe_at_real_expert_shapes(shape, tokens):
+    experts, top_k, hidden, inter = MOE_SHAPES[shape]
+    args = make_moe(tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    assert moe_error_vs_fp32_reference(*args) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_gpu_fused_moe_with_tied_router_logits(shape):
+    """Tied router probabilities (all logits equal, or pairs equal): the routing kernel picks distinct experts
+    (the lowest index first among ties) and the MoE kernel computes exactly that routing."""
+    from asyncengine.models.moe import select_experts
+
+    experts, top_k, hidden, inter = MOE_SHAPES[shape]
+    x, w13, w2, _, _ = make_moe(33, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    logits = torch.zeros(33, experts, dtype=torch.bfloat16, device="cuda")
+    logits[16:] = torch.randn(17, experts // 2, device="cuda").repeat_interleave(2, dim=1).to(torch.bfloat16)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "top-k must pick distinct experts even under ties"
+    assert moe_error_vs_fp32_reference(x, w13, w2, weights, ids) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fused_moe_decode_is_cuda_graph_capturable():
+    from asyncengine.kernels import moe, reference
+
+    experts, top_k, hidden, inter = MOE_SHAPES["qwen3-30b-a3b"]
+    x, w13, w2, weights, ids = make_moe(8, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    out = torch.empty_like(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(moe.fused_moe(x, w13, w2, weights, ids))  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(moe.fused_moe(x, w13, w2, weights, ids))
+    x.copy_(torch.randn_like(x))  # new tokens and a new routing in the same buffers, then replay
+    ids.copy_(torch.rand(8, experts, device="cuda").topk(top_k, dim=-1).indices)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(out, reference.fused_moe(x, w13, w2, weights, ids), MOE_TOLERANCE)

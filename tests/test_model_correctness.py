@@ -58,7 +58,8 @@ def test_greedy_matches_transformers(checkpoint_dir, arch, variant):
     folder = checkpoint_dir(arch)
     options = ALL_LOCAL_PREEMPTION if variant == "preemption" and arch in ALL_LOCAL else VARIANTS[variant]
     llm = LLM(str(folder), dtype="float32", max_model_len=128, **options)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    # min_tokens: EOS masked until NEW_TOKENS, as transformers' min_new_tokens does (not merely ignored)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     expected = transformers_greedy(folder, PROMPTS, llm.get_tokenizer())
     for prompt, out, ref in zip(PROMPTS, outputs, expected):

@@ -9,6 +9,7 @@ from asyncengine.models.bert import BertModel
 from asyncengine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from asyncengine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from asyncengine.models.phi3 import Phi3ForCausalLM
+from asyncengine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _REGISTRY: dict[str, type] = {
     "BertModel": BertModel,
@@ -16,9 +17,12 @@ _REGISTRY: dict[str, type] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 HOW_TO_REGISTER = (

@@ -89,9 +89,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype):
+    """Gated MLP (SiLU) of cfg.intermediate_size, or of `intermediate_size` when given (e.g. a shared expert)."""
+
+    def __init__(self, cfg, dtype: torch.dtype, intermediate_size: Optional[int] = None):
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, dtype)
         if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -103,10 +105,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, dtype, qkv_bias: bool, qk_norm: bool, max_positions: int,
-                 sliding_window: Optional[int] = None):
+                 sliding_window: Optional[int] = None, mlp: Optional[nn.Module] = None):
         super().__init__()
         self.self_attn = Attention(cfg, dtype, qkv_bias, qk_norm, max_positions, sliding_window)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = mlp if mlp is not None else MLP(cfg, dtype)  # [T, hidden] -> [T, hidden]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -137,11 +139,16 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.sliding_windows = layer_sliding_windows(cfg)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, qkv_bias, self.qk_norm, max_positions, window) for window in self.sliding_windows
+            DecoderLayer(cfg, dtype, qkv_bias, self.qk_norm, max_positions, window, self.make_mlp(cfg, dtype, i))
+            for i, window in enumerate(self.sliding_windows)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+
+    def make_mlp(self, cfg, dtype: torch.dtype, layer_index: int) -> nn.Module:
+        """The feed-forward block of layer `layer_index` (families with sparse layers override this)."""
+        return MLP(cfg, dtype)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""

@@ -45,6 +45,8 @@ def _expected_shards(model: torch.nn.Module) -> set[tuple[str, object]]:
                 expected |= {(full, s) for s in ("q", "k", "v")}
             elif isinstance(module, MergedColumnParallelLinear):
                 expected |= {(full, s) for s in range(len(module.out_sizes))}
+            elif hasattr(module, "shard_ids"):  # a module filled piecewise by its own shard ids (e.g. experts)
+                expected |= {(full, s) for s in module.shard_ids(pname)}
             else:
                 expected.add((full, None))
     return expected

@@ -1,0 +1,198 @@
+"""Mixture-of-experts families: Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+They are the Llama family (llama.py: attention, norms, decoder layer, loading) with the MLP of some layers
+replaced by a sparse block: a router picks each token's top-k experts, the experts (gated MLPs) run through one
+fused call (`ops.fused_moe`), and their outputs are summed with the routing weights. Qwen2-MoE adds a shared
+expert whose output, scaled by a sigmoid gate, is added for every token.
+
+Routing, as transformers computes it: softmax over all experts in float32, the top-k probabilities, divided by
+their sum when the family renormalises (Mixtral always; Qwen2/3-MoE when `norm_topk_prob`).
+
+Tensor parallelism: every rank holds every expert and its slice of the intermediate dimension (as vLLM shards
+them), read from tp_size() when the layer is built; the experts' partial outputs are summed over ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncengine import ops
+from asyncengine.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from asyncengine.models.layers import load_checkpoint_tensor
+from asyncengine.models.llama import MLP, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from asyncengine.quantization import set_weight_attrs
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64), as transformers routes:
+    softmax in float32, the top k, renormalised to sum to one when asked (`reference.topk_softmax`; on CPU its
+    torch.topk picks among tied experts exactly as transformers does)."""
+    return ops.topk_softmax(router_logits, top_k, renormalize)
+
+
+class Router(nn.Module):
+    """The gate: logits [T, E] = x W^T with W [E, hidden], whole on every rank (it is small)."""
+
+    def __init__(self, hidden: int, num_outputs: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_outputs, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedMoE(nn.Module):
+    """num_experts gated MLPs (hidden -> intermediate -> hidden) stored stacked for the fused kernel.
+
+    w13_weight: [E, 2 * I_rank, hidden] laid out [gate | up] per expert; w2_weight: [E, hidden, I_rank], with
+    I_rank = intermediate / tp_size(). Checkpoint tensors arrive per expert (shard id (expert, "gate" | "up" |
+    "down")) or stacked for all experts, the layout transformers 5 holds in memory (("all", "gate_up" | "down")).
+    """
+
+    PER_EXPERT = ("gate", "up", "down")
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype):
+        super().__init__()
+        if intermediate % tp_size():
+            raise ValueError(f"moe intermediate size {intermediate} is not divisible by tensor_parallel_size "
+                             f"{tp_size()}")  # fmt: skip
+        self.num_experts, self.inter = num_experts, intermediate // tp_size()
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden, dtype=dtype),
+                                       requires_grad=False)  # fmt: skip
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
+        set_weight_attrs(self.w13_weight, output_dim=1, input_dim=2)
+        set_weight_attrs(self.w2_weight, output_dim=1, input_dim=2)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], topk_* [T, K] -> [T, hidden], summed over ranks."""
+        return all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids))
+
+    def shard_ids(self, param_name: str) -> set:
+        """The shard ids that fill `param_name` completely when loaded per expert (what the loader expects)."""
+        kinds = ("gate", "up") if param_name == "w13_weight" else ("down",)
+        return {(e, kind) for e in range(self.num_experts) for kind in kinds}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        """Copy this rank's slice of the intermediate dimension; see the class docstring for shard ids."""
+        expert, kind = shard_id
+        inter, rank = self.inter, tp_rank()
+        if expert == "all":  # stacked: gate_up [E, 2I, hidden] or down [E, hidden, I]
+            if kind == "gate_up":
+                full = loaded.shape[1] // 2
+                gate, up = loaded[:, :full], loaded[:, full:]
+                param.data[:, :inter].copy_(gate[:, rank * inter : (rank + 1) * inter])
+                param.data[:, inter:].copy_(up[:, rank * inter : (rank + 1) * inter])
+            else:
+                param.data.copy_(loaded[:, :, rank * inter : (rank + 1) * inter])
+            return
+        if kind == "down":  # [hidden, I]
+            param.data[expert].copy_(loaded[:, rank * inter : (rank + 1) * inter])
+        else:  # gate or up: [I, hidden]
+            offset = 0 if kind == "gate" else inter
+            param.data[expert, offset : offset + inter].copy_(loaded[rank * inter : (rank + 1) * inter])
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ the gated shared expert where the config has one): [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, cfg, dtype: torch.dtype, intermediate: int, renormalize: bool,
+                 shared_intermediate: int = 0):  # fmt: skip
+        super().__init__()
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, renormalize
+        num_experts = _num_experts(cfg)
+        if not 0 < self.top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {num_experts}] (the number of experts)")
+        self.gate = Router(cfg.hidden_size, num_experts, dtype)
+        self.experts = FusedMoE(num_experts, cfg.hidden_size, intermediate, dtype)
+        self.shared_expert = MLP(cfg, dtype, shared_intermediate) if shared_intermediate else None
+        self.shared_expert_gate = Router(cfg.hidden_size, 1, dtype) if shared_intermediate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)  # [T, K] each
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def _num_experts(cfg) -> int:
+    return getattr(cfg, "num_local_experts", None) or cfg.num_experts  # Mixtral's name, then Qwen's
+
+
+# checkpoint names of expert weights: "<prefix>.experts.<e>.<proj>.weight" (per expert, as on the hub) or
+# "<prefix>.experts.gate_up_proj" / ".down_proj" (stacked, the layout transformers 5 holds in memory)
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+def expert_target(name: str) -> Optional[tuple[str, object]]:
+    """(our parameter name, shard id) of an expert weight's checkpoint name (prefix stripped), else None."""
+    match = _PER_EXPERT.match(name)
+    if match:
+        kind = _KIND[match[3]]
+        return f"{match[1]}.{'w2' if kind == 'down' else 'w13'}_weight", (int(match[2]), kind)
+    match = _STACKED.match(name)
+    if match:
+        kind = "gate_up" if match[2] == "gate_up_proj" else "down"
+        return f"{match[1]}.{'w2' if kind == 'down' else 'w13'}_weight", ("all", kind)
+    return None
+
+
+class MoeLoadingMixin:
+    """Loads expert weights itself and hands every other tensor to the Llama family's loader."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, object]] = set()
+
+        def dense_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for hf_name, tensor in weights:
+                name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the sparse block
+                target = expert_target(name.removeprefix("model."))
+                if target is None:
+                    yield name, tensor
+                    continue
+                load_checkpoint_tensor(self, params, target[0], target[1], tensor, hf_name)
+                if target[1][0] == "all":  # a stacked tensor fills every expert's shards at once
+                    module = self.get_submodule(target[0].rsplit(".", 1)[0])
+                    loaded.update((target[0], s) for s in module.shard_ids(target[0].rsplit(".", 1)[1]))
+                else:
+                    loaded.add(target)
+
+        dense = super().load_weights(dense_weights())
+        return loaded | dense
+
+
+class MixtralForCausalLM(MoeLoadingMixin, LlamaForCausalLM):
+    """Mixtral: every layer sparse (num_local_experts experts, top num_experts_per_tok, renormalised)."""
+
+    def make_mlp(self, cfg, dtype: torch.dtype, layer_index: int) -> nn.Module:
+        return SparseMoeBlock(cfg, dtype, cfg.intermediate_size, renormalize=True)
+
+
+class QwenMoeMixin(MoeLoadingMixin):
+    """Qwen2-MoE / Qwen3-MoE: sparse layers every decoder_sparse_step-th layer outside mlp_only_layers (the others
+    a dense MLP of intermediate_size); experts of moe_intermediate_size; renormalised when norm_topk_prob."""
+
+    def make_mlp(self, cfg, dtype: torch.dtype, layer_index: int) -> nn.Module:
+        step = getattr(cfg, "decoder_sparse_step", 1) or 1
+        sparse = (layer_index not in (getattr(cfg, "mlp_only_layers", None) or [])
+                  and _num_experts(cfg) > 0 and (layer_index + 1) % step == 0)  # fmt: skip
+        if not sparse:
+            return MLP(cfg, dtype)
+        return SparseMoeBlock(cfg, dtype, cfg.moe_intermediate_size, bool(getattr(cfg, "norm_topk_prob", False)),
+                              getattr(cfg, "shared_expert_intermediate_size", 0) or 0)  # fmt: skip
+
+
+class Qwen2MoeForCausalLM(QwenMoeMixin, Qwen2ForCausalLM):
+    """Qwen2-MoE: Qwen2 attention (q/k/v bias) and a shared expert beside the routed ones."""
+
+
+class Qwen3MoeForCausalLM(QwenMoeMixin, Qwen3ForCausalLM):
+    """Qwen3-MoE: Qwen3 attention (per-head q/k RMSNorm), no shared expert."""
