@@ -92,6 +92,7 @@ def _grouped_gemm_kernel(
     weights_ptr,  # [N] float32 routing weights (read when MUL_WEIGHT)
     sorted_ids_ptr,  # [P] int32
     block_expert_ptr,  # [P / BLOCK_M] int32
+    num_m_blocks,  # P / BLOCK_M
     num_assignments,
     n_out,
     k_dim,
@@ -106,11 +107,19 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of C: BLOCK_M assignments of one expert times that expert's weight columns."""
+    # Programs run in groups of GROUP_M row blocks sweeping the columns together, so an expert's weight tile is
+    # read from memory once per group and from L2 by the others (row-block-major order re-read each expert's whole
+    # weight once per row block: 0.4x the reference at Mixtral's 4096-token prefill on an H100).
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(n_out, BLOCK_N)
-    pid_m, pid_n = pid // num_n_blocks, pid % num_n_blocks
+    programs_per_group = GROUP_M * num_n_blocks
+    first_m = (pid // programs_per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % programs_per_group) % group_rows
+    pid_n = (pid % programs_per_group) // group_rows
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -145,10 +154,11 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, block_expert, a_row_div: int, ti
     n_out, k_dim = b.shape[1], b.shape[2]
     grid = (block_expert.numel() * triton.cdiv(n_out, tiles.block_n),)
     _grouped_gemm_kernel[grid](
-        a, b, c, weights if weights is not None else c, sorted_ids, block_expert, c.shape[0], n_out, k_dim,
+        a, b, c, weights if weights is not None else c, sorted_ids, block_expert, block_expert.numel(), c.shape[0],
+        n_out, k_dim,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, DOT_F32=_dot_f32(a), PRECISION=_precision(),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=8,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
