@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -10,8 +11,8 @@ from tqdm.auto import tqdm
 from asyncengine.config import EngineConfig
 from asyncengine.engine import LLMEngine, PromptType
 from asyncengine.outputs import RequestOutput
-from asyncengine.pooling_engine import PoolingEngine, build_engine
-from asyncengine.pooling_params import EmbeddingRequestOutput, PoolingParams
+from asyncengine.pooling_engine import PoolingEngine, build_engine, pair_texts
+from asyncengine.pooling_params import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, ScoringRequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.tokenizer import apply_chat_template
 
@@ -21,7 +22,8 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """Runs batches of prompts to completion. Keyword arguments are EngineConfig fields (block_size,
     max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, dtype, runner, ...). An embedding
-    model (runner "pooling", chosen from the checkpoint or by runner=...) is used through `embed`."""
+    model (runner "pooling", chosen from the checkpoint or by runner=...) is used through `embed`, a cross-encoder
+    through `score`."""
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
         self.engine: Union[LLMEngine, PoolingEngine] = build_engine(EngineConfig(model=model, **kwargs))
@@ -82,21 +84,51 @@ class LLM:
         """One embedding per prompt (a string or a list of token ids), in the order of `prompts`; each output's
         `.outputs.embedding` is a list of floats. Needs the pooling runner. Bad input raises ValueError before
         anything runs."""
-        if not isinstance(self.engine, PoolingEngine):
-            raise ValueError("embed needs the pooling runner: this model was loaded to generate "
-                             "(pass runner='pooling' to LLM(...) to embed with it)")
+        self._check_pooling("embed")
         params = pooling_params or PoolingParams()
         prompt_list = self._as_list(prompts)
+        token_lists = self.engine.tokenize(prompt_list, params)
+        return self._pool([(p, ids, params) for p, ids in zip(prompt_list, token_lists)], "Embedded prompts",
+                          use_tqdm)
+
+    def score(
+        self,
+        data_1: Union[str, Sequence[str]],
+        data_2: Union[str, Sequence[str]],
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        pooling_params: Optional[PoolingParams] = None,
+    ) -> list[ScoringRequestOutput]:
+        """A cross-encoder's score of text pairs (vLLM's `LLM.score`): data_1 against each text of data_2 (1:N),
+        or data_1[i] against data_2[i] (N:N); one output per pair, in order, its `.outputs.score` a float.
+        Needs a cross-encoder. Bad input raises ValueError (naming data_1 / data_2) before anything runs."""
+        self._check_pooling("score")
+        params = replace(pooling_params or PoolingParams(), task="score")
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        pairs = pair_texts(data_1, data_2, names=("data_1", "data_2"))
+        encoded = self.engine.tokenize_pairs(pairs, params)
+        return self._pool([(None, ids, replace(params, second_text_start=start)) for ids, start in encoded],
+                          "Scored pairs", use_tqdm)
+
+    def _check_pooling(self, what: str) -> None:
+        if not isinstance(self.engine, PoolingEngine):
+            raise ValueError(f"{what} needs the pooling runner: this model was loaded to generate "
+                             f"(pass runner='pooling' to LLM(...) for an embedding model or a cross-encoder)")
+
+    def _pool(self, requests: list[tuple[Optional[PromptType], list[int], PoolingParams]], desc: str,
+              use_tqdm: bool) -> list[PoolingRequestOutput]:
+        """Add (prompt, token ids, params) pooling requests, all or none, and run them; outputs in that order."""
         ids = []
         try:
-            for prompt, token_ids in zip(prompt_list, self.engine.tokenize(prompt_list, params)):
+            for prompt, token_ids, params in requests:
                 ids.append(self._next_id())
                 self.engine.add_request(ids[-1], prompt, params, prompt_token_ids=token_ids)
         except Exception:
             self.engine.abort_request(ids)
             raise
-        results: dict[str, EmbeddingRequestOutput] = {}
-        with tqdm(total=len(ids), desc="Embedded prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        results: dict[str, PoolingRequestOutput] = {}
+        with tqdm(total=len(ids), desc=desc, disable=not use_tqdm, dynamic_ncols=True) as bar:
             for outputs in self.engine.run_pipelined(self._device_thread):
                 results.update((o.request_id, o) for o in outputs)
                 bar.update(len(outputs))

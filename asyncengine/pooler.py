@@ -6,6 +6,11 @@ sequence length. A checkpoint without these files gets vLLM's defaults: CLS pool
 pooling for decoders, normalised. Modules that change the vectors in other ways (Dense, ...) are refused with a
 ValueError rather than skipped, since skipping them would give wrong embeddings silently.
 
+A cross-encoder (BertForSequenceClassification) pools its [CLS] state into its classifier, whose logit goes through
+the activation sentence-transformers' CrossEncoder applies in `predict`: the `activation_fn` its
+config_sentence_transformers.json or config.json (`sentence_transformers.activation_fn`) names, else sigmoid
+(one label). An activation we do not know is a ValueError naming the file.
+
 Models that were trained for truncated embeddings (Matryoshka) say so in config.json (`is_matryoshka`, or a list
 of `matryoshka_dimensions`); only they accept a request's `dimensions`.
 """
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 PoolingMode = Literal["mean", "cls", "last"]
+ScoreActivation = Literal["sigmoid", "identity"]
 RunnerKind = Literal["generate", "pooling"]
 RUNNERS = ("auto", "generate", "pooling")
 
@@ -39,6 +45,12 @@ class PoolerConfig:
     matryoshka: bool = False  # requests may ask for fewer dimensions
     matryoshka_dimensions: Optional[tuple[int, ...]] = None  # the only dimensions allowed, when listed
     max_seq_length: Optional[int] = None  # sentence_bert_config.json: longer inputs are refused or truncated
+    score_activation: Optional[ScoreActivation] = None  # set for cross-encoders only: they score, not embed
+
+    @property
+    def scores(self) -> bool:
+        """A cross-encoder's pooler: one score per text pair instead of an embedding."""
+        return self.score_activation is not None
 
 
 def has_sentence_transformers_config(folder: Path) -> bool:
@@ -82,6 +94,43 @@ def load_pooler_config(folder: Path, is_encoder: bool, hf_config) -> PoolerConfi
     if mode is None:
         raise ValueError(f"{folder / 'modules.json'} has no Pooling module")
     return PoolerConfig(mode, normalize, matryoshka, dims_tuple, _max_seq_length(folder))
+
+
+# sentence-transformers' dotted names of the activations it saves -> ours
+_SCORE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity", "torch.nn.Identity": "identity",
+}
+
+
+def load_cross_encoder_pooler(folder: Path, hf_config) -> PoolerConfig:
+    """A cross-encoder's pooling: its [CLS] state, unnormalised, scored with the activation its files name (see
+    the module docstring)."""
+    return PoolerConfig("cls", False, score_activation=_score_activation(Path(folder), hf_config))
+
+
+def _score_activation(folder: Path, hf_config) -> ScoreActivation:
+    """sentence-transformers' order: config_sentence_transformers.json, config.json's sentence_transformers entry,
+    its older sbert_ce_default_activation_function, else sigmoid (one label)."""
+    st_path = folder / "config_sentence_transformers.json"
+    candidates = [(st_path, json.loads(st_path.read_text()).get("activation_fn") if st_path.exists() else None),
+                  (folder / "config.json", (getattr(hf_config, "sentence_transformers", None) or {}).get(
+                      "activation_fn")),
+                  (folder / "config.json", getattr(hf_config, "sbert_ce_default_activation_function", None))]
+    for path, name in candidates:
+        if name is None:
+            continue
+        if name not in _SCORE_ACTIVATIONS:
+            raise ValueError(f"{path}: activation_fn {name!r} is not supported "
+                             f"(supported: {sorted(set(_SCORE_ACTIVATIONS))})")
+        return _SCORE_ACTIVATIONS[name]  # type: ignore[return-value]
+    return "sigmoid"
+
+
+def apply_score_activation(logits: torch.Tensor, activation: ScoreActivation) -> torch.Tensor:
+    """[B, 1] logits -> [B] scores, float32."""
+    scores = logits.float()[:, 0]
+    return torch.sigmoid(scores) if activation == "sigmoid" else scores
 
 
 def _pooling_mode(path: Path) -> PoolingMode:

@@ -1,12 +1,13 @@
-"""PoolingEngine: the sans-IO core of a model served for embeddings (the pooling runner).
+"""PoolingEngine: the sans-IO core of a model served for embeddings or scores (the pooling runner).
 
-A pooling request is prefill-only: one forward pass over its whole input, then one pooled vector. Its life:
+A pooling request is prefill-only: one forward pass over its whole input, then one pooled vector (an embedding),
+or, on a cross-encoder, one score of the text pair it holds. Its life:
 
     add_request    validate (length, vocabulary, PoolingParams against the model), queue it
     prepare_step   take queued requests in arrival order while the step's token budget and sequence slots last
     launch/collect the pass on the device (pooling_runner), thread-safe like LLMEngine's
-    book           attach each embedding to its request (after dimensions / normalisation)
-    emit           EmbeddingRequestOutput for every request booked, then forget it
+    book           attach each embedding (after dimensions / normalisation) or score to its request
+    emit           EmbeddingRequestOutput / ScoringRequestOutput for every request booked, then forget it
 
 The engine answers to the names the step driver (engine.StepPipeline) and engine_client.InProcessClient use for an
 LLMEngine (enqueue, prepare_step, run, launch, collect, book, emit, abort_request, has_unfinished_requests,
@@ -33,8 +34,9 @@ import torch.nn.functional as F
 from asyncengine.config import EngineConfig, load_model_config, resolve_max_model_len
 from asyncengine.engine import EngineStats, LLMEngine, PromptType, StepStats
 from asyncengine.models import model_class_for
-from asyncengine.pooler import PoolerConfig, choose_runner, load_pooler_config
-from asyncengine.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from asyncengine.pooler import PoolerConfig, choose_runner, load_cross_encoder_pooler, load_pooler_config
+from asyncengine.pooling_params import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput,
+                                        ScoringOutput, ScoringRequestOutput)
 from asyncengine.pooling_runner import LaunchedPooling, PoolingInputs, PoolingRunner
 from asyncengine.tokenizer import load_tokenizer
 
@@ -48,7 +50,7 @@ class PoolingRequest:
     params: PoolingParams
     prompt: Optional[str]
     arrival_time: float
-    embedding: Optional[list[float]] = None  # set by book()
+    result: Union[list[float], float, None] = None  # set by book(): the embedding, or the pair's score
     aborted: bool = False
 
 
@@ -73,6 +75,49 @@ def pooling_token_ids(tokenizer, prompts: list[PromptType], params: PoolingParam
         encoded = iter(tokenizer(texts, truncation=True, max_length=limit).input_ids)
     return [next(encoded) if isinstance(p, str) else (list(p)[-limit:] if limit is not None else list(p))
             for p in prompts]
+
+
+TextPair = tuple[str, str]
+
+
+def pair_texts(first: Union[str, list[str]], second: Union[str, list[str]],
+               names: tuple[str, str] = ("text_1", "text_2")) -> list[TextPair]:
+    """The pairs a score request means (vLLM's rules): one text against each text of `second` (1:N), or the i-th
+    of `first` against the i-th of `second` (N:N). ValueError naming the field (`names`) for empty input, an empty
+    text or lengths that do not pair."""
+    firsts = [first] if isinstance(first, str) else list(first)
+    seconds = [second] if isinstance(second, str) else list(second)
+    for name, texts in zip(names, (firsts, seconds)):
+        if not texts:
+            raise ValueError(f"{name} must not be empty")
+        if any(not isinstance(t, str) or not t for t in texts):
+            raise ValueError(f"{name} must hold non-empty strings")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise ValueError(f"{names[1]} has {len(seconds)} texts for {len(firsts)} in {names[0]}: give one "
+                         f"{names[0]} (1:N) or as many as {names[1]} (N:N)")
+    return list(zip(firsts, seconds))
+
+
+def pair_token_ids(tokenizer, pairs: list[TextPair], params: PoolingParams, max_model_len: int
+                   ) -> list[tuple[list[int], Optional[int]]]:
+    """A cross-encoder's inputs: each pair tokenized as a text pair ("[CLS] a [SEP] b [SEP]" for BERT), with where
+    its second text starts (the first token of type 1; None when the tokenizer gives no token types). Cut as
+    params.truncate_prompt_tokens says, by the tokenizer's own pair truncation (longest text first)."""
+    if not pairs:
+        return []
+    limit = params.truncation_length(max_model_len)
+    cut = {} if limit is None else {"truncation": True, "max_length": limit}
+    encoded = tokenizer([a for a, _ in pairs], [b for _, b in pairs], **cut)
+    types = encoded.get("token_type_ids") or [None] * len(pairs)
+    return [(ids, _first_of_type_1(t)) for ids, t in zip(encoded.input_ids, types)]
+
+
+def _first_of_type_1(token_type_ids: Optional[list[int]]) -> Optional[int]:
+    if not token_type_ids or 1 not in token_type_ids:
+        return None
+    return token_type_ids.index(1)
 
 
 def pooling_runner_for(config: EngineConfig) -> bool:
@@ -100,8 +145,10 @@ class PoolingEngine:
         self.model_config = load_model_config(config, device)
         model_class = model_class_for(self.model_config.architecture)
         self.is_encoder = bool(getattr(model_class, "is_encoder", False))
-        self.pooler: PoolerConfig = load_pooler_config(Path(config.model), self.is_encoder,
-                                                       self.model_config.hf_config)
+        if getattr(model_class, "is_cross_encoder", False):
+            self.pooler: PoolerConfig = load_cross_encoder_pooler(Path(config.model), self.model_config.hf_config)
+        else:
+            self.pooler = load_pooler_config(Path(config.model), self.is_encoder, self.model_config.hf_config)
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.model_config.vocab_size
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
@@ -112,8 +159,9 @@ class PoolingEngine:
         self.num_in_pass = 0
         self.stats_listeners: list[Callable[[StepStats], None]] = []
         self._stats = StepStats()
-        logger.info("pooling engine ready: %s (%s pooling%s) on %s", self.model_config.architecture,
-                    self.pooler.mode, ", normalised" if self.pooler.normalize else "", device)
+        logger.info("pooling engine ready: %s (%s pooling%s%s) on %s", self.model_config.architecture,
+                    self.pooler.mode, ", normalised" if self.pooler.normalize else "",
+                    f", scores with {self.pooler.score_activation}" if self.pooler.scores else "", device)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "PoolingEngine":
@@ -131,6 +179,10 @@ class PoolingEngine:
         """See pooling_token_ids."""
         return pooling_token_ids(self.tokenizer, prompts, params, self.max_model_len)
 
+    def tokenize_pairs(self, pairs: list[TextPair], params: PoolingParams) -> list[tuple[list[int], Optional[int]]]:
+        """See pair_token_ids."""
+        return pair_token_ids(self.tokenizer, pairs, params, self.max_model_len)
+
     def check_prompt(self, prompt_ids: list[int], params: PoolingParams) -> None:
         """ValueError when the input or the params cannot run on this model; the message names the field."""
         if not isinstance(params, PoolingParams):
@@ -145,6 +197,9 @@ class PoolingEngine:
             raise ValueError(f"input is {len(prompt_ids)} tokens but this model takes at most {self.max_model_len}; "
                              "pass truncate_prompt_tokens to cut it")
         params.check_for_model(self.pooler, self.model_config.hidden_size)
+        if params.second_text_start is not None and params.second_text_start > len(prompt_ids):
+            raise ValueError(f"second_text_start ({params.second_text_start}) is beyond the input's "
+                             f"{len(prompt_ids)} tokens")
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[PoolingParams] = None,
                     arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None) -> None:
@@ -166,7 +221,7 @@ class PoolingEngine:
         self.requests[request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[EmbeddingRequestOutput]:
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[PoolingRequestOutput]:
         """End the given requests now (their pass, if running, is discarded); unknown ids are ignored. Returns
         their final outputs (finish_reason "abort")."""
         if isinstance(request_ids, str):
@@ -179,15 +234,19 @@ class PoolingEngine:
             request.aborted = True
             if request in self.waiting:
                 self.waiting.remove(request)
-            outputs.append(EmbeddingRequestOutput(request_id, None, request.prompt_token_ids, True, request.prompt,
-                                                  "abort"))
+            outputs.append(self._output_class(request_id, None, request.prompt_token_ids, True, request.prompt,
+                                              "abort"))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # -- the step ---------------------------------------------------------------------------------------------
-    def step(self) -> list[EmbeddingRequestOutput]:
+    @property
+    def _output_class(self) -> type:
+        return ScoringRequestOutput if self.pooler.scores else EmbeddingRequestOutput
+
+    def step(self) -> list[PoolingRequestOutput]:
         """One whole step, serially: take a batch, run the pass, book the embeddings, emit outputs."""
         step = self.prepare_step()
         if step is None:
@@ -210,7 +269,8 @@ class PoolingEngine:
         if not batch:
             return None
         self.num_in_pass += len(batch)
-        return PoolingStep(batch, self.runner.prepare([r.prompt_token_ids for r in batch]))
+        return PoolingStep(batch, self.runner.prepare([r.prompt_token_ids for r in batch],
+                                                      [r.params.second_text_start for r in batch]))
 
     def run(self, step: PoolingStep) -> torch.Tensor:
         """The device work of a step, launched and collected; reads no engine state (thread-safe)."""
@@ -221,17 +281,22 @@ class PoolingEngine:
         return step
 
     def collect(self, step: PoolingStep) -> torch.Tensor:
-        """The step's embeddings [B, hidden] float32 on the host, in the order of step.requests."""
+        """The step's embeddings [B, hidden] (or a cross-encoder's scores [B]) float32 on the host, in the order
+        of step.requests."""
         return self.runner.collect(step.launched)
 
-    def book(self, step: PoolingStep, embeddings: torch.Tensor) -> list[PoolingRequest]:
-        """Attach each embedding to its request (aborted ones are skipped); returns the requests booked."""
+    def book(self, step: PoolingStep, pooled: torch.Tensor) -> list[PoolingRequest]:
+        """Attach each embedding or score (see collect) to its request (aborted ones are skipped); returns the
+        requests booked."""
         self.num_in_pass -= len(step.requests)
         booked = []
-        for request, vector in zip(step.requests, embeddings):
+        for request, vector in zip(step.requests, pooled):
             if request.aborted:
                 continue
-            request.embedding = self._finish_vector(vector, request.params).tolist()
+            if self.pooler.scores:
+                request.result = float(vector)
+            else:
+                request.result = self._finish_vector(vector, request.params).tolist()
             booked.append(request)
         self._stats.prompt_tokens += sum(len(r.prompt_token_ids) for r in booked)
         return booked
@@ -248,7 +313,7 @@ class PoolingEngine:
             vector = F.normalize(vector, p=2, dim=-1)
         return vector
 
-    def emit(self, booked: list[PoolingRequest]) -> list[EmbeddingRequestOutput]:
+    def emit(self, booked: list[PoolingRequest]) -> list[PoolingRequestOutput]:
         """Final outputs of the booked requests, which are then forgotten."""
         now = time.monotonic()
         stats, self._stats = self._stats, StepStats()
@@ -256,8 +321,9 @@ class PoolingEngine:
         for request in booked:
             if self.requests.pop(request.request_id, None) is None:
                 continue  # aborted after booking
-            outputs.append(EmbeddingRequestOutput(request.request_id, EmbeddingOutput(request.embedding),
-                                                  request.prompt_token_ids, True, request.prompt))
+            result = ScoringOutput(request.result) if self.pooler.scores else EmbeddingOutput(request.result)
+            outputs.append(self._output_class(request.request_id, result, request.prompt_token_ids, True,
+                                              request.prompt))
             stats.e2e_latency.append(now - request.arrival_time)
             stats.time_to_first_token.append(now - request.arrival_time)
             stats.finished_reasons.append("stop")

@@ -2,6 +2,8 @@
 
 Batch layout of one pass (B sequences, T tokens laid end to end):
     input_ids, positions: [T]    query_start_loc: [B + 1]    -> hidden [T, hidden] -> embeddings [B, hidden] fp32
+A cross-encoder also takes token_type_ids [T] (1 from each pair's second text on) and gives scores [B] fp32 (its
+classifier over the [CLS] states, then the activation of pooler.apply_score_activation).
 Encoders (BERT family) attend bidirectionally and keep no KV cache at all. Decoders used for embeddings run
 their usual causal forward over a scratch paged cache just big enough for this pass (each sequence's blocks in a
 row), allocated for the pass and dropped after it: pooling needs no KV once the pass is done.
@@ -22,7 +24,7 @@ from asyncengine.config import EngineConfig, ModelConfig
 from asyncengine.models.bert import EncoderMetadata
 from asyncengine.models.layers import AttentionMetadata
 from asyncengine.models.loader import load_model
-from asyncengine.pooler import PoolerConfig, pool
+from asyncengine.pooler import PoolerConfig, apply_score_activation, pool
 from asyncengine.sampler import to_device
 
 
@@ -33,11 +35,12 @@ class PoolingInputs:
     query_start_loc: torch.Tensor  # [B + 1] int32 on the device
     query_start_loc_cpu: torch.Tensor  # [B + 1] int32
     max_len: int
+    token_type_ids: Optional[torch.Tensor] = None  # [T] on the device; None: all 0
 
 
 @dataclass
 class LaunchedPooling:
-    embeddings: torch.Tensor  # [B, hidden] float32, on the host once `event` completes
+    embeddings: torch.Tensor  # [B, hidden] (scores: [B]) float32, on the host once `event` completes
     event: Optional[torch.cuda.Event] = None  # None on CPU, where launching computes everything
 
 
@@ -60,19 +63,26 @@ class PoolingRunner:
             self.collect(self.launch(self.prepare([[0] * n])))
             n *= 2
 
-    def prepare(self, token_lists: list[list[int]]) -> PoolingInputs:
-        """Flat batch tensors for whole sequences (numpy on the host, then one copy each)."""
+    def prepare(self, token_lists: list[list[int]],
+                second_text_starts: Optional[list[Optional[int]]] = None) -> PoolingInputs:
+        """Flat batch tensors for whole sequences (numpy on the host, then one copy each). second_text_starts:
+        per sequence, the position from which its tokens have token type 1 (None: all type 0)."""
         lens = np.fromiter((len(t) for t in token_lists), np.int64, len(token_lists))
         qsl = np.zeros(len(lens) + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
         ids = np.fromiter((t for tokens in token_lists for t in tokens), np.int64, int(qsl[-1]))
         positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1].astype(np.int64), lens)
+        token_types = None
+        if second_text_starts is not None and any(s is not None for s in second_text_starts):
+            starts = np.array([n if s is None else s for s, n in zip(second_text_starts, lens)], dtype=np.int64)
+            token_types = to_device((positions >= np.repeat(starts, lens)).astype(np.int64), self.device)
         return PoolingInputs(
             input_ids=to_device(ids, self.device),
             positions=to_device(positions, self.device),
             query_start_loc=to_device(qsl, self.device),
             query_start_loc_cpu=torch.from_numpy(qsl),
             max_len=int(lens.max()),
+            token_type_ids=token_types,
         )
 
     @torch.inference_mode()
@@ -80,11 +90,15 @@ class PoolingRunner:
         """Queue the forward pass and pooling; touches no request, so it may run in a worker thread."""
         if self.is_encoder:
             metadata = EncoderMetadata(inputs.query_start_loc, inputs.query_start_loc_cpu, inputs.max_len)
-            hidden = self.model(inputs.input_ids, inputs.positions, metadata)
+            hidden = self.model(inputs.input_ids, inputs.positions, metadata, inputs.token_type_ids)
         else:
             caches, metadata = self._scratch_cache(inputs)
             hidden = self.model(inputs.input_ids, inputs.positions, caches, metadata)
-        embeddings = pool(hidden, inputs.query_start_loc, self.pooler)  # [B, hidden] float32
+        if self.pooler.scores:  # a cross-encoder: its classifier over the [CLS] states
+            logits = self.model.classify(hidden[inputs.query_start_loc[:-1].long()])  # [B, 1]
+            embeddings = apply_score_activation(logits, self.pooler.score_activation)  # [B] float32
+        else:
+            embeddings = pool(hidden, inputs.query_start_loc, self.pooler)  # [B, hidden] float32
         if self.device.type == "cpu":
             return LaunchedPooling(embeddings)
         host = torch.empty(embeddings.shape, dtype=embeddings.dtype, pin_memory=True)
@@ -94,7 +108,7 @@ class PoolingRunner:
         return LaunchedPooling(host, event)
 
     def collect(self, launched: LaunchedPooling) -> torch.Tensor:
-        """Wait for a launched pass; its embeddings [B, hidden] float32 on the host."""
+        """Wait for a launched pass; its embeddings [B, hidden] (scores [B]) float32 on the host."""
         if launched.event is not None:
             launched.event.synchronize()
         return launched.embeddings

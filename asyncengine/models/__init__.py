@@ -5,7 +5,7 @@ Third parties add families through `asyncengine.plugins` (`register_model`), whi
 
 from __future__ import annotations
 
-from asyncengine.models.bert import BertModel
+from asyncengine.models.bert import BertForSequenceClassification, BertModel
 from asyncengine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from asyncengine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from asyncengine.models.phi3 import Phi3ForCausalLM
@@ -13,6 +13,7 @@ from asyncengine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen
 
 _REGISTRY: dict[str, type] = {
     "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -1,5 +1,7 @@
 """The BERT family of encoders (BERT, MiniLM, and sentence-transformers models built on them): absolute position
-embeddings, token types, post-LayerNorm blocks, GELU, and bidirectional attention.
+embeddings, token types, post-LayerNorm blocks, GELU, and bidirectional attention. `BertModel` gives hidden states
+to pool into embeddings; `BertForSequenceClassification` (a cross-encoder, as sentence-transformers' CrossEncoder
+saves it) adds BERT's pooler and a classifier that scores a text pair from its [CLS] state.
 
 An encoder keeps no KV cache: every sequence is computed whole in one pass (it cannot be chunked, since each
 token attends to the tokens after it). The model works on a flat batch like the decoders do: T tokens of B
@@ -178,3 +180,45 @@ def _our_name(name: str) -> Optional[str]:
     elif name.endswith(".beta"):
         name = name[: -len("beta")] + "bias"
     return name
+
+
+class BertForSequenceClassification(nn.Module):
+    """A cross-encoder: the encoder over "[CLS] text_1 [SEP] text_2 [SEP]" (token type 1 from text_2 on), then
+    BERT's pooler (dense + tanh on the [CLS] state) and the classifier: one logit per label. Only one label (a
+    relevance score) is served: ValueError otherwise."""
+
+    is_encoder = True
+    is_cross_encoder = True  # the pooling runner scores pairs with `classify` instead of embedding
+
+    def __init__(self, cfg, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        num_labels = getattr(cfg, "num_labels", 2)
+        if num_labels != 1:
+            raise ValueError(f"num_labels {num_labels} is not supported for a cross-encoder (only 1: a score)")
+        self.bert = BertModel(cfg, dtype, max_positions)
+        self.pooler = ColumnParallelLinear(cfg.hidden_size, cfg.hidden_size, True, dtype)
+        self.classifier = ColumnParallelLinear(cfg.hidden_size, num_labels, True, dtype)
+
+    def forward(self, input_ids, positions, metadata: EncoderMetadata,
+                token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As BertModel.forward: hidden [T, hidden]."""
+        return self.bert(input_ids, positions, metadata, token_type_ids)
+
+    def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] [CLS] states -> [B, num_labels] logits (no activation: see pooler.score_activation)."""
+        return self.classifier(torch.tanh(self.pooler(cls_hidden)))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
+        """`bert.*` into the encoder, `bert.pooler.dense.*` and `classifier.*` into the head."""
+        params = dict(self.named_parameters())
+        encoder_weights, loaded = [], set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("bert.")
+            if name.startswith("pooler.dense.") or name.startswith("classifier."):
+                name = name.replace("pooler.dense.", "pooler.")
+                load_checkpoint_tensor(self, params, name, None, tensor, hf_name)
+                loaded.add((name, None))
+            else:
+                encoder_weights.append((hf_name, tensor))
+        loaded |= {(f"bert.{name}", shard) for name, shard in self.bert.load_weights(encoder_weights)}
+        return loaded
