@@ -6,6 +6,7 @@
     GET  /v1/models, /version, /metrics
     GET  /openapi.json                             the contract: what the server accepts and returns (openapi.py)
     POST /v1/embeddings                            float or base64 (models served with the pooling runner)
+    POST /score, /rerank (and /v1/...)             vLLM's shapes (cross-encoders; scoring.py)
     POST /tokenize, /detokenize                    vLLM's shapes
     GET  /health                                   200, or 503 when the engine is dead or the server stopping
     GET  /, /ui/...                                the chat page (api/static/; `ui=False` leaves it out)
@@ -40,7 +41,7 @@ from asyncengine.api.embeddings import EmbeddingServing
 from asyncengine.api.errors import APIError, bad_request, from_decode_error, unavailable
 from asyncengine.api.metrics import Metrics
 from asyncengine.api.openapi import ModelLimits, openapi_schema
-from asyncengine.api.protocol_embeddings import EmbeddingRequest
+from asyncengine.api.protocol_embeddings import EmbeddingRequest, RerankRequest, ScoreRequest
 from asyncengine.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +55,7 @@ from asyncengine.api.protocol import (
     decode_body,
     encoder,
 )
+from asyncengine.api.scoring import ScoreServing
 from asyncengine.api.serving import Generation, OpenAIServing, ServingOptions
 from asyncengine.api.sse import SSEResponse, _wait_disconnect, sse_frames
 from asyncengine.api.websocket import WebSocketSession
@@ -167,15 +169,28 @@ class Routes:
             return Response(status_code=499)  # the client left; nobody reads this
         return _json(result)
 
-    # -- embeddings -------------------------------------------------------------------------------------------
+    # -- pooling: embeddings, scores ----------------------------------------------------------------------------
     async def embeddings(self, request: Request) -> Response:
-        body = await self._decode(request, EmbeddingRequest)
+        return await self._pool(request, EmbeddingRequest, lambda body, model: EmbeddingServing(
+            self.state.engine).create(body, model))
+
+    async def score(self, request: Request) -> Response:
+        return await self._pool(request, ScoreRequest, lambda body, model: ScoreServing(
+            self.state.engine).score(body, model))
+
+    async def rerank(self, request: Request) -> Response:
+        return await self._pool(request, RerankRequest, lambda body, model: ScoreServing(
+            self.state.engine).rerank(body, model))
+
+    async def _pool(self, request: Request, kind, run) -> Response:
+        """Decode a `kind` body, check its model, and answer run(body, model) (499 if the client left)."""
+        body = await self._decode(request, kind)
         state = self.state
         model = state.serving.check_model(body.model)
         state.check_accepting()
         release = state.track()
         try:
-            result = await _until_disconnect(request, EmbeddingServing(state.engine).create(body, model))
+            result = await _until_disconnect(request, run(body, model))
         finally:
             release()
         if result is None:
@@ -369,13 +384,15 @@ def create_app(
                          max_logprobs=state.serving.options.policy.max_logprobs)
     public_paths = ("/health", "/") if ui else ("/health",)  # open without a key (load balancers, the page)
     document = openapi_schema(limits, api_key=bool(api_key), public_paths=public_paths, title="asyncengine",
-                              version=asyncengine.__version__)
+                              version=asyncengine.__version__, pooling_task=engine.pooling_task)
     routes = Routes(state, document)
     app = Starlette(
         routes=[
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
+            *(Route(path, routes.score, methods=["POST"]) for path in ("/score", "/v1/score")),
+            *(Route(path, routes.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank")),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),

@@ -35,6 +35,7 @@ _TYPES = {
     503: "service_unavailable",
 }
 _PATH_FIELD = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")  # "- at `$.stop[0]`", "- at `key` in `$.logit_bias`"
+_MISSING_FIELD = re.compile(r"^Object missing required field `([A-Za-z_][A-Za-z0-9_]*)`$")  # at the top level
 
 
 class APIError(Exception):
@@ -77,7 +78,7 @@ def unavailable(message: str = "the server is shutting down") -> APIError:
 def from_decode_error(exc: Exception) -> APIError:
     """msgspec ValidationError / DecodeError / UnicodeDecodeError -> 400 (naming the field when known)."""
     if isinstance(exc, msgspec.ValidationError):
-        match = _PATH_FIELD.search(str(exc))
+        match = _PATH_FIELD.search(str(exc)) or _MISSING_FIELD.match(str(exc))
         return bad_request(f"invalid request: {exc}", param=match.group(1) if match else None)
     if isinstance(exc, UnicodeDecodeError):
         return bad_request("request body is not valid UTF-8")

@@ -21,11 +21,12 @@ and shape. Schemathesis checks exactly that (tests/test_openapi_fuzz.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Iterable
+from typing import Annotated, Iterable, Optional
 
 import msgspec
 
 from asyncengine.api import protocol as p
+from asyncengine.api import protocol_embeddings as pe
 
 _REF = "#/components/schemas/{name}"
 
@@ -40,14 +41,17 @@ class ModelLimits:
 
 
 def openapi_schema(limits: ModelLimits, *, api_key: bool = False, public_paths: Iterable[str] = (),
-                   title: str = "asyncengine", version: str = "0") -> dict:
+                   title: str = "asyncengine", version: str = "0", pooling_task: Optional[str] = None) -> dict:
     """The document for a server over a model with `limits`; `api_key`: whether the server requires one
-    (then every path but `public_paths` declares bearer auth)."""
+    (then every path but `public_paths` declares bearer auth). pooling_task ("embed" / "score"; None: a model
+    served to generate): a pooling server's document has its pooling routes instead of the generation ones."""
     bodies = [Annotated[kind, msgspec.Meta(extra_json_schema=p.BODY_RULES[kind])] if kind in p.BODY_RULES else kind
               for kind in p.REQUEST_TYPES]
     schemas, components = msgspec.json.schema_components(bodies + list(p.RESPONSE_TYPES), ref_template=_REF)
     body = dict(zip(p.REQUEST_TYPES, schemas))
     paths = _paths(body)
+    if pooling_task is not None:
+        paths = _pooling_server_paths(paths, components, pooling_task)
     if api_key:
         for path in public_paths:
             for operation in paths.get(path, {}).values():
@@ -64,6 +68,8 @@ def openapi_schema(limits: ModelLimits, *, api_key: bool = False, public_paths: 
         "components": {"schemas": components},
         "x-websockets": {"/v1/ws": _websocket()},
     }
+    if pooling_task is not None:
+        del document["x-websockets"]  # the WebSocket streams generations only
     if api_key:
         document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         document["security"] = [{"bearer": []}]
@@ -157,6 +163,35 @@ def _websocket() -> dict:
         "server": {"oneOf": [_ref(p.CompletionResponse), _ref(p.ChatCompletionChunk), _ref(p.WebSocketDone),
                              _ref(p.WebSocketError)]},
     }
+
+
+# -- a pooling server (embedding models, cross-encoders) -----------------------------------------------------
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_POOLING_ERRORS = (400, 404, 413, 429, 503)
+
+
+def _pooling_server_paths(paths: dict, components: dict, task: str) -> dict:
+    """`paths` without the generation routes (a pooling model refuses every body there), with the routes of
+    `task`: /v1/embeddings ("embed"), or /score and /rerank, also under /v1 ("score"). Adds their schemas to
+    `components`."""
+    kinds = pe.POOLING_REQUEST_TYPES + pe.POOLING_RESPONSE_TYPES
+    schemas, pooling_components = msgspec.json.schema_components(kinds, ref_template=_REF)
+    clash = set(pooling_components) & set(components)
+    if clash:
+        raise ValueError(f"schema names defined twice: {sorted(clash)}")
+    components.update(pooling_components)
+    body = dict(zip(kinds, schemas))
+    kept = {path: item for path, item in paths.items() if path not in _GENERATION_PATHS}
+    if task == "embed":
+        kept["/v1/embeddings"] = _post("Create embeddings", body[pe.EmbeddingRequest], pe.EmbeddingResponse,
+                                       _POOLING_ERRORS)
+        return kept
+    for prefix in ("", "/v1"):
+        kept[f"{prefix}/score"] = _post("Score text pairs with a cross-encoder (vLLM's /score)",
+                                        body[pe.ScoreRequest], pe.ScoreResponse, _POOLING_ERRORS)
+        kept[f"{prefix}/rerank"] = _post("Rank documents against a query with a cross-encoder (vLLM's /rerank)",
+                                         body[pe.RerankRequest], pe.RerankResponse, _POOLING_ERRORS)
+    return kept
 
 
 # -- protocol.py's markers: shapes msgspec cannot state, the model's bounds -----------------------------------

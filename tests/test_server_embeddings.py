@@ -149,3 +149,21 @@ def test_generate_model_refuses_embeddings_and_pooling_model_refuses_completions
         with pytest.raises(openai.BadRequestError) as info:
             other.embeddings.create(model=generating.engine.model_name, input="hi")
         assert info.value.body["param"] == "model" and "--runner pooling" in info.value.body["message"]
+        refused = httpx.post(generating.url + "/score", json={"text_1": "a", "text_2": "b"}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+
+
+def test_embedding_model_refuses_scoring(server):
+    for path, body in (("/score", {"text_1": "a", "text_2": "b"}), ("/v1/rerank", {"query": "a", "documents": ["b"]})):
+        response = httpx.post(server.url + path, json=body, timeout=30)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "model" and "cross-encoder" in response.json()["error"]["message"]
+
+
+def test_openapi_document_of_an_embedding_server(server):
+    document = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    operation = document["paths"]["/v1/embeddings"]["post"]
+    assert operation["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/EmbeddingRequest"}
+    assert set(document["components"]["schemas"]["EmbeddingRequest"]["required"]) == {"input"}
+    assert "/v1/completions" not in document["paths"] and "/score" not in document["paths"]
