@@ -45,6 +45,13 @@ ENGINE_WATCH_INTERVAL = 0.1  # seconds between checks of the engine's health
 ENGINE_DEAD_LINGER = 1.0  # seconds of 503s after the engine died, before the server shuts down
 ENGINE_DEAD_DRAIN = 2.0  # then at most this long for in-flight responses to finish sending their error
 EXIT_ENGINE_DEAD = 1
+# Seconds an idle HTTP/1.1 connection stays open (hypercorn's own default, like uvicorn's, is 5). When the server
+# closes an idle connection at the very moment a client reuses it, the client's request is reset (httpx ReadError)
+# and a POST is not retried. Clients' pools drop idle connections after 5 s (httpx) to 15 s (aiohttp), so a longer
+# server timeout leaves the closing to them; it also covers a client whose event loop stalls for seconds between
+# connecting and sending (a burst of 1,000 requests from one process; hypercorn starts this timer at accept). 75 s
+# is nginx's default.
+DEFAULT_TIMEOUT_KEEP_ALIVE = 75.0
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's; trace logs as debug
 DEMO_PROMPTS = ["ROMEO:", "In the beginning", "To be, or not to be,"]
 
@@ -90,6 +97,9 @@ def _server_args(server) -> None:
                         help="seconds in-flight requests may run on after SIGTERM before they are aborted")
     server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body (and WebSocket message)")
+    server.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE,
+                        help="seconds an idle keep-alive connection stays open (longer than clients' pools keep "
+                             "theirs, so that the server never closes one a client is reusing)")
     server.add_argument("--ping-interval", type=float, default=DEFAULT_PING_INTERVAL,
                         help="seconds of silence before an SSE ': ping' comment (0: never)")
     server.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
@@ -242,7 +252,8 @@ def url_of(sock: socket.socket, scheme: str = "http") -> str:
 
 
 def hypercorn_config(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                     ssl_keyfile: Optional[str] = None, ssl_certfile: Optional[str] = None, root_path: str = ""):
+                     ssl_keyfile: Optional[str] = None, ssl_certfile: Optional[str] = None, root_path: str = "",
+                     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE):
     """Hypercorn settings for serving on `sock`, which is handed over (detached) to hypercorn. With a key and
     a certificate, hypercorn wraps the socket in TLS (and speaks HTTP/2 to clients that offer it)."""
     from hypercorn.config import Config
@@ -251,6 +262,7 @@ def hypercorn_config(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_B
     config.bind = [f"fd://{sock.detach()}"]
     config.backlog = 2048
     config.graceful_timeout = 5.0
+    config.keep_alive_timeout = timeout_keep_alive  # see DEFAULT_TIMEOUT_KEEP_ALIVE
     config.websocket_max_message_size = max_body_bytes
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # through the application's logging, not a 2nd handler
@@ -316,7 +328,8 @@ async def _serve_until_signal(app, engine, sock: socket.socket, args: argparse.N
     watcher = loop.create_task(_watch_engine(engine, app, stop, died), name="asyncengine-engine-watch")
     try:
         await serve_app(app, sock, stop, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
-                        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path)
+                        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
+                        timeout_keep_alive=args.timeout_keep_alive)
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -345,6 +358,8 @@ def serve(args: argparse.Namespace) -> int:
         _check_tls(args)
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if not args.timeout_keep_alive > 0:
+            raise ValueError(f"--timeout-keep-alive must be a positive number of seconds, got {args.timeout_keep_alive}")
         config = engine_config(args)
         options = serving_options(args, config.model)
         if not config.engine_process:  # an engine process does this itself

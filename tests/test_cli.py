@@ -115,7 +115,7 @@ def test_serve_help_is_the_same_from_the_console_script_and_python_m():
                  "--generation-config", "--max-logprobs", "--allowed-origins", "--ssl-keyfile", "--ssl-certfile",
                  "--root-path", "--disable-log-requests", "--uvicorn-log-level", "--api-key", "--served-model-name",
                  "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--max-queue-len", "--shutdown-timeout",
-                 "--no-enable-prefix-caching", "--engine-process"):
+                 "--no-enable-prefix-caching", "--engine-process", "--timeout-keep-alive"):
         assert flag in by_module.stdout, flag
 
 
