@@ -160,14 +160,14 @@ def _engine_args(engine) -> None:
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="prepare and launch the next step before the last one's tokens are read back "
                              "(default: on CUDA)")
-    engine.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+    engine.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the engine in a process of its own, so HTTP framing and the engine's steps use "
                              "two cores (measured: 1.1-1.25x the requests/s of one process under load on an H100, "
-                             "1.1x the tokens/s on 2 CPU cores; loadtest/RESULTS.md). Default: on, except with "
-                             "the pooling runner, which does not support it")
+                             "1.1x the tokens/s on 2 CPU cores; loadtest/RESULTS.md). Default: on")
     engine.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
-                        help="generate text, or pool embeddings (/v1/embeddings); auto: pooling for encoder "
-                             "checkpoints (BERT) and sentence-transformers checkpoints, else generate")
+                        help="generate text, or pool (/v1/embeddings; /score and /rerank for cross-encoders); "
+                             "auto: pooling for encoder checkpoints (BERT) and sentence-transformers checkpoints, "
+                             "else generate")
 
 
 def _json_list(text: str) -> list[str]:
@@ -195,7 +195,6 @@ def generate_parser(generate: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace):
     """The EngineConfig that `serve`'s arguments name (ValueError when they are inconsistent)."""
     from asyncengine.config import EngineConfig
-    from asyncengine.pooling_engine import pooling_runner_for
 
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
         raise ValueError(f"model given twice: {args.model!r} and --model {args.model_option!r}")
@@ -217,11 +216,9 @@ def engine_config(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         min_prefill_batch=args.min_prefill_batch,
         async_scheduling=args.async_scheduling,
-        engine_process=bool(args.engine_process),
+        engine_process=args.engine_process,
         runner=args.runner,
     )
-    if args.engine_process is None:
-        config.engine_process = not pooling_runner_for(config)
     return config
 
 

@@ -31,7 +31,7 @@ from asyncengine.engine import EngineStats, PromptType, StepStats
 from asyncengine.engine_client import EngineClient, InProcessClient
 from asyncengine.engine_core import EngineCoreClient
 from asyncengine.outputs import CompletionOutput, RequestOutput
-from asyncengine.pooling_engine import PoolingEngine, pooling_runner_for, pooling_token_ids
+from asyncengine.pooling_engine import PoolingLimits, TextPair, pair_token_ids, pooling_token_ids
 from asyncengine.pooling_params import EmbeddingRequestOutput, PoolingParams
 from asyncengine.request import validate_request
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
@@ -111,13 +111,10 @@ class RequestStream:
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        # The pooling runner (embedding models): its engine is stepped by the same in-process client.
-        self.pooling = pooling_runner_for(config)
-        if self.pooling and config.engine_process:
-            raise ValueError("engine_process is not supported with the pooling runner (embedding models)")
         self.client: EngineClient = EngineCoreClient(config) if config.engine_process else InProcessClient(config)
-        # A pooling request's validation needs the pooler's limits (dimensions, the checkpoint's max length).
-        self._pooling_engine: Optional[PoolingEngine] = self.client.engine if self.pooling else None
+        # The pooling runner (embedding models, cross-encoders): its requests are validated against these limits
+        # (dimensions, the checkpoint's max length, the task), known in this process either way.
+        self._pooling: Optional[PoolingLimits] = self.client.pooling
         # Loading a model leaves millions of long-lived objects; a full garbage collection over them stalls the
         # loop for a few hundred ms. Move them out of the collector's sight (as vLLM does after start-up).
         gc.collect()
@@ -142,6 +139,17 @@ class AsyncLLMEngine:
     @property
     def model_name(self) -> str:
         return self.config.model_name
+
+    @property
+    def pooling(self) -> bool:
+        """Served with the pooling runner (embeddings or scores), not to generate."""
+        return self._pooling is not None
+
+    @property
+    def pooling_task(self) -> Optional[str]:
+        """What pooling requests this engine serves: "embed" (embedding models), "score" (cross-encoders), or
+        None (a model served to generate)."""
+        return None if self._pooling is None else self._pooling.task
 
     @property
     def errored(self) -> bool:
@@ -225,10 +233,20 @@ class AsyncLLMEngine:
             return await asyncio.get_running_loop().run_in_executor(None, run)
         return run()
 
+    async def pair_prompt_ids(self, pairs: list[TextPair], params: PoolingParams
+                              ) -> list[tuple[list[int], Optional[int]]]:
+        """A cross-encoder's inputs (see pooling_engine.pair_token_ids); tokenized off the loop when long or many."""
+        def run():
+            return pair_token_ids(self.tokenizer, pairs, params, self.max_model_len)
+
+        if sum(len(a) + len(b) for a, b in pairs) > _OFF_LOOP_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(None, run)
+        return run()
+
     def _validate(self, prompt_ids: list[int], params) -> None:
         """The one validation of a request at the edge: ValueError naming the field."""
-        if self._pooling_engine is not None:
-            self._pooling_engine.check_prompt(prompt_ids, params)  # also refuses SamplingParams: cannot generate
+        if self._pooling is not None:
+            self._pooling.check(prompt_ids, params)  # also refuses SamplingParams: cannot generate
         elif isinstance(params, PoolingParams):
             raise ValueError("pooling requests need the pooling runner: this model was loaded to generate")
         else:

@@ -1,8 +1,8 @@
 """The contract between AsyncLLMEngine and the engine it drives (`EngineClient`), and its in-process kind.
 
-Two kinds keep it: `InProcessClient` (an LLMEngine, or a PoolingEngine for embedding models, stepped by a task on
-the caller's event loop, its device work in a thread) and `engine_core.EngineCoreClient` (an LLMEngine in a process of its own). AsyncLLMEngine holds one
-and never asks which.
+Two kinds keep it: `InProcessClient` (an LLMEngine, or a PoolingEngine for embedding models and cross-encoders,
+stepped by a task on the caller's event loop, its device work in a thread) and `engine_core.EngineCoreClient`
+(either engine in a process of its own). AsyncLLMEngine holds one and never asks which.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable, Optional, Protocol, Union
 from asyncengine.config import EngineConfig
 from asyncengine.engine import EngineStats, LLMEngine, StepPipeline, StepStats
 from asyncengine.outputs import RequestOutput
-from asyncengine.pooling_engine import PoolingEngine, build_engine
+from asyncengine.pooling_engine import PoolingEngine, PoolingLimits, build_engine
 from asyncengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -26,12 +26,13 @@ OnDead = Callable[[BaseException], None]
 
 class EngineClient(Protocol):
     """What AsyncLLMEngine asks of an engine; every method is called on the event loop's thread. `tokenizer`,
-    `max_model_len` and `vocab_size` are fixed once constructed; each of `stats_listeners` is called on the loop
-    with every step's StepStats."""
+    `max_model_len`, `vocab_size` and `pooling` (a pooling engine's limits; None for one that generates) are fixed
+    once constructed; each of `stats_listeners` is called on the loop with every step's StepStats."""
 
     tokenizer: object
     max_model_len: int
     vocab_size: int
+    pooling: Optional[PoolingLimits]
     stats_listeners: list[Callable[[StepStats], None]]
 
     def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs, on_dead: OnDead) -> None:
@@ -75,6 +76,7 @@ class InProcessClient:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
+        self.pooling = self.engine.limits if isinstance(self.engine, PoolingEngine) else None
         self.stats_listeners = self.engine.stats_listeners
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-step")
         self._pending_aborts: set[str] = set()

@@ -20,6 +20,9 @@ Contracts:
     adds the ones the core has not read yet (so max_queue_len holds in a burst).
   - Outputs travel as tuples (`_to_wire`), about 10x cheaper to pickle and unpickle than the dataclasses (256
     one-token outputs: 0.2 ms against 2.1 ms here), and without the prompt, which the client fills back in.
+  - A pooling model (embeddings, cross-encoder scores) runs here too (build_engine picks the PoolingEngine): its
+    outputs travel as `_pooling_to_wire` tuples (the embedding as float32 bytes), and its PoolingLimits come with
+    the facts, so that the server validates pooling requests before it sends them.
   - Validation runs once, before the client (AsyncLLMEngine.add_request); the core queues what it is sent.
   - The core stops on ("shutdown",) or when the pipe closes (its parent died). When a step raises it sends
     ("dead", message) and exits with status 1; when it exits without a word (killed), the client sees the pipe
@@ -43,11 +46,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.engine import EngineStats, LLMEngine, StepPipeline, StepStats
 from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from asyncengine.pooling_engine import PoolingLimits, build_engine
+from asyncengine.pooling_params import (EmbeddingOutput, EmbeddingRequestOutput, PoolingRequestOutput, ScoringOutput,
+                                        ScoringRequestOutput)
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.structured_output import StructuredOutputManager
 from asyncengine.tokenizer import load_tokenizer
@@ -64,6 +71,7 @@ class CoreFacts:
 
     max_model_len: int
     vocab_size: int
+    pooling: Optional[PoolingLimits] = None  # a pooling engine's limits; None for one that generates
 
 
 # -- the wire form of an output -----------------------------------------------------------------------------------
@@ -74,6 +82,35 @@ def _to_wire(output: RequestOutput) -> tuple:
     metrics = None if m is None else (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
                                       m.finished_time, m.num_preemptions)
     return output.request_id, completions, output.finished, metrics, output.num_cached_tokens
+
+
+_POOLING_WIRE = "pooling"  # first item of a pooling output's wire tuple (a request id is never this object)
+
+
+def _pooling_to_wire(output: PoolingRequestOutput) -> tuple:
+    """(marker, request id, kind, result, finish_reason): result is a score, an embedding's float32 bytes (a
+    quarter of its pickled floats), or None (aborted)."""
+    result = output.outputs
+    if isinstance(result, EmbeddingOutput):
+        kind, value = "embed", np.asarray(result.embedding, dtype=np.float32).tobytes()
+    elif isinstance(result, ScoringOutput):
+        kind, value = "score", result.score
+    else:
+        kind, value = ("score" if isinstance(output, ScoringRequestOutput) else "embed"), None
+    return _POOLING_WIRE, output.request_id, kind, value, output.finish_reason
+
+
+def _pooling_from_wire(wire: tuple, prompt: Optional[str], prompt_ids: list[int]) -> PoolingRequestOutput:
+    _, request_id, kind, value, finish_reason = wire
+    if kind == "score":
+        return ScoringRequestOutput(request_id, None if value is None else ScoringOutput(value), prompt_ids, True,
+                                    prompt, finish_reason)
+    embedding = None if value is None else EmbeddingOutput(np.frombuffer(value, dtype=np.float32).tolist())
+    return EmbeddingRequestOutput(request_id, embedding, prompt_ids, True, prompt, finish_reason)
+
+
+def _any_to_wire(output) -> tuple:
+    return _pooling_to_wire(output) if isinstance(output, PoolingRequestOutput) else _to_wire(output)
 
 
 def _from_wire(wire: tuple, prompt: Optional[str], prompt_ids: list[int]) -> RequestOutput:
@@ -110,13 +147,14 @@ def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     try:
         leave_a_core_for_the_event_loop(config)
-        engine = LLMEngine(config)
+        engine = build_engine(config)  # an LLMEngine, or a PoolingEngine for a pooling model
         gc.collect()  # as AsyncLLMEngine does: keep the model's long-lived objects out of the collector's sight
         gc.freeze()
     except BaseException as exc:  # noqa: BLE001 - the parent must hear why the engine could not start
         outbox_conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(2)
-    outbox_conn.send(("ready", CoreFacts(engine.max_model_len, engine.vocab_size)))
+    pooling = getattr(engine, "limits", None)  # PoolingEngine only
+    outbox_conn.send(("ready", CoreFacts(engine.max_model_len, engine.vocab_size, pooling)))
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_pump_inbox, args=(inbox_conn, inbox), name="asyncengine-core-inbox", daemon=True).start()
     try:
@@ -167,7 +205,7 @@ def _step_until_shutdown(engine: LLMEngine, inbox: queue.Queue, outbox_conn) -> 
                 return
             state = (engine.stats(), adds_applied)
             if outputs or state != last_sent or any(s.prompt_tokens or s.generation_tokens for s in stats):
-                outbox_conn.send(("outputs", [_to_wire(o) for o in outputs], stats[:], *state))
+                outbox_conn.send(("outputs", [_any_to_wire(o) for o in outputs], stats[:], *state))
                 last_sent = state
             stats.clear()
             done = pending.result() if pending is not None else None
@@ -239,6 +277,7 @@ class EngineCoreClient:
             raise
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
+        self.pooling = facts.pooling
         # Compiles constraints here only to validate them before the request is accepted (the core compiles
         # its own copy, from its cache or in its background pool).
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
@@ -362,6 +401,10 @@ class EngineCoreClient:
                 listener(step_stats)
         outputs = []
         for wire in wires:
+            if wire[0] == _POOLING_WIRE:  # a pooling request has one output, its last
+                prompt, prompt_ids = self._prompts.pop(wire[1], (None, []))
+                outputs.append(_pooling_from_wire(wire, prompt, prompt_ids))
+                continue
             request_id, finished = wire[0], wire[2]
             prompt, prompt_ids = (self._prompts.pop if finished else self._prompts.get)(request_id, (None, []))
             outputs.append(_from_wire(wire, prompt, prompt_ids))

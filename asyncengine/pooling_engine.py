@@ -133,6 +133,40 @@ def pooling_runner_for(config: EngineConfig) -> bool:
     return choose_runner(config.runner, folder, is_encoder) == "pooling"
 
 
+@dataclass(frozen=True)
+class PoolingLimits:
+    """What validating a pooling request needs to know of the model: kept by the engine, and sent by an engine
+    process to the server's side at start-up (so the server validates before it sends)."""
+
+    pooler: PoolerConfig
+    hidden_size: int
+    vocab_size: int
+    max_model_len: int
+
+    @property
+    def task(self) -> str:
+        """"score" for a cross-encoder, else "embed"."""
+        return "score" if self.pooler.scores else "embed"
+
+    def check(self, prompt_ids: list[int], params: PoolingParams) -> None:
+        """ValueError when the input or the params cannot run on this model; the message names the field."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError("this model is served with the pooling runner: it embeds or scores (encode / embed / "
+                             "score, /v1/embeddings, /score) and cannot generate")
+        if not prompt_ids:
+            raise ValueError("input must not be empty")
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"input token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"input is {len(prompt_ids)} tokens but this model takes at most {self.max_model_len}; "
+                             "pass truncate_prompt_tokens to cut it")
+        params.check_for_model(self.pooler, self.hidden_size)
+        if params.second_text_start is not None and params.second_text_start > len(prompt_ids):
+            raise ValueError(f"second_text_start ({params.second_text_start}) is beyond the input's "
+                             f"{len(prompt_ids)} tokens")
+
+
 def build_engine(config: EngineConfig):
     """An LLMEngine, or a PoolingEngine when the pooling runner applies (`config.runner`, else the checkpoint)."""
     return PoolingEngine(config) if pooling_runner_for(config) else LLMEngine(config)
@@ -183,23 +217,13 @@ class PoolingEngine:
         """See pair_token_ids."""
         return pair_token_ids(self.tokenizer, pairs, params, self.max_model_len)
 
+    @property
+    def limits(self) -> "PoolingLimits":
+        return PoolingLimits(self.pooler, self.model_config.hidden_size, self.vocab_size, self.max_model_len)
+
     def check_prompt(self, prompt_ids: list[int], params: PoolingParams) -> None:
-        """ValueError when the input or the params cannot run on this model; the message names the field."""
-        if not isinstance(params, PoolingParams):
-            raise ValueError("this model is served with the pooling runner: it embeds (encode / embed / "
-                             "/v1/embeddings) and cannot generate")
-        if not prompt_ids:
-            raise ValueError("input must not be empty")
-        vocab = self.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
-            raise ValueError(f"input token ids must be integers in [0, {vocab})")
-        if len(prompt_ids) > self.max_model_len:
-            raise ValueError(f"input is {len(prompt_ids)} tokens but this model takes at most {self.max_model_len}; "
-                             "pass truncate_prompt_tokens to cut it")
-        params.check_for_model(self.pooler, self.model_config.hidden_size)
-        if params.second_text_start is not None and params.second_text_start > len(prompt_ids):
-            raise ValueError(f"second_text_start ({params.second_text_start}) is beyond the input's "
-                             f"{len(prompt_ids)} tokens")
+        """See PoolingLimits.check."""
+        self.limits.check(prompt_ids, params)
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[PoolingParams] = None,
                     arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None) -> None:

@@ -213,11 +213,13 @@ def test_bad_pooling_params_name_their_field():
 # -- the async engine ---------------------------------------------------------------------------------------------
 
 
-def test_async_encode_concurrent_requests_equal_sentence_transformers(minilm_dir, st_reference):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+def test_async_encode_concurrent_requests_equal_sentence_transformers(minilm_dir, st_reference, engine_process):
     texts = list(st_reference)[:40]
 
     async def main():
-        engine = AsyncLLMEngine(EngineConfig(model=str(minilm_dir), max_num_seqs=8))
+        engine = AsyncLLMEngine(EngineConfig(model=str(minilm_dir), max_num_seqs=8, engine_process=engine_process))
+        assert engine.pooling_task == "embed"
 
         async def one(i: int):
             outputs = [o async for o in engine.encode(texts[i], request_id=f"r{i}")]
@@ -237,7 +239,9 @@ def test_async_encode_concurrent_requests_equal_sentence_transformers(minilm_dir
             await asyncio.gather(task, return_exceptions=True)
             await gen.aclose()
             assert await engine.wait_until_idle(10)
-            assert not engine.client.engine.requests and not engine.client.engine.waiting
+            assert not engine.client.has_unfinished_requests() and engine.stats().num_waiting == 0
+            if not engine_process:
+                assert not engine.client.engine.requests and not engine.client.engine.waiting
         finally:
             await engine.shutdown()
         return results
@@ -254,14 +258,12 @@ def test_cli_runner_flag_and_its_default_engine_process(minilm_dir, llama_dir):
         return engine_config(build_parser().parse_args(["serve", *argv]))
 
     auto = config(str(minilm_dir))
-    assert auto.runner == "auto" and auto.engine_process is False  # pooling: no engine process
+    assert auto.runner == "auto" and auto.engine_process is True  # pooling runs in an engine process too
     forced = config(str(llama_dir), "--runner", "pooling")
-    assert forced.runner == "pooling" and forced.engine_process is False
+    assert forced.runner == "pooling" and forced.engine_process is True
     generating = config(str(llama_dir))
     assert generating.runner == "auto" and generating.engine_process is True
-    assert config(str(llama_dir), "--no-engine-process").engine_process is False
-    with pytest.raises(ValueError, match="engine_process is not supported with the pooling runner"):
-        AsyncLLMEngine(EngineConfig(model=str(minilm_dir), engine_process=True))
+    assert config(str(minilm_dir), "--no-engine-process").engine_process is False
 
 
 # -- GPU: the Triton paths (varlen bidirectional attention for encoders, paged prefill for decoders) ------------------

@@ -131,6 +131,7 @@ def test_bad_score_input_names_the_argument(llm, llama_dir):
 
 @pytest.fixture(scope="module")
 def server(cross_encoder_dir):
+    """In-process (test_server_embeddings.py's server runs in an engine process)."""
     with ServerThread(str(cross_encoder_dir), served_model_name="ce", max_model_len=None) as running:
         yield running
 
