@@ -2,7 +2,9 @@
 
 A sentence-transformers checkpoint says it itself: `modules.json` lists its modules (Transformer, then Pooling
 with its `1_Pooling/config.json`, then optionally Normalize), and `sentence_bert_config.json` its maximum
-sequence length. A checkpoint without these files gets vLLM's defaults: CLS pooling for encoders, last-token
+sequence length. Both layouts are read: before v6 (modules named `sentence_transformers.models.Pooling`, pooling
+as `pooling_mode_*_token` flags) and from v6 on (`sentence_transformers.sentence_transformer.modules.pooling.Pooling`,
+`"pooling_mode": "mean"`, the length as the tokenizer's `model_max_length`). A checkpoint without these files gets vLLM's defaults: CLS pooling for encoders, last-token
 pooling for decoders, normalised. Modules that change the vectors in other ways (Dense, ...) are refused with a
 ValueError rather than skipped, since skipping them would give wrong embeddings silently.
 
@@ -34,8 +36,9 @@ RUNNERS = ("auto", "generate", "pooling")
 _MODE_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
 _UNSUPPORTED_FLAGS = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
                       "pooling_mode_weightedmean_tokens")
-_TRANSFORMER, _POOLING, _NORMALIZE = (f"sentence_transformers.models.{n}" for n in ("Transformer", "Pooling",
-                                                                                     "Normalize"))
+# v6's "pooling_mode" values -> ours
+_MODE_NAMES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
+_TRANSFORMER, _POOLING, _NORMALIZE = "Transformer", "Pooling", "Normalize"  # modules.json types end with these
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ def load_pooler_config(folder: Path, is_encoder: bool, hf_config) -> PoolerConfi
     mode: Optional[PoolingMode] = None
     normalize = False
     for module in sorted(modules, key=lambda m: int(m.get("idx", 0))):
-        kind = module.get("type")
+        kind = _module_class(module.get("type"))
         if kind == _TRANSFORMER:
             continue
         if kind == _POOLING:
@@ -89,7 +92,7 @@ def load_pooler_config(folder: Path, is_encoder: bool, hf_config) -> PoolerConfi
         elif kind == _NORMALIZE:
             normalize = True
         else:
-            raise ValueError(f"{folder / 'modules.json'}: module {kind!r} is not supported "
+            raise ValueError(f"{folder / 'modules.json'}: module {module.get('type')!r} is not supported "
                              f"(supported: Transformer, Pooling, Normalize)")
     if mode is None:
         raise ValueError(f"{folder / 'modules.json'} has no Pooling module")
@@ -133,12 +136,25 @@ def apply_score_activation(logits: torch.Tensor, activation: ScoreActivation) ->
     return torch.sigmoid(scores) if activation == "sigmoid" else scores
 
 
+def _module_class(dotted: Optional[str]) -> Optional[str]:
+    """The class name a sentence-transformers module type ends with, if it is one of its own modules."""
+    if not isinstance(dotted, str) or not dotted.startswith("sentence_transformers."):
+        return dotted
+    return dotted.rsplit(".", 1)[-1]
+
+
 def _pooling_mode(path: Path) -> PoolingMode:
     if not path.exists():
         raise ValueError(f"{path} is missing (named by modules.json)")
     cfg = json.loads(path.read_text())
     if cfg.get("include_prompt", True) is False:
         raise ValueError(f"{path}: include_prompt false is not supported")
+    if "pooling_mode" in cfg:  # sentence-transformers v6: one name (a list would combine several modes)
+        mode = cfg["pooling_mode"]
+        if not isinstance(mode, str) or mode not in _MODE_NAMES:
+            raise ValueError(f"{path}: pooling_mode {mode!r} is not supported (supported: "
+                             f"{', '.join(_MODE_NAMES)})")
+        return _MODE_NAMES[mode]  # type: ignore[return-value]
     chosen = [mode for flag, mode in _MODE_FLAGS.items() if cfg.get(flag)]
     others = [flag for flag in _UNSUPPORTED_FLAGS if cfg.get(flag)]
     if others or len(chosen) != 1:
@@ -148,11 +164,15 @@ def _pooling_mode(path: Path) -> PoolingMode:
 
 
 def _max_seq_length(folder: Path) -> Optional[int]:
+    """sentence_bert_config.json's max_seq_length; else (v6 writes none there) the tokenizer's model_max_length,
+    which sentence-transformers then truncates to (a tokenizer's "no limit" sentinel, ~1e30, is no limit)."""
     path = folder / "sentence_bert_config.json"
-    if not path.exists():
-        return None
-    value = json.loads(path.read_text()).get("max_seq_length")
-    return int(value) if value else None
+    value = json.loads(path.read_text()).get("max_seq_length") if path.exists() else None
+    if value:
+        return int(value)
+    path = folder / "tokenizer_config.json"
+    value = json.loads(path.read_text()).get("model_max_length") if path.exists() else None
+    return int(value) if isinstance(value, (int, float)) and 0 < value < 1_000_000 else None
 
 
 def pool(hidden: torch.Tensor, query_start_loc: torch.Tensor, config: PoolerConfig) -> torch.Tensor:
