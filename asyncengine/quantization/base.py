@@ -49,3 +49,25 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias):
         return F.linear(x, layer.weight, bias)
+
+
+class QuantizationConfig(ABC):
+    """One checkpoint's weight format, parsed from config.json's `quantization_config` (or `--quantization`).
+
+    Contract: `linear_method()` gives the method every quantized linear layer of the model uses (the LM head and
+    embeddings stay unquantized); `check_device(device)` raises ValueError at start-up, saying what is supported,
+    when this format cannot run on `device`.
+    """
+
+    name: str  # vLLM's spelling: awq, gptq, fp8, compressed-tensors
+
+    @abstractmethod
+    def linear_method(self) -> LinearMethod:
+        """The LinearMethod of this format."""
+
+    def check_device(self, device: torch.device) -> None:
+        """ValueError when this format cannot run on `device` (all formats run on CPU through the references)."""
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return self.name
