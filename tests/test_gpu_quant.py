@@ -1,0 +1,55 @@
+"""GPU: the quantized kernels at Llama-3-8B sizes (hidden 4096, intermediate 14336, fused qkv 6144, gate/up
+28672), in bf16, against their torch references, outputs NaN-poisoned. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_kernels import fresh_seed, nan_poisoned_empty, rel_error  # noqa: F401
+from test_quant_kernels import check_int4
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N): qkv, o, gate_up, down
+FP8_REL_ERROR = 1e-2  # bf16 output rounding over sums of 4096 products
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8, 16, 256])
+@pytest.mark.parametrize("k, n", SHAPES)
+def test_gpu_int4_at_llama_8b_sizes(m, k, n):
+    check_int4(m, k, n, 128, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("k, n", SHAPES[:2])
+def test_gpu_fp8_linear_at_llama_8b_sizes(m, static, per_channel, k, n):
+    from asyncengine.kernels import quant_fp8, quant_reference
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    w8, w_scale = quant_reference.quantize_fp8(torch.randn(n, k, device="cuda"), dim=-1 if per_channel else None)
+    w_scale = w_scale.reshape(-1, 1).expand(n, 1).contiguous()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    input_scale = (x.float().abs().amax() / 448).reshape(()) if static else None
+    out = quant_fp8.fp8_linear(x, w8, w_scale, input_scale)
+    ref = quant_reference.fp8_linear(x, w8, w_scale, input_scale)
+    assert out.dtype == ref.dtype and not out.isnan().any()
+    assert rel_error(out, ref) < FP8_REL_ERROR, rel_error(out, ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp8_per_token_quantization_matches_reference_bit_for_bit():
+    from asyncengine.kernels import quant_fp8, quant_reference
+
+    x = torch.randn(256, 14336, device="cuda", dtype=torch.bfloat16) * 3
+    q, scale = quant_fp8.quantize_per_token(x)
+    ref_q, ref_scale = quant_reference.quantize_fp8(x, dim=-1)
+    torch.testing.assert_close(scale, ref_scale, atol=0, rtol=1e-6)
+    torch.testing.assert_close(q.float(), ref_q.float(), atol=0, rtol=0)
