@@ -58,8 +58,7 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, inpu
     """Same contract as quant_reference.fp8_linear: x [M, K], w_fp8 [N, K], w_scale [N, 1] (or []), input_scale []
     (static) or None (dynamic per token) -> [M, N] in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
-    per_tensor_weight = w_scale.numel() == 1 or bool((w_scale == w_scale.reshape(-1)[0]).all())
-    if input_scale is not None and per_tensor_weight:
+    if input_scale is not None and w_scale.numel() == 1:
         out = torch._scaled_mm(_quantize_static(x2, input_scale), w_fp8.t(), scale_a=input_scale.reshape(()),
                                scale_b=w_scale.reshape(-1)[0].reshape(()), bias=bias, out_dtype=x.dtype)
     else:

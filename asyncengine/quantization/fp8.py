@@ -5,8 +5,8 @@ Checkpoint tensors of a linear layer with K inputs and N outputs:
     weight [N, K] float8_e4m3fn;  weight_scale: [] or [1] (per tensor) or [N, 1] (per output channel);
     input_scale: [] or [1], present for static activation scales (dynamic: per-token scales computed at run time).
 Fused layers (q/k/v, gate/up) load one per-tensor scale per shard, so weight scales are kept per output row
-([N, 1], exact: no requantization); kernels take one scale per output channel (a per-tensor checkpoint's rows
-repeat a few values). Static input scales of fused shards reduce to their largest (the shards share the input).
+([N, 1], exact: no requantization), and become one scale [] after loading when all rows agree (a layer that is
+not fused, or shards with equal scales); kernels take either. Static input scales of fused shards reduce to their largest (the shards share the input).
 On CUDA activations are quantized (static per tensor, or dynamic per token) and multiplied in FP8; on CPU the
 torch reference dequantizes the weight and multiplies in the activations' dtype (activations stay unquantized).
 """
@@ -51,6 +51,8 @@ class Fp8LinearMethod(LinearMethod):
             weight, scale = quantize_fp8(layer.weight.data, dim=-1)  # [N, K] fp8, [N, 1]
         else:  # per-tensor scales stay per row: fused shards keep their own (exact, no requantization)
             weight, scale = layer.weight.data, layer.weight_scale.data
+            if torch.all(scale == scale[0]):  # one value after all: kernels may take the per-tensor form
+                scale = scale[0].reshape(())
         layer.weight = nn.Parameter(weight, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         if self.static_input:  # fused shards each saw the same input: the largest of their scales covers all
