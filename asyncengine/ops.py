@@ -162,3 +162,17 @@ def int_weight_linear(x, qweight, scales, zeros, group_size: int, bits: int, bia
 def fp8_linear(x, w_fp8, w_scale, input_scale, bias=None) -> torch.Tensor:
     """W8A8: x [T, K] quantized per token (input_scale None) or with a static scale, times w_fp8 [N, K]."""
     return _quant_impl(x).fp8_linear(x, w_fp8, w_scale, input_scale, bias)
+
+
+def dense_gemv(x, weight, bias=None, w_scale=None) -> torch.Tensor:
+    """Decode GEMV (M <= 16): x [M, K] @ (weight [N, K] * w_scale)^T (+ bias), weight dense or FP8 (weight-only)."""
+    return _quant_impl(x).dense_gemv(x, weight, bias, w_scale)
+
+
+def decode_gemv_max_m(key: tuple, ours, library, k: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Up to which decode batch size `ours` (our GEMV) beats `library` on this shape: measured once per key on
+    CUDA at start-up (kernels.quant_linear.gemv_max_m); 0 elsewhere (CPU runs the references)."""
+    kernels = _quant_kernels() if device.type == "cuda" else None
+    if kernels is None:
+        return 0
+    return kernels.gemv_max_m(key, ours, library, k, dtype, device)

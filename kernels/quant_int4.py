@@ -2,8 +2,9 @@
 
 One kernel serves both shapes: each program owns a [BLOCK_M, BLOCK_N] tile of y and one of SPLIT_K slices of the
 input dimension. Prefill-sized batches run it as a dequantizing GEMM (SPLIT_K = 1, tall M tiles); decode-sized
-ones (M <= 16) as a split-K GEMV: a 16-row M tile and the K dimension split so that enough programs stream the
-weight, partial sums in float32 reduced afterwards. A K tile never crosses a group, so each tile reads its
+ones (M <= 16) as a split-K GEMV: a 16-row M tile, narrow N tiles, and the K dimension split only when the N
+tiles alone cannot fill the GPU (partial sums in float32 reduced afterwards; without a split y is written
+directly). A K tile never crosses a group, so each tile reads its
 group's scales and zeros once ([BLOCK_N] each) and each packed word once per nibble row it holds.
 """
 
@@ -20,7 +21,7 @@ from . import interpreting
 
 @triton.jit
 def _int4_matmul_kernel(
-    out_ptr,  # [SPLIT_K, M, N] float32 partial sums
+    out_ptr,  # [M, N] in x's dtype (PARTIAL false) or [SPLIT_K, M, N] float32 partial sums
     x_ptr,  # [M, K]
     qweight_ptr,  # [K // 8, N] int32
     scales_ptr,  # [G, N]
@@ -35,6 +36,7 @@ def _int4_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides group_size: a tile stays within one group
     DOT_FP32: tl.constexpr,  # multiply in float32 (Triton's interpreter computes bf16 dots wrongly), else x's dtype
+    PARTIAL: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -59,7 +61,7 @@ def _int4_matmul_kernel(
         else:
             acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)
     out = out_ptr + pid_k * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 def _block_k(group_size: int) -> int:
@@ -73,10 +75,11 @@ def plan(m: int, n: int, k: int, group_size: int, num_sms: int = 132) -> dict:
     """Tile sizes for one shape: the split-K GEMV for M <= 16, the GEMM above."""
     block_k = _block_k(group_size)
     if m <= 16:
-        block_n = 64
+        block_n = 16
         tiles = triton.cdiv(n, block_n)
-        # Enough programs to cover every SM about twice, each K slice a whole number of K tiles.
-        split_k = max(1, min(k // block_k, (2 * num_sms) // max(tiles, 1)))
+        # No split when the output tiles fill every SM (then y is written directly: no extra launch); else
+        # enough K slices for about two waves, each a whole number of K tiles.
+        split_k = 1 if tiles >= num_sms else max(1, min(k // block_k, triton.cdiv(2 * num_sms, tiles)))
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, split_k=split_k)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, split_k=1)
 
@@ -97,12 +100,15 @@ def int_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     cfg = plan(m, n, k, group_size, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg["split_k"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = triton.cdiv(k, k_per_split)
-    partial = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
+    partial = split_k > 1
+    out = torch.empty((split_k, m, n) if partial else (m, n), device=x.device,
+                      dtype=torch.float32 if partial else x.dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split_k)
-    _int4_matmul_kernel[grid](partial, x2, qweight, scales, zeros, m, n, k, x2.stride(0), group_size, k_per_split,
+    _int4_matmul_kernel[grid](out, x2, qweight, scales, zeros, m, n, k, x2.stride(0), group_size, k_per_split,
                               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                              DOT_FP32=x.dtype == torch.float32 or interpreting())
-    out = partial[0] if split_k == 1 else partial.sum(0)
+                              DOT_FP32=x.dtype == torch.float32 or interpreting(), PARTIAL=partial)
+    if partial:
+        out = out.sum(0)
     if bias is not None:
-        out = out + bias.float()
+        out = out.float() + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

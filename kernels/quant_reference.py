@@ -142,9 +142,12 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, inpu
 
 # -- dense decode GEMV -------------------------------------------------------------------------------------
 
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) with float32 accumulation, in x's dtype (the bf16 decode GEMV)."""
-    out = x.float() @ weight.float().t()
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] * w_scale)^T (+ bias) with float32 sums, in x's dtype: the decode GEMV of a dense
+    weight (bf16 / fp16 / fp32, or FP8 with w_scale [N, 1] or [] and x left unquantized)."""
+    w = weight.float() if w_scale is None else dequantize_fp8(weight, w_scale)
+    out = x.float() @ w.t()
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)

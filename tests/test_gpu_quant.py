@@ -53,3 +53,25 @@ def test_gpu_fp8_per_token_quantization_matches_reference_bit_for_bit():
     ref_q, ref_scale = quant_reference.quantize_fp8(x, dim=-1)
     torch.testing.assert_close(scale, ref_scale, atol=0, rtol=1e-6)
     torch.testing.assert_close(q.float(), ref_q.float(), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_decode_gemv_at_llama_8b_sizes(m, k, n, fp8):
+    """bf16 weights, or FP8 weights with per-channel scales (weight-only), against the reference."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    scale = None
+    if fp8:
+        w, scale = quant_reference.quantize_fp8(w, dim=-1)
+    out = quant_gemv.dense_gemv(x, w, None, scale)
+    ref = quant_reference.dense_gemv(x, w, None, scale)
+    assert out.dtype == ref.dtype and not out.isnan().any()
+    assert rel_error(out, ref) < 1e-2, rel_error(out, ref)

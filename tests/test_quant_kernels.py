@@ -34,12 +34,12 @@ def int4_case(m: int, k: int, n: int, group_size: int, dtype, symmetric=False, d
     return [t.to(device) for t in (x, qweight, scales.to(dtype), zeros.to(dtype))]
 
 
-def check_int4(m, k, n, group_size, dtype, bias=False, **kw):
+def check_int4(m, k, n, group_size, dtype, bias=False, num_sms=None, **kw):
     from asyncengine.kernels import quant_int4, quant_reference
 
     x, qweight, scales, zeros = int4_case(m, k, n, group_size, dtype, **kw)
     b = torch.randn(n, dtype=dtype, device=x.device) if bias else None
-    out = quant_int4.int_weight_matmul(x, qweight, scales, zeros, group_size, 4, b)
+    out = quant_int4.int_weight_matmul(x, qweight, scales, zeros, group_size, 4, b, num_sms=num_sms)
     ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, group_size, 4, b)
     if x.dtype == torch.float32:
         assert_matches(out, ref, INT4_TOLERANCE)
@@ -53,8 +53,10 @@ def check_int4(m, k, n, group_size, dtype, bias=False, **kw):
 def test_int4_split_k_gemv_matches_reference(m, group_size):
     from asyncengine.kernels.quant_int4 import plan
 
-    assert plan(m, 96, 128, group_size, num_sms=4)["split_k"] > 1, "decode shapes must take the split-K path"
-    check_int4(m, 128, 96, group_size, torch.float32, bias=m == 3)
+    assert plan(m, 96, 128, group_size, num_sms=8)["split_k"] > 1, "too few N tiles: the split-K path"
+    assert plan(m, 96, 128, group_size, num_sms=4)["split_k"] == 1, "enough N tiles: direct stores"
+    for num_sms in (8, 4):
+        check_int4(m, 128, 96, group_size, torch.float32, bias=m == 3, num_sms=num_sms)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,3 +89,32 @@ def test_fp8_per_token_scales_match_reference():
     assert (q[3].float() == 0).all()
     if DEVICE == "cuda":
         torch.testing.assert_close(q.float(), ref_q.float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, num_sms", [(48, 8), (80, 2)])  # split-K with partial sums / direct store
+def test_dense_gemv_matches_reference(m, dtype, n, num_sms):
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    k = 160  # not a multiple of the K tile: the last tile is masked
+    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+    w = torch.randn(n, k, dtype=dtype, device=DEVICE)
+    bias = torch.randn(n, dtype=dtype, device=DEVICE)
+    split = quant_gemv.split_k_for(n, k, num_sms, 32)
+    assert (split > 1) == (n == 48)
+    out = quant_gemv.dense_gemv(x, w, bias, num_sms=num_sms)
+    ref = quant_reference.dense_gemv(x, w, bias)
+    assert_matches(out, ref, {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp8_weight_gemv_matches_reference(per_channel):
+    """FP8 weights with per-channel (or one) scale, x unquantized: the decode path of FP8 layers."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    w8, scale = quant_reference.quantize_fp8(torch.randn(48, 96, device=DEVICE), dim=-1 if per_channel else None)
+    x = torch.randn(3, 96, device=DEVICE)
+    out = quant_gemv.dense_gemv(x, w8, None, scale, num_sms=8)
+    ref = quant_reference.dense_gemv(x, w8, None, scale)
+    assert_matches(out, ref, {torch.float32: (1e-4, 1e-4)})
