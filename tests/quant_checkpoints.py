@@ -190,48 +190,90 @@ def fp8_checkpoint(src: Path, out: Path, *, static: bool = True, input_scale: fl
     return _quantized_pair(src, out, f"fp8-{'static' if static else 'dynamic'}", quantize_one, cfg)
 
 
-def compressed_tensors_fp8_checkpoint(src: Path, out: Path, *, scheme: str = "FP8_DYNAMIC",
-                                      strategy: str = "channel") -> tuple[Path, Path]:
-    """compressed-tensors: its preset scheme (FP8 static or FP8_DYNAMIC per-token activations) applied to every
-    Linear but lm_head, weight scales (amax / 448 per tensor or channel) set here as an observer would, then its
-    ModelCompressor compresses to the float-quantized format and writes the quantization_config."""
-    from compressed_tensors.compressors import ModelCompressor
+def _compressed_tensors_checkpoint(src: Path, out: Path, name: str, scheme, fmt: str, set_qparams) -> tuple[Path, Path]:
+    """compressed-tensors end to end: its `scheme` applied to every Linear but lm_head, set_qparams(module) filling
+    the scales / zero points as an observer would, its ModelCompressor compressing to `fmt` and writing the
+    quantization_config; the reference weights come from its own decompressor applied to each compressed layer."""
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    quant_scheme = preset_name_to_scheme(scheme, ["Linear"])
-    quant_scheme.weights.strategy = strategy
-    config = QuantizationConfig(config_groups={"group_0": quant_scheme}, ignore=["lm_head"])
-    apply_quantization_config(model, config)
-    for name, module in model.named_modules():
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for module in model.modules():
         if hasattr(module, "weight_scale"):
-            w = module.weight.data
-            amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
-            module.weight_scale.data.copy_((amax / 448.0).reshape(module.weight_scale.shape))
-            if hasattr(module, "input_scale"):
-                module.input_scale.data.fill_(0.05)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+            set_qparams(module)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("weight_zero_point")
-             and not k.endswith("input_zero_point")}
-    name = f"ct-{scheme.lower()}-{strategy}"
+    state = dict(model.state_dict())
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    decompressor = BaseCompressor.load_from_registry(fmt)
+    dequantized = {}
+    for key, tensor in state.items():
+        prefix, _, local = key.rpartition(".")
+        if local in ("weight_packed", "weight") and key.rpartition(".")[0] + ".weight_scale" in state:
+            layer = {k.rpartition(".")[2]: v for k, v in state.items() if k.rpartition(".")[0] == prefix}
+            dequantized[prefix + ".weight"] = decompressor.decompress(layer, scheme)["weight"].float()
+        elif not local.startswith(("weight_", "input_")) and key not in dequantized:
+            dequantized[key] = tensor
+    state = {k: v for k, v in state.items() if not k.endswith("input_zero_point")
+             and not (k.endswith("weight_zero_point") and scheme.weights.symmetric)}
     qdir, ddir = out / name, out / f"{name}-dequant"
     _copy_folder(src, qdir)
     _copy_folder(src, ddir)
-    dequantized = {}
-    for key, tensor in state.items():
-        if key.endswith(("weight_scale", "input_scale")):
-            continue
-        if tensor.dtype == FP8:
-            dequantized[key] = tensor.float() * state[key.removesuffix("weight") + "weight_scale"].float()
-        else:
-            dequantized[key] = tensor
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-        dequantized.pop("lm_head.weight", None)
     qcfg = compressor.quantization_config.model_dump(exclude_none=True)
     _write(qdir, state, json.loads(json.dumps(qcfg, default=str)))
     _write(ddir, dequantized, None)
     return qdir, ddir
+
+
+def compressed_tensors_fp8_checkpoint(src: Path, out: Path, *, scheme: str = "FP8_DYNAMIC",
+                                      strategy: str = "channel") -> tuple[Path, Path]:
+    """Its preset FP8 (static activations) or FP8_DYNAMIC (per-token) scheme, float-quantized; weight scales
+    amax / 448 per tensor or per channel, a fixed static input scale (the CPU path leaves activations as they
+    are)."""
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+    quant_scheme = preset_name_to_scheme(scheme, ["Linear"])
+    quant_scheme.weights.strategy = strategy
+
+    def set_qparams(module):
+        w = module.weight.data
+        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+        module.weight_scale.data.copy_((amax / 448.0).reshape(module.weight_scale.shape))
+        if hasattr(module, "input_scale"):
+            module.input_scale.data.fill_(0.05)
+
+    return _compressed_tensors_checkpoint(src, out, f"ct-{scheme.lower()}-{strategy}", quant_scheme,
+                                          "float-quantized", set_qparams)
+
+
+def compressed_tensors_int_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int | None = 32,
+                                      symmetric: bool = True) -> tuple[Path, Path]:
+    """Its W4A16 preset (group_size None: per-channel; asymmetric: with zero points), pack-quantized; scales
+    and zero points from each group's min / max as its min-max observer computes them."""
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+    quant_scheme = preset_name_to_scheme("W4A16" if bits == 4 else "W8A16", ["Linear"])
+    quant_scheme.weights.symmetric = symmetric
+    quant_scheme.weights.strategy = "group" if group_size else "channel"
+    quant_scheme.weights.group_size = group_size
+
+    def set_qparams(module):
+        w = module.weight.data  # [N, K]
+        groups = w.view(w.shape[0], -1, group_size or w.shape[1])  # [N, G, g]
+        qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        if symmetric:
+            scale = groups.abs().amax(-1) / ((qmax - qmin) / 2)
+            zero = torch.zeros_like(scale)
+        else:
+            lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+            scale = (hi - lo) / (qmax - qmin)
+            zero = (qmin - lo / scale).round().clamp(qmin, qmax)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+
+    name = f"ct-w{bits}a16-{'g' + str(group_size) if group_size else 'channel'}-{'sym' if symmetric else 'asym'}"
+    return _compressed_tensors_checkpoint(src, out, name, quant_scheme, "pack-quantized", set_qparams)

@@ -41,6 +41,9 @@ FORMATS = {
         src, out, scheme="FP8_DYNAMIC", strategy="channel"),
     "compressed-tensors-fp8-static-per-tensor": lambda src, out: qc.compressed_tensors_fp8_checkpoint(
         src, out, scheme="FP8", strategy="tensor"),
+    "compressed-tensors-w4a16-group32-sym": lambda src, out: qc.compressed_tensors_int_checkpoint(src, out),
+    "compressed-tensors-w4a16-asym-per-channel": lambda src, out: qc.compressed_tensors_int_checkpoint(
+        src, out, symmetric=False, group_size=None),
 }
 
 
@@ -111,17 +114,20 @@ def default_copy(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_default_model_fp8_perplexity_within_5_percent(default_ppl):
     ppl = perplexity(Path(default_model_path()), quantization="fp8")
     assert ppl <= 1.05 * default_ppl, (ppl, default_ppl)
 
 
+@pytest.mark.slow
 def test_default_model_int4_group128_perplexity_within_1_5x(default_ppl, default_copy, tmp_path):
     quantized, _ = qc.gptq_checkpoint(default_copy, tmp_path, bits=4, group_size=128, sym=False)
     ppl = perplexity(quantized)
     assert ppl <= 1.5 * default_ppl, (ppl, default_ppl)
 
 
+@pytest.mark.slow
 def test_broken_int4_packing_order_blows_perplexity_up(default_ppl, default_copy, tmp_path):
     """The same packer with two nibbles of each word swapped: the perplexity check above must catch it."""
     quantized, _ = qc.gptq_checkpoint(default_copy, tmp_path, bits=4, group_size=128, sym=False, swap_nibbles=True)
@@ -160,8 +166,8 @@ def test_requested_method_must_match_the_checkpoint(llama_dir, tmp_path):
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits is not supported .*4, 8"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv' .*gemm"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise .*per-tensor and per-channel"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
-     "format 'pack-quantized' is not supported .*FP8 W8A8"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {}},
+     "format 'nvfp4-pack-quantized' is not supported .*FP8 W8A8.*W4A16"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "model.layers.0.mlp"],
       "config_groups": {}}, "ignore list .*model.layers.0.mlp"),
 ])

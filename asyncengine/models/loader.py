@@ -85,7 +85,11 @@ def load_model(model_config: ModelConfig, device: torch.device, max_positions: i
     quant = _quantization_kwargs(model_config, cls, device)
     with torch.device(device):
         model = cls(model_config.hf_config, model_config.dtype, max_positions, **quant)
-    loaded = model.load_weights(iterate_weights(Path(model_config.path)))
+    weights = iterate_weights(Path(model_config.path))
+    if quant:  # tensors the format does not need (e.g. compressed-tensors' weight_shape)
+        skipped = quant["quant_config"].skipped_checkpoint_tensors()
+        weights = ((name, t) for name, t in weights if not (skipped and name.endswith(skipped)))
+    loaded = model.load_weights(weights)
     missing = sorted(f"{n}" + (f"[{s}]" if s is not None else "") for n, s in _expected_shards(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_config.path} lacks weights for: {', '.join(missing[:10])}")

@@ -86,3 +86,7 @@ class QuantizationConfig(ABC):
     def describe(self) -> str:
         """One line for the start-up log."""
         return self.name
+
+    def skipped_checkpoint_tensors(self) -> tuple[str, ...]:
+        """Name suffixes of checkpoint tensors this format does not need (the loader drops them)."""
+        return ()
