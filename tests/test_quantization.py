@@ -187,3 +187,16 @@ def test_fused_gptq_shards_with_different_act_orders_are_rejected(llama_dir, tmp
     save_file(tensors, str(quantized / "model.safetensors"))
     with pytest.raises(ValueError, match="shards of a QKVParallelLinear disagree"):
         LLM(str(quantized))
+
+
+def test_cli_quantization_flag_reaches_the_engine_config_with_vllm_spelling():
+    from asyncengine.api.cli import build_parser, engine_config, with_default_command
+    from asyncengine.quantization import QUANTIZATION_METHODS
+
+    parser = build_parser()
+    for method in QUANTIZATION_METHODS:
+        args = parser.parse_args(with_default_command(["serve", "--quantization", method]))
+        assert engine_config(args).quantization == method
+    assert engine_config(parser.parse_args(with_default_command(["serve"]))).quantization is None
+    with pytest.raises(SystemExit):  # argparse: invalid choice, with the list of choices
+        parser.parse_args(with_default_command(["serve", "--quantization", "bitsandbytes"]))
