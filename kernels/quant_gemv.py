@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, sm_count
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if m > MAX_M:
         raise ValueError(f"dense_gemv takes at most {MAX_M} rows, got {m}")
     if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        num_sms = sm_count(x.device.index) if x.is_cuda else 4
     block_k = 128 if k >= 128 else 32
     split_k = split_k_for(n, k, num_sms, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, sm_count
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def int_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     m, k = x2.shape
     n = qweight.shape[1]
     if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        num_sms = sm_count(x.device.index) if x.is_cuda else 4
     cfg = plan(m, n, k, group_size, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg["split_k"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = triton.cdiv(k, k_per_split)
