@@ -75,3 +75,32 @@ def test_gpu_decode_gemv_at_llama_8b_sizes(m, k, n, fp8):
     ref = quant_reference.dense_gemv(x, w, None, scale)
     assert out.dtype == ref.dtype and not out.isnan().any()
     assert rel_error(out, ref) < 1e-2, rel_error(out, ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order"])
+def test_gpu_engine_int4_greedy_matches_transformers_on_dequantized_weights(llama_dir, tmp_path, fmt):
+    """The whole engine on CUDA in float32 through the int4 kernels (GEMM for the prefill, GEMV for decode)."""
+    import quant_checkpoints as qc
+    from test_quantization import assert_same_greedy
+
+    pair = qc.awq_checkpoint(llama_dir, tmp_path) if fmt == "awq" else qc.gptq_checkpoint(llama_dir, tmp_path,
+                                                                                          desc_act=True)
+    assert_same_greedy(*pair, device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_engine_online_fp8_generates_and_chose_its_decode_kernels(llama_dir):
+    from asyncengine import LLM, SamplingParams
+    from asyncengine.models.layers import LinearBase
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    llm = LLM(str(llama_dir), dtype="bfloat16", quantization="fp8", max_model_len=128)
+    out = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 16
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase) and m.weight.dtype ==
+              torch.float8_e4m3fn]
+    assert layers and all(0 <= m.gemv_max_m <= 16 for m in layers)
