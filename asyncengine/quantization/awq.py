@@ -45,7 +45,8 @@ class AWQConfig(QuantizationConfig):
         if version.lower() != "gemm":
             raise ValueError(f"AWQ version {version!r} is not supported (supported: gemm, AutoAWQ's default)")
         if not zero_point:
-            raise ValueError("AWQ without zero points (zero_point: false) is not supported (supported: zero_point true)")
+            raise ValueError("AWQ without zero points (zero_point: false) is not supported "
+                             "(supported: zero_point true)")
         if group_size < 1:
             raise ValueError(f"AWQ group_size must be positive, got {group_size}")
         self.bits, self.group_size = bits, group_size
@@ -55,7 +56,8 @@ class AWQConfig(QuantizationConfig):
         bits = cfg.get("bits", cfg.get("w_bit"))
         group_size = cfg.get("group_size", cfg.get("q_group_size"))
         if bits is None or group_size is None:
-            raise ValueError("quantization_config of an AWQ checkpoint needs bits (w_bit) and group_size (q_group_size)")
+            raise ValueError("quantization_config of an AWQ checkpoint needs bits (w_bit) and group_size "
+                             "(q_group_size)")
         if cfg.get("modules_to_not_convert"):
             raise ValueError(f"AWQ modules_to_not_convert {cfg['modules_to_not_convert']} is not supported "
                              "(supported: every linear layer of the decoder quantized)")

@@ -6,7 +6,8 @@ Checkpoint tensors of a linear layer with K inputs and N outputs:
     input_scale: [] or [1], present for static activation scales (dynamic: per-token scales computed at run time).
 Fused layers (q/k/v, gate/up) load one per-tensor scale per shard, so weight scales are kept per output row
 ([N, 1], exact: no requantization), and become one scale [] after loading when all rows agree (a layer that is
-not fused, or shards with equal scales); kernels take either. Static input scales of fused shards reduce to their largest (the shards share the input).
+not fused, or shards with equal scales); kernels take either. Static input scales of fused shards reduce to
+their largest (the shards share the input).
 On CUDA activations are quantized (static per tensor, or dynamic per token) and multiplied in FP8, except for
 decode-sized batches where our weight-only FP8 GEMV (x unquantized, measured faster at start-up) runs; on CPU the
 torch reference dequantizes the weight and multiplies in the activations' dtype (activations stay unquantized).
