@@ -200,3 +200,9 @@ def test_cli_quantization_flag_reaches_the_engine_config_with_vllm_spelling():
     assert engine_config(parser.parse_args(with_default_command(["serve"]))).quantization is None
     with pytest.raises(SystemExit):  # argparse: invalid choice, with the list of choices
         parser.parse_args(with_default_command(["serve", "--quantization", "bitsandbytes"]))
+
+
+def test_quantization_of_a_moe_family_is_refused_at_start_up(checkpoint_dir):
+    """MoE families build their own feed-forward blocks (the experts), which take no quantized weights yet."""
+    with pytest.raises(ValueError, match="not supported for MixtralForCausalLM .*dense Llama family"):
+        LLM(str(checkpoint_dir("MixtralForCausalLM")), quantization="fp8")
