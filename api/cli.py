@@ -152,6 +152,9 @@ def _engine_args(engine) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of the GPU's memory the engine may use (weights, activations, KV cache)")
     engine.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    engine.add_argument("--quantization", "-q", default=None, choices=["awq", "gptq", "fp8", "compressed-tensors"],
+                        help="weight format (default: the checkpoint's quantization_config); fp8 on an unquantized "
+                             "checkpoint quantizes its weights at load time")
     engine.add_argument("--max-queue-len", type=int, default=None, help="waiting requests beyond this get 429")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--min-prefill-batch", type=int, default=None,
@@ -212,6 +215,7 @@ def engine_config(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
         max_queue_len=args.max_queue_len,
         enable_prefix_caching=args.enable_prefix_caching,
         min_prefill_batch=args.min_prefill_batch,

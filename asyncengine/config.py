@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from asyncengine.quantization import QUANTIZATION_METHODS, quantization_config_for
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -47,6 +49,8 @@ class ModelConfig:
     head_dim: int
     max_position_embeddings: int
     eos_token_ids: list[int]
+    # the weight format of the decoder's linear layers (asyncengine.quantization); None: unquantized
+    quant_config: Any = None
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=kv_dtype).element_size()
@@ -85,6 +89,9 @@ class EngineConfig:
     # and model families reach it through plugins' entry points (or the script's top level), not a runtime call.
     engine_process: bool = False
     tensor_parallel_size: int = 1
+    # weight format, vLLM's spelling (awq, gptq, fp8, compressed-tensors); None: the checkpoint's own
+    # quantization_config. fp8 on an unquantized checkpoint quantizes it at load time.
+    quantization: Optional[str] = None
     # generate | pooling (embeddings) | auto: pooling for encoders and sentence-transformers checkpoints
     runner: str = "auto"
 
@@ -118,6 +125,9 @@ class EngineConfig:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be one of auto, generate, pooling; got {self.runner!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                             f"got {self.quantization!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (layers are written for it)")
 
@@ -203,6 +213,7 @@ def load_model_config(config: EngineConfig, device: torch.device) -> ModelConfig
         head_dim=head_dim,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
         eos_token_ids=_eos_ids(folder, hf_config),
+        quant_config=quantization_config_for(raw.get("quantization_config"), config.quantization),
     )
 
 

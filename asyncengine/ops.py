@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from asyncengine.kernels import cpu, reference
+from asyncengine.kernels import cpu, quant_reference, reference
 
 # The fast CPU kernels; tests turn this off (monkeypatch) to run the whole model on the references.
 CPU_FAST_PATH = True
@@ -128,3 +128,51 @@ def encoder_attention(q, k, v, metadata, scale: float) -> torch.Tensor:
     if impl is reference:
         return reference.varlen_attention(q, k, v, metadata.query_start_loc_cpu, scale)
     return impl.varlen_attention(q, k, v, metadata.query_start_loc, scale, max_len=metadata.max_len)
+
+
+# -- quantized linear layers ------------------------------------------------------------------------------------
+# On CUDA the Triton kernels of kernels/quant_*.py (which pick a kernel per shape); elsewhere the torch references
+# of kernels/quant_reference.py (dequantize, then matmul), which the model loader announces once in the log.
+
+
+@functools.cache
+def _quant_kernels():
+    """kernels.quant_linear (the per-shape dispatch over the quantized Triton kernels), or None when Triton cannot
+    run here (logged once as an error, as for the other families)."""
+    try:
+        from asyncengine.kernels import quant_linear
+    except Exception:
+        logger.exception("the quantized Triton kernels failed to import on a CUDA device; quantized layers fall "
+                         "back to the torch references (dequantize, then matmul: much slower)")
+        return None
+    return quant_linear
+
+
+def _quant_impl(x: torch.Tensor):
+    if x.is_cuda:
+        return _quant_kernels() or quant_reference
+    return quant_reference
+
+
+def int_weight_linear(x, qweight, scales, zeros, group_size: int, bits: int, bias=None) -> torch.Tensor:
+    """x [T, K] @ W (+ bias) with W in the engine's packed integer layout (kernels/quant_reference.py)."""
+    return _quant_impl(x).int_weight_matmul(x, qweight, scales, zeros, group_size, bits, bias)
+
+
+def fp8_linear(x, w_fp8, w_scale, input_scale, bias=None) -> torch.Tensor:
+    """W8A8: x [T, K] quantized per token (input_scale None) or with a static scale, times w_fp8 [N, K]."""
+    return _quant_impl(x).fp8_linear(x, w_fp8, w_scale, input_scale, bias)
+
+
+def dense_gemv(x, weight, bias=None, w_scale=None) -> torch.Tensor:
+    """Decode GEMV (M <= 16): x [M, K] @ (weight [N, K] * w_scale)^T (+ bias), weight dense or FP8 (weight-only)."""
+    return _quant_impl(x).dense_gemv(x, weight, bias, w_scale)
+
+
+def decode_gemv_max_m(key: tuple, ours, library, k: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Up to which decode batch size `ours` (our GEMV) beats `library` on this shape: measured once per key on
+    CUDA at start-up (kernels.quant_linear.gemv_max_m); 0 elsewhere (CPU runs the references)."""
+    kernels = _quant_kernels() if device.type == "cuda" else None
+    if kernels is None:
+        return 0
+    return kernels.gemv_max_m(key, ours, library, k, dtype, device)

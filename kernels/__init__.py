@@ -15,6 +15,7 @@ module needs Triton; `reference` needs only torch.
 
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -31,3 +32,11 @@ def available() -> bool:
     except Exception:  # Triton missing or broken
         return False
     return interpreting() or torch.cuda.is_available()
+
+
+@functools.cache
+def sm_count(device_index) -> int:
+    """Streaming multiprocessors of a CUDA device (asked once: kernels size split-K grids by it on every call)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index if device_index is not None else 0).multi_processor_count

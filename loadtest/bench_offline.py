@@ -10,6 +10,8 @@ bf16 weights, runs the transformers peers on W2 first (then frees them), then th
   W4 prefill: 64 prompts of 2,048 tokens, max_tokens=1: tokens/s and model FLOP utilisation
   W1-structured (--only): W1 with every 4th request under a JSON schema against plain W1, and the per-step mask
   cost (--tiny: a CPU smoke run of it on the embedded default model)
+  --quant: W3 per weight format (bf16, FP8, AWQ int4) with each one's roofline, and W1 FP8 against bf16
+  (loadtest/bench_quant.py; --quant --tiny: a CPU smoke run of it)
 Prints one table and writes JSON. Each section is timed after a warm-up with the same shapes.
 
     python -m loadtest.bench_offline --family qwen3-30b-a3b --out results/ [--quick] [--tiny]
@@ -728,10 +730,18 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=1024,
                         help="1024 since run 23; 256 before (run 22, H200: W1 1.10x, W2 1.03x at 1024)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--quant", action="store_true",
+                        help="the quantized formats instead: W3 per format with its roofline, W1 fp8 vs bf16")
     parser.add_argument("--tiny", action="store_true",
                         help="a CPU smoke run: W1-structured on the embedded default model (32 short requests), "
                              "or with --family qwen3-30b-a3b the MoE mode at a tiny shape")
     args = parser.parse_args(argv)
+    if args.quant and args.family != "llama3-8b":
+        parser.error("--quant runs on the llama3-8b family (AWQ and FP8 of its dense layers)")
+    if args.quant and args.tiny:
+        from .bench_quant import main_tiny
+
+        return main_tiny(Path(args.out))
     if args.family != "llama3-8b":
         return run_moe(args)
     if args.tiny:
@@ -743,6 +753,10 @@ def main(argv=None) -> int:
     def save():
         (out_dir / "bench_offline.json").write_text(json.dumps(results, indent=2))
 
+    if args.quant:
+        from .bench_quant import main_gpu
+
+        return main_gpu(args, results, save)
     results["copy_bandwidth_GBps"] = measure_copy_bandwidth() / 1e9
     results["matmul_TFLOPs"] = measure_matmul_flops() / 1e12
     save()

@@ -49,6 +49,22 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def _rank_part(param: nn.Parameter, dim: int, loaded: torch.Tensor, size: int) -> torch.Tensor:
+    """This rank's `size` rows of `loaded` along `dim`. A checkpoint's single value (a per-tensor scale) for a
+    parameter kept per output row (fused shards each bring their own) comes back as one row: `copy_` broadcasts it."""
+    if loaded.numel() == 1 and param.shape[dim] > 1:
+        return loaded.reshape((1,) * param.dim())
+    return loaded.narrow(dim, tp_rank() * size, size)
+
+
+def _load_shared(param: nn.Parameter, loaded: torch.Tensor, layer: str) -> None:
+    """Load a parameter that every shard of a fused layer brings: they must agree (ValueError otherwise)."""
+    if getattr(param, "loaded_by_a_shard", False) and not torch.equal(param.data, loaded.to(param.device)):
+        raise ValueError(f"the shards of a {layer} disagree on a parameter they share (shape {list(param.shape)})")
+    param.data.copy_(loaded)
+    param.loaded_by_a_shard = True
+
+
 def _shard_of(param: nn.Parameter, dim: int, logical_offset: int, logical_size: int, logical_total: int):
     """The (offset, size) along `dim` of `param` for a shard at [logical_offset, +logical_size) of a logical
     extent `logical_total`: packed formats store fewer (or more) elements per logical column, in proportion."""
@@ -90,17 +106,16 @@ class ColumnParallelLinear(LinearBase):
         if dim is None:
             param.data.copy_(loaded)
             return
-        size = param.shape[dim]
-        param.data.copy_(loaded.narrow(dim, tp_rank() * size, size))
+        param.data.copy_(_rank_part(param, dim, loaded, param.shape[dim]))
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
         """Copy this rank's part of one fused shard (logical rows [offset, offset + size) of this rank's slice)."""
         dim = getattr(param, "output_dim", None)
-        if dim is None:  # a parameter shared by the shards (e.g. one per-tensor scale): shards must agree
-            param.data.copy_(loaded)
+        if dim is None:  # a parameter shared by the shards (e.g. GPTQ's g_idx of their common input)
+            _load_shared(param, loaded, type(self).__name__)
             return
         offset, size = _shard_of(param, dim, offset, size, self.out_per_rank)
-        param.data.narrow(dim, offset, size).copy_(loaded.narrow(dim, tp_rank() * size, size))
+        param.data.narrow(dim, offset, size).copy_(_rank_part(param, dim, loaded, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

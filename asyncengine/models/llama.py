@@ -15,6 +15,7 @@ from torch import nn
 
 from asyncengine import ops
 from asyncengine.distributed.parallel_state import tp_size
+from asyncengine.quantization import LinearMethod, QuantizationConfig
 from asyncengine.models.layers import (
     LONGROPE_TYPES,
     AttentionMetadata,
@@ -62,15 +63,16 @@ def layer_sliding_windows(cfg) -> list[Optional[int]]:
 
 class Attention(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool, max_positions: int,
-                 sliding_window: Optional[int] = None):
+                 sliding_window: Optional[int] = None, linear_method: Optional[LinearMethod] = None):
         super().__init__()
         hidden, heads = cfg.hidden_size, cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = getattr(cfg, "head_dim", None) or hidden // heads
         self.num_heads, self.num_kv_heads = heads // tp_size(), kv_heads // tp_size()
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, kv_heads, qkv_bias, dtype)
-        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, getattr(cfg, "attention_bias", False), dtype)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, kv_heads, qkv_bias, dtype, linear_method)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, getattr(cfg, "attention_bias", False), dtype,
+                                        linear_method)
         self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions, rope_config(cfg))
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window=sliding_window)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
@@ -91,11 +93,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Gated MLP (SiLU) of cfg.intermediate_size, or of `intermediate_size` when given (e.g. a shared expert)."""
 
-    def __init__(self, cfg, dtype: torch.dtype, intermediate_size: Optional[int] = None):
+    def __init__(self, cfg, dtype: torch.dtype, intermediate_size: Optional[int] = None,
+                 linear_method: Optional[LinearMethod] = None):
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, dtype)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, dtype, linear_method)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, dtype, linear_method)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
@@ -105,10 +108,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, dtype, qkv_bias: bool, qk_norm: bool, max_positions: int,
-                 sliding_window: Optional[int] = None, mlp: Optional[nn.Module] = None):
+                 sliding_window: Optional[int] = None, mlp: Optional[nn.Module] = None,
+                 linear_method: Optional[LinearMethod] = None):
         super().__init__()
-        self.self_attn = Attention(cfg, dtype, qkv_bias, qk_norm, max_positions, sliding_window)
-        self.mlp = mlp if mlp is not None else MLP(cfg, dtype)  # [T, hidden] -> [T, hidden]
+        self.self_attn = Attention(cfg, dtype, qkv_bias, qk_norm, max_positions, sliding_window, linear_method)
+        # [T, hidden] -> [T, hidden]
+        self.mlp = mlp if mlp is not None else MLP(cfg, dtype, linear_method=linear_method)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -132,14 +137,19 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
     qk_norm = False
 
-    def __init__(self, cfg, dtype: torch.dtype, max_positions: int):
+    def __init__(self, cfg, dtype: torch.dtype, max_positions: int,
+                 quant_config: Optional[QuantizationConfig] = None):
+        """quant_config: the decoder's linear layers' weight format (None: unquantized); the LM head stays in dtype."""
         super().__init__()
+        linear_method = quant_config.linear_method() if quant_config is not None else None
+        self.linear_method = linear_method  # make_mlp's too
         self.config = cfg
         qkv_bias = getattr(cfg, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.sliding_windows = layer_sliding_windows(cfg)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, qkv_bias, self.qk_norm, max_positions, window, self.make_mlp(cfg, dtype, i))
+            DecoderLayer(cfg, dtype, qkv_bias, self.qk_norm, max_positions, window, self.make_mlp(cfg, dtype, i),
+                         linear_method)
             for i, window in enumerate(self.sliding_windows)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -148,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, cfg, dtype: torch.dtype, layer_index: int) -> nn.Module:
         """The feed-forward block of layer `layer_index` (families with sparse layers override this)."""
-        return MLP(cfg, dtype)
+        return MLP(cfg, dtype, linear_method=self.linear_method)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""

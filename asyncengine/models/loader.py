@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -12,6 +14,9 @@ from safetensors import safe_open
 from asyncengine.config import ModelConfig
 from asyncengine.models import model_class_for
 from asyncengine.models.layers import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from asyncengine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -52,12 +57,39 @@ def _expected_shards(model: torch.nn.Module) -> set[tuple[str, object]]:
     return expected
 
 
+def _quantization_kwargs(model_config: ModelConfig, cls: type, device: torch.device) -> dict:
+    """{"quant_config": ...} for a quantized checkpoint (checked against the family and the device), else {}."""
+    quant_config = model_config.quant_config
+    if quant_config is None:
+        return {}
+    # Families that build their linears themselves, or their own feed-forward blocks (MoE experts), take no
+    # quantized weights yet.
+    takes_quant_config = "quant_config" in inspect.signature(cls.__init__).parameters
+    own_mlp = issubclass(cls, LlamaForCausalLM) and cls.make_mlp is not LlamaForCausalLM.make_mlp
+    if not takes_quant_config or own_mlp:
+        raise ValueError(f"quantization ({quant_config.name}) is not supported for {model_config.architecture} "
+                         "(supported: the dense Llama family: Llama, Mistral, Qwen2, Qwen3)")
+    quant_config.check_device(device)
+    if device.type == "cpu":
+        logger.info("quantized weights (%s) run on CPU through the torch references: each layer dequantizes its "
+                    "weight, then multiplies in %s (FP8 activations are not quantized on CPU)",
+                    quant_config.describe(), model_config.dtype)
+    else:
+        logger.info("quantized weights: %s", quant_config.describe())
+    return {"quant_config": quant_config}
+
+
 def load_model(model_config: ModelConfig, device: torch.device, max_positions: int) -> torch.nn.Module:
     """Instantiate the architecture on `device` in model_config.dtype and fill every parameter from disk."""
     cls = model_class_for(model_config.architecture)
+    quant = _quantization_kwargs(model_config, cls, device)
     with torch.device(device):
-        model = cls(model_config.hf_config, model_config.dtype, max_positions)
-    loaded = model.load_weights(iterate_weights(Path(model_config.path)))
+        model = cls(model_config.hf_config, model_config.dtype, max_positions, **quant)
+    weights = iterate_weights(Path(model_config.path))
+    if quant:  # tensors the format does not need (e.g. compressed-tensors' weight_shape)
+        skipped = quant["quant_config"].skipped_checkpoint_tensors()
+        weights = ((name, t) for name, t in weights if not (skipped and name.endswith(skipped)))
+    loaded = model.load_weights(weights)
     missing = sorted(f"{n}" + (f"[{s}]" if s is not None else "") for n, s in _expected_shards(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_config.path} lacks weights for: {', '.join(missing[:10])}")

@@ -1,5 +1,65 @@
-"""How a linear layer stores and applies its weight: unquantized today; quantized formats plug in here."""
+"""How a linear layer stores and applies its weight: unquantized, or a quantized format chosen from the
+checkpoint's `quantization_config` (config.json) or `EngineConfig.quantization` (`--quantization`).
 
-from asyncengine.quantization.base import LinearMethod, UnquantizedLinearMethod, set_weight_attrs
+    base.py               LinearMethod (create / load / apply one layer's weights), QuantizationConfig
+    packed_int.py         the shared int4/int8 weight-only method (AWQ and GPTQ convert to its layout)
+    awq.py, gptq.py       AutoAWQ gemm and GPTQ checkpoints
+    fp8.py                FP8 e4m3 checkpoints and online FP8 quantization
+    compressed_tensors.py compressed-tensors' FP8 schemes
+"""
 
-__all__ = ["LinearMethod", "UnquantizedLinearMethod", "set_weight_attrs"]
+from __future__ import annotations
+
+from typing import Optional
+
+from asyncengine.quantization.base import (
+    LinearMethod,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+    set_weight_attrs,
+)
+
+# vLLM's spelling of --quantization
+QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
+
+__all__ = ["LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "set_weight_attrs",
+           "QUANTIZATION_METHODS", "quantization_config_for"]
+
+
+def _from_checkpoint(cfg: dict) -> QuantizationConfig:
+    from asyncengine.quantization.awq import AWQConfig
+    from asyncengine.quantization.compressed_tensors import compressed_tensors_config
+    from asyncengine.quantization.fp8 import Fp8Config
+    from asyncengine.quantization.gptq import GPTQConfig
+
+    method = str(cfg.get("quant_method", "")).lower()
+    parsers = {"awq": AWQConfig.from_config, "gptq": GPTQConfig.from_config, "fp8": Fp8Config.from_config,
+               "compressed-tensors": compressed_tensors_config}
+    if method not in parsers:
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: "
+                         f"{', '.join(QUANTIZATION_METHODS)})")
+    return parsers[method](cfg)
+
+
+def quantization_config_for(checkpoint_cfg: Optional[dict], requested: Optional[str]) -> Optional[QuantizationConfig]:
+    """The format to run: the checkpoint's `quantization_config` (None when unquantized), checked against
+    `requested` (--quantization, vLLM's spelling) when both are given. `--quantization fp8` on an unquantized
+    checkpoint quantizes it at load time; other methods need a checkpoint already in that format. ValueError
+    names the field and what is supported."""
+    from asyncengine.quantization.fp8 import Fp8Config
+
+    if requested is not None and requested not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {requested!r} is not supported (supported: {', '.join(QUANTIZATION_METHODS)})")
+    if checkpoint_cfg is None:
+        if requested is None:
+            return None
+        if requested == "fp8":
+            return Fp8Config.online()
+        raise ValueError(f"quantization {requested!r} needs a checkpoint quantized in that format (its config.json "
+                         "has no quantization_config); an unquantized checkpoint can be quantized at load time with "
+                         "quantization 'fp8'")
+    config = _from_checkpoint(checkpoint_cfg)
+    if requested is not None and requested != config.name:
+        raise ValueError(f"quantization {requested!r} does not match the checkpoint's quantization_config "
+                         f"(quant_method {config.name!r}); leave it unset or give {config.name!r}")
+    return config

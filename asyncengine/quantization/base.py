@@ -41,11 +41,52 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """weight [out_per_rank, in_per_rank] in the model's dtype; y = x W^T (+ b)."""
+    """weight [out_per_rank, in_per_rank] in the model's dtype; y = x W^T (+ b).
+
+    On CUDA, decode-sized batches (M up to `layer.gemv_max_m`, measured per shape at start-up) take our GEMV
+    where it beat cuBLAS; everything else is F.linear."""
 
     def create_weights(self, layer, in_per_rank, out_per_rank, dtype):
         weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank, dtype=dtype), requires_grad=False)
         layer.register_parameter("weight", set_weight_attrs(weight, output_dim=0, input_dim=1))
 
+    def process_weights_after_loading(self, layer):
+        from asyncengine import ops
+
+        weight = layer.weight
+        layer.gemv_max_m = ops.decode_gemv_max_m(
+            ("dense", *weight.shape, weight.dtype), lambda x: ops.dense_gemv(x, weight), lambda x: F.linear(x, weight),
+            weight.shape[1], weight.dtype, weight.device)
+
     def apply(self, layer, x, bias):
+        if x.shape[0] <= getattr(layer, "gemv_max_m", 0):
+            from asyncengine import ops
+
+            return ops.dense_gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
+
+
+class QuantizationConfig(ABC):
+    """One checkpoint's weight format, parsed from config.json's `quantization_config` (or `--quantization`).
+
+    Contract: `linear_method()` gives the method every quantized linear layer of the model uses (the LM head and
+    embeddings stay unquantized); `check_device(device)` raises ValueError at start-up, saying what is supported,
+    when this format cannot run on `device`.
+    """
+
+    name: str  # vLLM's spelling: awq, gptq, fp8, compressed-tensors
+
+    @abstractmethod
+    def linear_method(self) -> LinearMethod:
+        """The LinearMethod of this format."""
+
+    def check_device(self, device: torch.device) -> None:
+        """ValueError when this format cannot run on `device` (all formats run on CPU through the references)."""
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return self.name
+
+    def skipped_checkpoint_tensors(self) -> tuple[str, ...]:
+        """Name suffixes of checkpoint tensors this format does not need (the loader drops them)."""
+        return ()

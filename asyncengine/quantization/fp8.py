@@ -1,0 +1,116 @@
+"""FP8 e4m3 weights (W8A8): checkpoints serialized in FP8 (`quant_method: fp8`, or compressed-tensors'
+float-quantized layout) and `--quantization fp8` of a bf16/fp32 checkpoint (quantized per channel at load time).
+
+Checkpoint tensors of a linear layer with K inputs and N outputs:
+    weight [N, K] float8_e4m3fn;  weight_scale: [] or [1] (per tensor) or [N, 1] (per output channel);
+    input_scale: [] or [1], present for static activation scales (dynamic: per-token scales computed at run time).
+Fused layers (q/k/v, gate/up) load one per-tensor scale per shard, so weight scales are kept per output row
+([N, 1], exact: no requantization), and become one scale [] after loading when all rows agree (a layer that is
+not fused, or shards with equal scales); kernels take either. Static input scales of fused shards reduce to
+their largest (the shards share the input).
+On CUDA activations are quantized (static per tensor, or dynamic per token) and multiplied in FP8, except for
+decode-sized batches where our weight-only FP8 GEMV (x unquantized, measured faster at start-up) runs; on CPU the
+torch reference dequantizes the weight and multiplies in the activations' dtype (activations stay unquantized).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncengine import ops
+from asyncengine.kernels.quant_reference import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from asyncengine.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
+
+
+def _param(*shape: int, dtype: torch.dtype, **dims) -> nn.Parameter:
+    return set_weight_attrs(nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False), **dims)
+
+
+class Fp8LinearMethod(LinearMethod):
+    """serialized: the checkpoint holds FP8 weights and scales; else the model-dtype weight is quantized per
+    output channel after loading. per_channel: the checkpoint's weight scales are per output channel.
+    static_input: the checkpoint holds per-tensor activation scales (else per-token scales at run time)."""
+
+    def __init__(self, serialized: bool, per_channel: bool, static_input: bool):
+        self.serialized, self.per_channel, self.static_input = serialized, per_channel, static_input
+
+    def create_weights(self, layer, in_per_rank, out_per_rank, dtype):
+        layer.activation_dtype = dtype
+        if not self.serialized:
+            layer.register_parameter("weight", _param(out_per_rank, in_per_rank, dtype=dtype, output_dim=0,
+                                                      input_dim=1))
+            return
+        layer.register_parameter("weight", _param(out_per_rank, in_per_rank, dtype=FP8_DTYPE, output_dim=0,
+                                                  input_dim=1))
+        # One scale per output row while loading, whether the checkpoint's are per tensor or per channel.
+        layer.register_parameter("weight_scale", _param(out_per_rank, 1, dtype=torch.float32, output_dim=0))
+        if self.static_input:
+            layer.register_parameter("input_scale", _param(out_per_rank, 1, dtype=torch.float32, output_dim=0))
+
+    def process_weights_after_loading(self, layer):
+        if not self.serialized:
+            weight, scale = quantize_fp8(layer.weight.data, dim=-1)  # [N, K] fp8, [N, 1]
+        else:  # per-tensor scales stay per row: fused shards keep their own (exact, no requantization)
+            weight, scale = layer.weight.data, layer.weight_scale.data
+            if torch.all(scale == scale[0]):  # one value after all: kernels may take the per-tensor form
+                scale = scale[0].reshape(())
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if self.static_input:  # fused shards each saw the same input: the largest of their scales covers all
+            layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(()), requires_grad=False)
+        else:
+            layer.input_scale = None
+        # Decode-sized batches: our weight-only FP8 GEMV (x unquantized) where it beats the W8A8 product.
+        w, s, input_scale = layer.weight, layer.weight_scale, layer.input_scale
+        layer.gemv_max_m = ops.decode_gemv_max_m(
+            ("fp8", *w.shape, s.numel() == 1, input_scale is None), lambda x: ops.dense_gemv(x, w, None, s),
+            lambda x: ops.fp8_linear(x, w, s, input_scale), w.shape[1], layer.activation_dtype, w.device)
+
+    def apply(self, layer, x, bias):
+        """x: [T, K] -> [T, N]."""
+        if x.device.type == "cpu":  # the reference: dequantize, then matmul (logged once at load)
+            return F.linear(x, dequantize_fp8(layer.weight, layer.weight_scale, x.dtype), bias)
+        if x.shape[0] <= layer.gemv_max_m:
+            return ops.dense_gemv(x, layer.weight, bias, layer.weight_scale)
+        return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
+
+
+class Fp8Config(QuantizationConfig):
+    """name is "fp8" or "compressed-tensors", after the checkpoint's quant_method."""
+
+    def __init__(self, name: str, serialized: bool, per_channel: bool, static_input: bool):
+        self.name, self.serialized = name, serialized
+        self.per_channel, self.static_input = per_channel, static_input
+
+    @classmethod
+    def online(cls) -> "Fp8Config":
+        """`--quantization fp8` on an unquantized checkpoint: per-channel weights, per-token activations."""
+        return cls("fp8", serialized=False, per_channel=True, static_input=False)
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "Fp8Config":
+        """quant_method "fp8" (as written by llm-compressor's predecessors and transformers' FP8 configs)."""
+        if cfg.get("weight_block_size"):
+            raise ValueError(f"FP8 with block-wise weight scales (weight_block_size {cfg['weight_block_size']}) is "
+                             "not supported (supported: per-tensor and per-channel scales)")
+        scheme = cfg.get("activation_scheme", "dynamic")
+        if scheme not in ("static", "dynamic"):
+            raise ValueError(f"FP8 activation_scheme {scheme!r} is not supported (supported: static, dynamic)")
+        return cls("fp8", serialized=True, per_channel=False, static_input=scheme == "static")
+
+    def linear_method(self):
+        return Fp8LinearMethod(self.serialized, self.per_channel, self.static_input)
+
+    def check_device(self, device):
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                             f"{torch.cuda.get_device_name(device)} is not. Supported there: awq, gptq, or no "
+                             "quantization")
+
+    def describe(self):
+        weights = "per-channel" if self.per_channel else "per-tensor"
+        acts = "static per-tensor" if self.static_input else "dynamic per-token"
+        origin = "checkpoint" if self.serialized else "quantized at load time"
+        return f"{self.name} fp8 e4m3 ({origin}; {weights} weight scales, {acts} activation scales)"

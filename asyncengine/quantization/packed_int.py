@@ -1,0 +1,61 @@
+"""Integer weight-only formats (AWQ, GPTQ): after loading, all of them hold the engine's packed layout.
+
+A format's `create_weights` registers its checkpoint's tensors as they are stored; its `convert` turns them into
+the layout of `kernels/quant_reference.py` (qweight [K / pack, N] int32 packed along the input dimension, scales
+and zeros [G, N]), so one kernel family and one reference serve every format. A GPTQ checkpoint with act-order
+(desc_act) gets its input rows sorted by group at load time, and `apply` gathers x's columns in the same order.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Optional
+
+import torch
+from torch import nn
+
+from asyncengine import ops
+from asyncengine.quantization.base import LinearMethod, set_weight_attrs
+
+
+def int_param(*shape: int, dtype: torch.dtype = torch.int32, **dims) -> nn.Parameter:
+    """An empty parameter for a checkpoint tensor, with its output_dim / input_dim attributes."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    return set_weight_attrs(param, **dims)
+
+
+class PackedIntLinearMethod(LinearMethod):
+    """Shared by AWQ and GPTQ: `apply` on the engine's layout; subclasses create and convert their tensors."""
+
+    def __init__(self, bits: int, group_size: int):
+        self.bits = bits
+        self.pack = 32 // bits
+        self.group_size = group_size  # -1: one group spanning the whole input dimension
+
+    def layer_group_size(self, in_per_rank: int) -> int:
+        return in_per_rank if self.group_size == -1 else self.group_size
+
+    @abstractmethod
+    def convert(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The loaded tensors -> (qweight [K / pack, N] int32, scales [G, N], zeros [G, N], input_perm [K] or
+        None)."""
+
+    @abstractmethod
+    def checkpoint_names(self) -> tuple[str, ...]:
+        """The names of the parameters `create_weights` registered (removed after conversion)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        qweight, scales, zeros, perm = self.convert(layer)
+        for name in self.checkpoint_names():
+            delattr(layer, name)
+        layer.qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
+        layer.scales = nn.Parameter(scales.contiguous(), requires_grad=False)
+        layer.zeros = nn.Parameter(zeros.to(scales.dtype).contiguous(), requires_grad=False)
+        layer.input_perm = None if perm is None else nn.Parameter(perm, requires_grad=False)
+        layer.group_size = self.layer_group_size(layer.in_per_rank)
+
+    def apply(self, layer, x, bias):
+        """x: [T, K] -> [T, N]."""
+        if layer.input_perm is not None:  # act-order: rows were sorted by group at load time
+            x = x.index_select(-1, layer.input_perm)
+        return ops.int_weight_linear(x, layer.qweight, layer.scales, layer.zeros, layer.group_size, self.bits, bias)

@@ -1,0 +1,49 @@
+"""The CUDA side of the linear layers' own kernels: one entry per format, and the per-shape choice between our
+decode GEMV and the library's product, made once per shape at start-up.
+
+    int_weight_matmul  4-bit: quant_int4 (split-K GEMV for M <= 16, dequantizing GEMM above); other widths have
+                       no kernel (asyncengine rejects them on CUDA at start-up)
+    fp8_linear         quant_fp8: per-token quantization + torch._scaled_mm (per-tensor form when it applies)
+    dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 16
+    gemv_max_m         measures dense_gemv against the library per decode batch size
+Same signatures as kernels/quant_reference.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from .quant_fp8 import fp8_linear
+from .quant_gemv import MAX_M, dense_gemv
+from .quant_int4 import int_weight_matmul
+
+__all__ = ["dense_gemv", "fp8_linear", "gemv_max_m", "int_weight_matmul"]
+
+logger = logging.getLogger(__name__)
+DECODE_SIZES = (1, 2, 4, 8, 16)  # the batch sizes measured; a choice holds up to the next one
+_chosen: dict[tuple, int] = {}
+
+
+def gemv_max_m(key: tuple, ours: Callable, library: Callable, k: int, dtype: torch.dtype, device) -> int:
+    """The largest decode batch size M (of DECODE_SIZES, up to MAX_M) for which `ours(x)` beat `library(x)` on
+    x [M, k] at every size up to it (0: never). Measured once per `key` (the shape and format: layers of one shape
+    share it) with triton.testing.do_bench, and logged."""
+    if key in _chosen:
+        return _chosen[key]
+    from triton.testing import do_bench
+
+    chosen, timings = 0, []
+    for m in DECODE_SIZES:
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        t_ours = do_bench(lambda: ours(x), warmup=5, rep=20)
+        t_library = do_bench(lambda: library(x), warmup=5, rep=20)
+        timings.append(f"M={m}: {t_ours * 1e3:.1f} vs {t_library * 1e3:.1f} us")
+        if t_ours >= t_library:
+            break
+        chosen = m
+    _chosen[key] = min(chosen, MAX_M)
+    logger.info("decode GEMV for %s: ours up to M=%d (%s)", key, chosen, "; ".join(timings))
+    return _chosen[key]

@@ -1,0 +1,153 @@
+"""Pure-torch references for the quantized linear kernels (quant_int4.py, quant_fp8.py, quant_gemv.py).
+
+These define what each quantized Triton kernel computes; the engine runs them directly on CPU. Nothing here
+imports the engine.
+
+The engine's one packed-integer layout (AWQ and GPTQ checkpoints are converted to it at load time):
+    qweight: [K // pack, N] int32, pack = 32 // bits values per int32 along the input dimension K; value j of a
+             word sits at bit offset bits * j (so row r of qweight holds inputs pack*r ... pack*r + pack - 1).
+    scales:  [G, N] in the activation dtype, G = ceil(K / group_size); input k uses group k // group_size.
+    zeros:   [G, N] in the scales' dtype (unpacked integer zero points).
+    W[k, n] = (q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n]; y = x @ W.
+FP8 is e4m3 (torch.float8_e4m3fn, largest finite value 448); a scale maps fp8 values back: w = w_fp8 * scale.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+# The smallest scale used for a row of zeros or a zero activation, so 0 / scale stays 0 and nothing is NaN.
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+# -- packing ------------------------------------------------------------------------------------------------
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Optional[list[int]] = None) -> torch.Tensor:
+    """Unpack an int32 tensor holding 32 // bits unsigned values per word along `dim` into int32 values.
+
+    order: where each of a word's logical values sits (order[i] = the nibble slot of logical value i); None is
+    sequential. AWQ's gemm layout uses its own interleaved order (see awq.py).
+    """
+    pack = 32 // bits
+    slots = torch.arange(pack, device=packed.device) if order is None else torch.tensor(order, device=packed.device)
+    shifts = (slots * bits).to(torch.int32)
+    moved = packed.movedim(dim, -1).unsqueeze(-1)  # [..., W, 1]
+    values = (moved >> shifts) & ((1 << bits) - 1)  # [..., W, pack]; >> on int32 is arithmetic, the mask fixes it
+    values = values.flatten(-2)  # [..., W * pack]
+    return values.movedim(-1, dim).contiguous()
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int, order: Optional[list[int]] = None) -> torch.Tensor:
+    """The inverse of `unpack_int32`: values (0 <= v < 2**bits) along `dim` (a multiple of 32 // bits) -> int32."""
+    pack = 32 // bits
+    if values.shape[dim] % pack:
+        raise ValueError(f"cannot pack {values.shape[dim]} values {pack} per int32")
+    slots = torch.arange(pack, device=values.device) if order is None else torch.tensor(order, device=values.device)
+    shifts = (slots * bits).to(torch.int64)
+    moved = values.movedim(dim, -1).to(torch.int64)
+    words = moved.unflatten(-1, (-1, pack)) << shifts  # [..., W, pack]
+    packed = words.sum(-1)  # disjoint bit fields: the sum is their OR
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return packed.movedim(-1, dim).contiguous()
+
+
+# -- integer weight-only -------------------------------------------------------------------------------------
+
+def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                      bits: int = 4) -> torch.Tensor:
+    """The engine's packed layout (module docstring) -> W [K, N] in the scales' dtype."""
+    q = unpack_int32(qweight, bits, dim=0)  # [K, N]
+    group = torch.arange(q.shape[0], device=q.device) // group_size  # [K]
+    return ((q.to(scales.dtype) - zeros[group]) * scales[group]).to(scales.dtype)
+
+
+def int_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int, bits: int = 4, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x: [M, K] -> x @ W (+ bias): [M, N] in x's dtype (products summed in float32)."""
+    weight = dequantize_packed(qweight, scales.float(), zeros.float(), group_size, bits)  # [K, N]
+    out = x.float() @ weight
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def quantize_int_weight(weight: torch.Tensor, group_size: int, bits: int = 4, symmetric: bool = False):
+    """Round-to-nearest grouped quantization of W [K, N] (input-major) into the engine's layout.
+
+    Returns (qweight [K // pack, N] int32, scales [G, N] float32, zeros [G, N] float32). Symmetric: zero point
+    2**(bits-1); asymmetric: min/max per group. Used by benchmarks and tests (checkpoints are quantized offline).
+    """
+    k, n = weight.shape
+    groups = -(-k // group_size)
+    padded = F.pad(weight.float(), (0, 0, 0, groups * group_size - k))
+    w = padded.view(groups, group_size, n)
+    qmax = 2**bits - 1
+    if symmetric:
+        scales = (w.abs().amax(1) / (2 ** (bits - 1) - 0.5)).clamp(min=1e-8)  # [G, N]
+        zeros = torch.full_like(scales, float(2 ** (bits - 1)))
+    else:
+        lo, hi = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
+        scales = ((hi - lo) / qmax).clamp(min=1e-8)
+        zeros = (-lo / scales).round().clamp(0, qmax)
+    q = (w / scales[:, None] + zeros[:, None]).round().clamp(0, qmax).view(-1, n)[:k]
+    return pack_int32(q.to(torch.int32), bits, dim=0), scales, zeros
+
+
+# -- FP8 ---------------------------------------------------------------------------------------------------
+
+def quantize_fp8(x: torch.Tensor, dim: Optional[int] = None, scale: Optional[torch.Tensor] = None):
+    """x -> (x_fp8, scale float32) with x ~= x_fp8 * scale.
+
+    dim None: one scale for the whole tensor (shape []); dim d: one scale per slice along the other dims, amax
+    taken over d and kept (e.g. dim=-1 on activations [T, K]: per-token scales [T, 1]; on weights [N, K]:
+    per-output-channel scales [N, 1]). A given `scale` (static) is used as is; values beyond 448 are clamped.
+    """
+    x32 = x.float()
+    if scale is None:
+        amax = x32.abs().amax() if dim is None else x32.abs().amax(dim=dim, keepdim=True)
+        scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.float()
+
+
+def dequantize_fp8(w_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w_fp8 [N, K] with a scale [] / [1] (per tensor) or [N, 1] (per output channel) -> [N, K] in dtype."""
+    return (w_fp8.float() * scale.float()).to(dtype)
+
+
+def fp8_scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                  out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(x_fp8 * x_scale) @ (w_fp8 * w_scale)^T (+ bias) in float32, returned in out_dtype.
+
+    x_fp8: [M, K] with x_scale [] (per tensor) or [M, 1] (per token); w_fp8: [N, K] with w_scale [] or [N, 1].
+    """
+    out = (x_fp8.float() @ w_fp8.float().t()) * x_scale.float() * w_scale.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, input_scale: Optional[torch.Tensor],
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8: x [M, K] quantized per token (input_scale None, dynamic) or with the static per-tensor input_scale,
+    then `fp8_scaled_mm` with the weight. The definition the CUDA path (kernels/quant_fp8.py) computes."""
+    x_fp8, x_scale = quantize_fp8(x, dim=-1, scale=input_scale)
+    return fp8_scaled_mm(x_fp8, x_scale, w_fp8, w_scale, x.dtype, bias)
+
+
+# -- dense decode GEMV -------------------------------------------------------------------------------------
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] * w_scale)^T (+ bias) with float32 sums, in x's dtype: the decode GEMV of a dense
+    weight (bf16 / fp16 / fp32, or FP8 with w_scale [N, 1] or [] and x left unquantized)."""
+    w = weight.float() if w_scale is None else dequantize_fp8(weight, w_scale)
+    out = x.float() @ w.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -1,0 +1,106 @@
+"""GPU: the quantized kernels at Llama-3-8B sizes (hidden 4096, intermediate 14336, fused qkv 6144, gate/up
+28672), in bf16, against their torch references, outputs NaN-poisoned. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_kernels import fresh_seed, nan_poisoned_empty, rel_error  # noqa: F401
+from test_quant_kernels import check_int4
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N): qkv, o, gate_up, down
+FP8_REL_ERROR = 1e-2  # bf16 output rounding over sums of 4096 products
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8, 16, 256])
+@pytest.mark.parametrize("k, n", SHAPES)
+def test_gpu_int4_at_llama_8b_sizes(m, k, n):
+    check_int4(m, k, n, 128, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("k, n", SHAPES[:2])
+def test_gpu_fp8_linear_at_llama_8b_sizes(m, static, per_channel, k, n):
+    from asyncengine.kernels import quant_fp8, quant_reference
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    w8, w_scale = quant_reference.quantize_fp8(torch.randn(n, k, device="cuda"), dim=-1 if per_channel else None)
+    w_scale = w_scale.reshape(-1, 1).expand(n, 1).contiguous()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    input_scale = (x.float().abs().amax() / 448).reshape(()) if static else None
+    out = quant_fp8.fp8_linear(x, w8, w_scale, input_scale)
+    ref = quant_reference.fp8_linear(x, w8, w_scale, input_scale)
+    assert out.dtype == ref.dtype and not out.isnan().any()
+    assert rel_error(out, ref) < FP8_REL_ERROR, rel_error(out, ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp8_per_token_quantization_matches_reference_bit_for_bit():
+    from asyncengine.kernels import quant_fp8, quant_reference
+
+    x = torch.randn(256, 14336, device="cuda", dtype=torch.bfloat16) * 3
+    q, scale = quant_fp8.quantize_per_token(x)
+    ref_q, ref_scale = quant_reference.quantize_fp8(x, dim=-1)
+    torch.testing.assert_close(scale, ref_scale, atol=0, rtol=1e-6)
+    torch.testing.assert_close(q.float(), ref_q.float(), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_decode_gemv_at_llama_8b_sizes(m, k, n, fp8):
+    """bf16 weights, or FP8 weights with per-channel scales (weight-only), against the reference."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    scale = None
+    if fp8:
+        w, scale = quant_reference.quantize_fp8(w, dim=-1)
+    out = quant_gemv.dense_gemv(x, w, None, scale)
+    ref = quant_reference.dense_gemv(x, w, None, scale)
+    assert out.dtype == ref.dtype and not out.isnan().any()
+    assert rel_error(out, ref) < 1e-2, rel_error(out, ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order"])
+def test_gpu_engine_int4_greedy_matches_transformers_on_dequantized_weights(llama_dir, tmp_path, fmt):
+    """The whole engine on CUDA in float32 through the int4 kernels (GEMM for the prefill, GEMV for decode)."""
+    import quant_checkpoints as qc
+    from test_quantization import assert_same_greedy
+
+    pair = qc.awq_checkpoint(llama_dir, tmp_path) if fmt == "awq" else qc.gptq_checkpoint(llama_dir, tmp_path,
+                                                                                          desc_act=True)
+    assert_same_greedy(*pair, device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_engine_online_fp8_generates_and_chose_its_decode_kernels(llama_dir):
+    from asyncengine import LLM, SamplingParams
+    from asyncengine.models.layers import LinearBase
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    llm = LLM(str(llama_dir), dtype="bfloat16", quantization="fp8", max_model_len=128)
+    out = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 16
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase) and m.weight.dtype ==
+              torch.float8_e4m3fn]
+    assert layers and all(0 <= m.gemv_max_m <= 16 for m in layers)
