@@ -152,16 +152,22 @@ def parse_serve_args(values: dict[str, Any]) -> argparse.Namespace:
 
     parser = _Parser(prog="asyncengine.ray_serve:build_app", add_help=False)
     serve_parser(parser)
+    known_flags = parser._option_string_actions  # argparse keeps no public list of its option strings
     argv: list[str] = []
     for key, value in values.items():
         name = key.replace("-", "_")
         if name in PROXY_FLAGS:
-            raise ValueError(f"{key}: where Ray Serve listens is its http_options (`serve run --address`, a config "
-                             f"file's http_options, or `asyncengine serve --ray-replicas`), not a replica's argument")
+            raise ValueError(f"{key}: where Ray Serve's proxy listens is its http_options (a Serve config file's, "
+                             f"`serve start --http-host/--http-port` before `serve run`, or `asyncengine serve "
+                             f"--ray-replicas` with --host/--port), not a replica's argument")
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool) or str(value).lower() in ("true", "false"):
             on = value if isinstance(value, bool) else value.lower() == "true"
-            argv.append(flag if on else "--no-" + flag[2:])
+            if on or "--no-" + flag[2:] in known_flags:
+                argv.append(flag if on else "--no-" + flag[2:])
+            elif flag not in known_flags:
+                argv.append(flag)  # argparse names it as unrecognized
+            # else: a plain switch (--enable-auto-tool-choice) that is off: its default
         elif isinstance(value, (list, tuple)):
             argv += [flag, *map(str, value)]
         else:

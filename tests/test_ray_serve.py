@@ -265,6 +265,7 @@ def test_sigterm_stops_serve_and_ray_and_leaves_no_process(server):
 # -- `serve run asyncengine.ray_serve:build_app key=value ...`: its arguments, without a cluster ---------------------
 def test_build_app_reads_serve_flags_and_passes_deployment_options_through():
     app = build_app({"model": "/models/m", "max-num-seqs": "8", "enable_prefix_caching": "false", "api-key": "k",
+                     "no-ui": "true", "enable-auto-tool-choice": "false",
                      "served-model-name": ["a", "b"], "num_replicas": "auto",
                      "autoscaling_config": '{"min_replicas": 1}', "ray_actor_options": '{"num_cpus": 2}'})
     deployment = app._bound_deployment
@@ -272,6 +273,7 @@ def test_build_app_reads_serve_flags_and_passes_deployment_options_through():
     assert (args.model_option, args.max_num_seqs, args.enable_prefix_caching, args.api_key) == ("/models/m", 8,
                                                                                                False, "k")
     assert args.served_model_name == ["a", "b"]
+    assert args.no_ui and not args.enable_auto_tool_choice
     assert deployment.ray_actor_options["num_cpus"] == 2
     assert deployment._deployment_config.autoscaling_config.min_replicas == 1
     assert deployment._deployment_config.max_ongoing_requests == DEFAULT_MAX_ONGOING_REQUESTS
@@ -282,9 +284,45 @@ def test_build_app_reads_serve_flags_and_passes_deployment_options_through():
 @pytest.mark.parametrize("values, message", [
     ({"max-num-seqs": "many"}, "--max-num-seqs"),
     ({"no-such-flag": "1"}, "--no-such-flag"),
+    ({"no-such-switch": "false"}, "--no-such-switch"),
     ({"port": "8000"}, "http_options"),
     ({"host": "0.0.0.0"}, "http_options"),
 ])
 def test_build_app_refuses_bad_arguments_naming_them(values, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_serve_args(values)
+
+
+# -- `asyncengine serve --ray-replicas`: refused before Ray starts -----------------------------------------------
+def test_ray_replicas_without_ray_names_the_extra(monkeypatch, capsys):
+    from asyncengine.api.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed: `import ray` fails
+    assert main(["serve", "--ray-replicas", "2"]) == 2
+    assert "pip install 'asyncengine[ray]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ray-replicas", "2", "--ray-autoscaling-config", '{"max_replicas": 4}'], "--ray-replicas auto"),
+    (["--ray-replicas", "auto"], "--ray-autoscaling-config"),
+    (["--ray-replicas", "2", "--root-path", "/llm"], "--root-path"),
+    (["--ray-replicas", "2", "--max-num-seqs", "0"], "max_num_seqs"),
+])
+def test_ray_replicas_refuses_bad_flags_before_starting_ray(flags, message, capsys):
+    from asyncengine.api.cli import main
+
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "error" in err
+    import ray
+
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_ray_replicas_must_be_a_positive_number_or_auto(value, capsys):
+    from asyncengine.api.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--ray-replicas", value])
+    assert exit_info.value.code == 2 and "--ray-replicas" in capsys.readouterr().err
