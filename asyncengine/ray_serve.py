@@ -3,9 +3,10 @@
     serve run asyncengine.ray_serve:build_app model=/path/to/model num_replicas=2 api-key=KEY
     asyncengine serve /path/to/model --ray-replicas 2 [any other `serve` flag]
 
-Each replica is a Ray Serve deployment replica that holds an AsyncLLMEngine in its own process (and, with
---engine-process, that engine's core process) and serves the same Starlette app as `asyncengine serve` through
-Ray Serve's ASGI ingress: chat/completions, SSE streaming, /v1/models, the API key, the WebSocket /v1/ws.
+Each replica is a Ray Serve deployment replica that holds an AsyncLLMEngine in its own process (its engine core
+in a child process, as `serve`'s default --engine-process does) and serves the same Starlette app as
+`asyncengine serve` through Ray Serve's ASGI ingress: chat/completions, SSE streaming, /v1/models, the API key,
+the WebSocket /v1/ws.
 Ray Serve's HTTP proxy routes each request to a replica; every response carries the replica that answered in
 the `x-asyncengine-replica` header (Ray's full replica id, also the name of its actor in the "serve" namespace).
 
@@ -134,15 +135,11 @@ def deployment(args: argparse.Namespace, **options: Any):
 
 
 # -- `serve run asyncengine.ray_serve:build_app key=value ...` ---------------------------------------------------
-class _ArgumentError(ValueError):
-    pass
-
-
 class _Parser(argparse.ArgumentParser):
     """`serve`'s parser that raises ValueError instead of exiting (we run inside Ray Serve's builder call)."""
 
     def error(self, message: str):
-        raise _ArgumentError(f"{self.prog}: {message}")
+        raise ValueError(f"{self.prog}: {message}")
 
 
 def parse_serve_args(values: dict[str, Any]) -> argparse.Namespace:
