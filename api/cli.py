@@ -178,7 +178,8 @@ def _ray_args(ray) -> None:
                           "batching sees the load; Ray Serve's own default is 5)")
     ray.add_argument("--ray-address", default=None,
                      help="the Ray cluster to deploy on ('auto': the one started with `ray start`; default: "
-                          "start a private single-node Ray on this machine, stopped on exit)")
+                          "start a private single-node Ray on this machine, stopped on exit). Where Serve already "
+                          "runs on that cluster, its proxy keeps the host and port it was started with")
 
 
 def _replicas(text: str):

@@ -323,11 +323,17 @@ def _serve_until_signal(serve, args: argparse.Namespace, options: dict, http_opt
 
 
 def _stop_ray(ray, serve, private: bool) -> None:
-    """Stop the replicas (each drains, then its engine stops): on our private Ray, all of Ray Serve and then Ray;
-    on a cluster, only our application (others may serve there too), then disconnect."""
+    """Delete our application first, while Serve's proxy still carries the streams in flight: each replica drains
+    them for up to --shutdown-timeout (Serve's graceful_shutdown_timeout_s; a stream still running then is cut
+    when Ray stops the replica), then its engine stops. Then, on our private Ray, Serve and Ray themselves; on a
+    cluster, only disconnect (others may serve there). `serve.shutdown()` alone would stop the proxy at once and
+    cut every stream."""
     if ray.is_initialized():
         try:
-            serve.shutdown() if private else serve.delete(APP_NAME)
+            if serve.status().applications.get(APP_NAME) is not None:
+                serve.delete(APP_NAME)
+            if private:
+                serve.shutdown()
         finally:
             ray.shutdown()
     logger.info("stopped")

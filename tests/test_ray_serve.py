@@ -89,7 +89,7 @@ class RayServeCLI:
         self.log = open(log_dir / "ray-serve-cli.log", "w+b")
         cmd = [sys.executable, "-m", "asyncengine.api", "serve", "--host", "127.0.0.1", "--port", "0",
                "--api-key", API_KEY, "--num-kv-blocks", "200", "--max-num-seqs", "8", "--log-level", "warning",
-               "--shutdown-timeout", "5", "--ray-replicas", "2", "--ray-actor-options", '{"num_cpus": 0.5}']
+               "--shutdown-timeout", "20", "--ray-replicas", "2", "--ray-actor-options", '{"num_cpus": 0.5}']
         env = {**os.environ, "RAY_TMPDIR": self.ray_tmp, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
         self.started = time.monotonic()
@@ -250,11 +250,36 @@ def test_killed_replica_and_dead_engine_are_replaced_by_ray(server, client):
     assert stream_chat(client)[1]
 
 
+def stream_in_thread(client: openai.OpenAI, max_tokens: int) -> tuple[threading.Thread, threading.Event, dict]:
+    """A streamed completion read by a thread: (the thread, set at its first token, {"text", "finish", "error"})."""
+    first, result = threading.Event(), {"text": "", "finish": None, "error": None}
+
+    def read() -> None:
+        try:
+            for chunk in client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=max_tokens,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                result["text"] += chunk.choices[0].text
+                result["finish"] = chunk.choices[0].finish_reason or result["finish"]
+                first.set()
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            result["error"] = exc
+        first.set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, first, result
+
+
 @pytest.mark.slow
-def test_sigterm_stops_serve_and_ray_and_leaves_no_process(server):
+def test_sigterm_drains_then_stops_serve_and_ray_and_leaves_no_process(server, client):
     assert processes_marked(server.ray_tmp)  # the check below can see them
+    thread, first, result = stream_in_thread(client, max_tokens=48)
+    assert first.wait(60) and result["finish"] is None, result
     stopped_at = time.monotonic()
     assert server.stop(signal.SIGTERM) == 0, server.logs()
+    thread.join(30)
+    # the stream in flight at SIGTERM was drained (up to --shutdown-timeout), not cut
+    assert result["error"] is None and result["finish"] == "length", result
     deadline = time.monotonic() + 30
     while processes_marked(server.ray_tmp) and time.monotonic() < deadline:
         time.sleep(0.5)
