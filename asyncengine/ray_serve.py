@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -272,6 +273,11 @@ def serve_with_ray(args: argparse.Namespace) -> int:
 
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.ray_address is None:
+        # A private Ray takes no other nodes: with Ray's cluster mode off (read once, when ray is imported, and
+        # inherited by every process it starts), its servers (GCS, raylet, workers) listen on loopback only,
+        # not on the machine's address. Serve's proxy listens where --host says.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         serve = import_serve()
         options = deployment_options(args)

@@ -13,6 +13,7 @@ the RAY_TMPDIR in their environment (every process it starts inherits it)."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import queue
@@ -63,6 +64,30 @@ def processes_marked(ray_tmp: str) -> dict[int, str]:
         except OSError:  # gone meanwhile, or not ours
             continue
     return found
+
+
+def listening_addresses(pids) -> set[str]:
+    """The local addresses ("127.0.0.1", "0.0.0.0", "::", ...) of the TCP sockets these processes listen on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:  # gone meanwhile
+            continue
+    addresses = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    raw = bytes.fromhex(fields[1].split(":")[0])  # little-endian 32-bit words
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, width // 2, 4))
+                    address = ipaddress.ip_address(words)
+                    addresses.add(str(getattr(address, "ipv4_mapped", None) or address))  # ::ffff:a.b.c.d: IPv4
+    return addresses
 
 
 def parent_of(pid: int) -> int:
@@ -200,6 +225,12 @@ def test_two_replicas_answer_the_openai_client_streaming_and_not(server, client)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # open without a key, as served alone
+
+
+@pytest.mark.slow
+def test_the_private_ray_listens_on_loopback_only(server):
+    addresses = listening_addresses(processes_marked(server.ray_tmp))
+    assert addresses and addresses <= {"127.0.0.1"}, addresses
 
 
 @pytest.mark.slow
