@@ -275,8 +275,9 @@ def serve_with_ray(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.ray_address is None:
         # A private Ray takes no other nodes: with Ray's cluster mode off (read once, when ray is imported, and
-        # inherited by every process it starts), its servers (GCS, raylet, workers) listen on loopback only,
-        # not on the machine's address. Serve's proxy listens where --host says.
+        # inherited by every process it starts), its servers (GCS, raylet, workers) listen on loopback, not on
+        # the machine's address. Serve's proxy listens where --host says. (Not configurable: Ray Serve 2.60 binds
+        # each replica's gRPC server for calls between deployments to every interface.)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         serve = import_serve()
