@@ -264,34 +264,6 @@ def test_the_websocket_is_carried_by_ray_serves_proxy(server):
         base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60))[1]
 
 
-@pytest.mark.slow
-def test_killed_replica_and_dead_engine_are_replaced_by_ray(server, client):
-    first_answers = until_both_replicas(lambda: complete(client))
-    before = set(first_answers)
-    replicas = replica_processes(server.ray_tmp)
-    assert len(replicas) == 2, processes_marked(server.ray_tmp)
-    # One replica's process dies (as ray.kill or the OOM killer would do it); the other's engine dies under it,
-    # which only its check_health tells Ray about (the process itself lives on, answering 503).
-    core = engine_core_of(replicas[1], server.ray_tmp)
-    os.kill(replicas[0], signal.SIGKILL)
-    os.kill(core, signal.SIGKILL)
-    killed_at = time.monotonic()
-    answered: dict[str, str] = {}
-    while len(set(answered) - before) < 2:
-        assert time.monotonic() - killed_at < REPLACE_TIMEOUT, (answered, server.logs())
-        try:
-            replica, text = complete(client)
-            answered[replica] = text
-        except (openai.APIStatusError, openai.APIConnectionError):  # 503 from the dead engine, or no replica yet
-            time.sleep(0.5)
-    print(f"both replicas replaced {time.monotonic() - killed_at:.1f} s after the kills")
-    new = set(answered) - before
-    assert len(new) == 2 and not new & before
-    assert {answered[r] for r in new} == set(first_answers.values())  # the successors answer as the first did
-    assert sorted(replica_processes(server.ray_tmp)) != sorted(replicas)
-    assert stream_chat(client)[1]
-
-
 def stream_in_thread(client: openai.OpenAI, max_tokens: int) -> tuple[threading.Thread, threading.Event, dict]:
     """A streamed completion read by a thread: (the thread, set at its first token, {"text", "finish", "error"})."""
     first, result = threading.Event(), {"text": "", "finish": None, "error": None}
@@ -310,6 +282,43 @@ def stream_in_thread(client: openai.OpenAI, max_tokens: int) -> tuple[threading.
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
     return thread, first, result
+
+
+@pytest.mark.slow
+def test_killed_replica_and_dead_engine_are_replaced_by_ray(server, client):
+    first_answers = until_both_replicas(lambda: complete(client))
+    before = set(first_answers)
+    replicas = replica_processes(server.ray_tmp)
+    assert len(replicas) == 2, processes_marked(server.ray_tmp)
+    # One replica's process dies (as ray.kill or the OOM killer would do it); the other's engine dies under it,
+    # which only its check_health tells Ray about (the process itself lives on, answering 503).
+    core = engine_core_of(replicas[1], server.ray_tmp)
+    thread, first, streamed = stream_in_thread(client, max_tokens=1500)  # runs for many seconds
+    assert first.wait(60) and streamed["finish"] is None, streamed
+    os.kill(replicas[0], signal.SIGKILL)
+    os.kill(core, signal.SIGKILL)
+    killed_at = time.monotonic()
+    # The stream ran on one of the two: either way it ends with an error (the proxy's for a dead process, the
+    # engine's error event for a dead engine), soon, rather than hanging or finishing as if complete.
+    thread.join(30)
+    assert not thread.is_alive() and streamed["finish"] is None, streamed
+    assert isinstance(streamed["error"], openai.APIError) and not isinstance(streamed["error"],
+                                                                              openai.APITimeoutError), streamed
+    print(f"the stream in flight ended with {streamed['error']!r} after {time.monotonic() - killed_at:.1f} s")
+    answered: dict[str, str] = {}
+    while len(set(answered) - before) < 2:
+        assert time.monotonic() - killed_at < REPLACE_TIMEOUT, (answered, server.logs())
+        try:
+            replica, text = complete(client)
+            answered[replica] = text
+        except (openai.APIStatusError, openai.APIConnectionError):  # 503 from the dead engine, or no replica yet
+            time.sleep(0.5)
+    print(f"both replicas replaced {time.monotonic() - killed_at:.1f} s after the kills")
+    new = set(answered) - before
+    assert len(new) == 2 and not new & before
+    assert {answered[r] for r in new} == set(first_answers.values())  # the successors answer as the first did
+    assert sorted(replica_processes(server.ray_tmp)) != sorted(replicas)
+    assert stream_chat(client)[1]
 
 
 @pytest.mark.slow
