@@ -317,7 +317,7 @@ def hypercorn_config(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_B
     return config
 
 
-def _check_tls(args: argparse.Namespace) -> None:
+def check_tls(args: argparse.Namespace) -> None:
     """Both TLS files or neither, and readable: hypercorn would only fail once serving."""
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
@@ -404,7 +404,7 @@ def serve(args: argparse.Namespace) -> int:
 
         return serve_with_ray(args)
     try:
-        _check_tls(args)
+        check_tls(args)
         config = engine_config(args)
         options = serving_options(args, config.model)
         if not config.engine_process:  # an engine process does this itself

@@ -244,11 +244,13 @@ def free_port(host: str) -> int:
 
 
 def _http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Serve's http_options from `serve`'s --host, --port and --ssl-* (ValueError naming a flag)."""
+    from asyncengine.api.cli import check_tls
+
     if args.root_path:
         raise ValueError("--root-path is not supported with --ray-replicas (Ray Serve's root_path mounts the "
                          "routes under the prefix, which is not what the flag means here)")
-    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
-        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+    check_tls(args)
     port = args.port or free_port(args.host)
     return {"host": args.host, "port": port, "ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile}
 

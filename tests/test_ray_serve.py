@@ -382,6 +382,7 @@ def test_ray_replicas_without_ray_names_the_extra(monkeypatch, capsys):
     (["--ray-replicas", "2", "--ray-autoscaling-config", '{"max_replicas": 4}'], "--ray-replicas auto"),
     (["--ray-replicas", "auto"], "--ray-autoscaling-config"),
     (["--ray-replicas", "2", "--root-path", "/llm"], "--root-path"),
+    (["--ray-replicas", "2", "--ssl-keyfile", "key.pem"], "--ssl-certfile"),
     (["--ray-replicas", "2", "--max-num-seqs", "0"], "max_num_seqs"),
 ])
 def test_ray_replicas_refuses_bad_flags_before_starting_ray(flags, message, capsys):
