@@ -5,9 +5,9 @@ through `check_health`), are both replaced by Ray, and later requests succeed; S
 with exit status 0 and no process left behind. `serve run asyncengine.ray_serve:build_app ...`'s arguments are
 checked without a cluster (they build the same deployment).
 
-One Ray for the module: the tests below share it in order, and the last one stops it. Starting Ray and two
-replicas takes 1.5-2 minutes on 2 cores shared with other work (load average 10-16), replacing two replicas about
-1.5 minutes, the whole module about 4 minutes: hence `slow`. The ps/proc checks find the processes of this Ray by
+One Ray for the module: the tests below share it in order, and the last one stops it. On 2 cores shared with
+other work, starting Ray and two replicas took 54 s (load average 6) to 128 s (load 16), replacing both replicas
+31-97 s, the whole module 99-248 s: hence `slow`. The ps/proc checks find the processes of this Ray by
 the RAY_TMPDIR in their environment (every process it starts inherits it)."""
 
 from __future__ import annotations
