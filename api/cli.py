@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "subcommand, runs `generate` (the offline demo).")
     parser.add_argument("-v", "--version", action="version", version=f"%(prog)s {asyncengine.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve_parser(commands.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP / WebSocket API",
-                                     description="Serve a model over the OpenAI-compatible HTTP / WebSocket API."))
+    serve = commands.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP / WebSocket API",
+                                description="Serve a model over the OpenAI-compatible HTTP / WebSocket API.")
+    serve_parser(serve)
+    _ray_args(serve.add_argument_group("Ray Serve replicas (needs the 'ray' extra: pip install 'asyncengine[ray]')"))
     generate_parser(commands.add_parser("generate", help="continue prompts with the offline engine (the demo)",
                                         description="Continue a few prompts with the offline engine and print "
                                                     "the text."))
@@ -173,6 +175,46 @@ def _engine_args(engine) -> None:
                              "else generate")
 
 
+def _ray_args(ray) -> None:
+    """Flags of `serve --ray-replicas N` (asyncengine/ray_serve.py); the rest of `serve`'s flags mean the same
+    there. The JSON options pass through to Ray Serve unchanged."""
+    ray.add_argument("--ray-replicas", type=_replicas, default=None, metavar="N",
+                     help="serve N replicas of the engine behind one route with Ray Serve ('auto' with "
+                          "--ray-autoscaling-config: let Ray Serve scale them)")
+    ray.add_argument("--ray-autoscaling-config", type=_json_object, default=None, metavar="JSON",
+                     help="Ray Serve's autoscaling_config, e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}'")
+    ray.add_argument("--ray-actor-options", type=_json_object, default=None, metavar="JSON",
+                     help="Ray's ray_actor_options of each replica, e.g. '{\"num_cpus\": 1, \"num_gpus\": 1}' "
+                          "(default: one GPU each where this machine has CUDA and --device is not cpu)")
+    ray.add_argument("--ray-max-ongoing-requests", type=int, default=None, metavar="N",
+                     help="Ray Serve's max_ongoing_requests per replica (default: 256, so that continuous "
+                          "batching sees the load; Ray Serve's own default is 5)")
+    ray.add_argument("--ray-address", default=None,
+                     help="the Ray cluster to deploy on ('auto': the one started with `ray start`; default: "
+                          "start a private single-node Ray on this machine, stopped on exit). Where Serve already "
+                          "runs on that cluster, its proxy keeps the host and port it was started with")
+
+
+def _replicas(text: str):
+    """argparse type of --ray-replicas: a positive number, or 'auto' (Ray Serve's num_replicas)."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of replicas (1 or more) or 'auto', got {text!r}")
+    return int(text)
+
+
+def _json_object(text: str) -> dict:
+    """argparse type of the Ray options: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"num_cpus\": 1}}', got {text!r}")
+    return value
+
+
 def _json_list(text: str) -> list[str]:
     """argparse type of --allowed-origins: a JSON list of strings (as vLLM takes it)."""
     try:
@@ -232,11 +274,27 @@ def serving_options(args: argparse.Namespace, model_path: str):
     from asyncengine.api.serving import ServingOptions
     from asyncengine.tokenizer import resolve_chat_template
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     return ServingOptions(
         chat_template=resolve_chat_template(args.chat_template) if args.chat_template is not None else None,
         policy=SamplingPolicy.from_generation_config(args.generation_config, model_path, args.max_logprobs),
         log_requests=args.log_requests,
     )
+
+
+def app_for_args(engine, args: argparse.Namespace, options):
+    """The OpenAI app over `engine` with the front end and server settings that `serve`'s arguments name
+    (options: from serving_options). The one place `serve`'s flags meet create_app (the CLI's server and each
+    Ray Serve replica use it)."""
+    if options.policy.defaults:  # as vLLM says it: a request's unset fields no longer mean the engine's defaults
+        logger.info("sampling defaults from the generation config (--generation-config %s): %s",
+                    args.generation_config, options.policy.defaults)
+    return create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
+                      max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None,
+                      ui=not args.no_ui, allowed_origins=args.allowed_origins, options=options,
+                      enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                      reasoning_parser=args.reasoning_parser)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -272,7 +330,7 @@ def hypercorn_config(sock: socket.socket, *, max_body_bytes: int = DEFAULT_MAX_B
     return config
 
 
-def _check_tls(args: argparse.Namespace) -> None:
+def check_tls(args: argparse.Namespace) -> None:
     """Both TLS files or neither, and readable: hypercorn would only fail once serving."""
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
@@ -355,8 +413,12 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from asyncengine.async_engine import AsyncLLMEngine
 
+    if args.ray_replicas is not None:
+        from asyncengine.ray_serve import serve_with_ray
+
+        return serve_with_ray(args)
     try:
-        _check_tls(args)
+        check_tls(args)
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if not args.timeout_keep_alive > 0:
@@ -370,14 +432,7 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: an engine process that died starting
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    if options.policy.defaults:  # as vLLM says it: a request's unset fields no longer mean the engine's defaults
-        logger.info("sampling defaults from the generation config (--generation-config %s): %s",
-                    args.generation_config, options.policy.defaults)
-    app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
-                     max_body_bytes=args.max_body_bytes, ping_interval=args.ping_interval or None,
-                     ui=not args.no_ui, allowed_origins=args.allowed_origins, options=options,
-                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                     reasoning_parser=args.reasoning_parser)
+    app = app_for_args(engine, args, options)
     scheme = "https" if args.ssl_certfile else "http"
     print(f"asyncengine serving on {url_of(sock, scheme)}", flush=True)
     return _run(_serve_until_signal(app, engine, sock, args))
