@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from asyncengine.config import EngineConfig, ModelConfig
-from asyncengine.kernels.cpu import plan_attention
+from asyncengine.kernels.cpu import allocate_kv_cache, plan_attention
 from asyncengine.models.layers import AttentionMetadata
 from asyncengine.models.loader import load_model
 from asyncengine.outputs import Logprob
@@ -85,11 +85,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self)
         self.num_blocks = self._choose_num_blocks()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=model_config.dtype, device=self.device),
-             torch.zeros(shape, dtype=model_config.dtype, device=self.device))
-            for _ in range(model_config.num_layers)
-        ]
+        self.kv_caches = [(self._allocate_cache(shape), self._allocate_cache(shape))
+                          for _ in range(model_config.num_layers)]
         self._num_prepared = 0
         self._last_launched = -1  # step_index of the last launched step
         self._last_sampled: Optional[torch.Tensor] = None  # [S] its sampled tokens, on the device
@@ -118,6 +115,13 @@ class ModelRunner:
             return self.max_model_len
         step = self.config.max_num_batched_tokens
         return min(self.max_model_len, window + 2 * step + 2 * self.block_size)
+
+    def _allocate_cache(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        """One zeroed cache [num_blocks, block_size, KVH, D]; on CPU stored heads-major for the CPU kernels
+        (`kernels.cpu.allocate_kv_cache`: the same logical tensor, a faster layout for their attention)."""
+        if self.device.type == "cpu":
+            return allocate_kv_cache(shape, self.model_config.dtype)
+        return torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
 
     # -- KV cache sizing --------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:

@@ -23,9 +23,11 @@ def seeded():
     torch.manual_seed(1234)
 
 
-def paged_batch(q_lens, seq_lens, *, heads, kv_heads, head_dim=32, block_size=16, dtype=torch.float32):
+def paged_batch(q_lens, seq_lens, *, heads, kv_heads, head_dim=32, block_size=16, dtype=torch.float32,
+                heads_major=False):
     """A random step: q [T, H, D], this step's new key/value [T, KVH, D], caches holding random prefixes, shuffled
-    block tables (unused entries pointing at random valid blocks), and the layout as numpy (qsl, lens, tables)."""
+    block tables (unused entries pointing at random valid blocks), and the layout as numpy (qsl, lens, tables).
+    heads_major: the caches stored as the engine allocates them on CPU (`cpu.allocate_kv_cache`)."""
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 5
     order = torch.randperm(num_blocks)
@@ -36,6 +38,9 @@ def paged_batch(q_lens, seq_lens, *, heads, kv_heads, head_dim=32, block_size=16
         used += n
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache, v_cache = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    if heads_major:
+        k_cache, v_cache = (cpu.allocate_kv_cache(shape, dtype).copy_(c) for c in (k_cache, v_cache))
+        assert cpu.heads_major(k_cache) is not None
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     tokens = int(qsl[-1])
     q = torch.randn(tokens, heads, head_dim, dtype=dtype)
@@ -66,21 +71,25 @@ def check_cache_and_attend(q_lens, seq_lens, **kwargs):
 
 LAYOUTS = pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 2), (8, 1), (4, 4)],
                                   ids=["gqa2", "group3", "mqa", "mha"])
+CACHE_STORAGE = pytest.mark.parametrize("heads_major", [False, True], ids=["plain-cache", "heads-major-cache"])
 
 
 @LAYOUTS
+@CACHE_STORAGE
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_fresh_prefill_chunked_prefill_and_unequal_decodes(heads, kv_heads, dtype):
+def test_mixed_batch_fresh_prefill_chunked_prefill_and_unequal_decodes(heads, kv_heads, dtype, heads_major):
     # decodes at 33, 16 (a full block) and 70 tokens; a fresh 13-token prompt; a 21-token chunk behind 49 cached
     plan = check_cache_and_attend([1, 13, 1, 21, 1], [33, 13, 16, 70, 70], heads=heads, kv_heads=kv_heads,
-                                  dtype=dtype)
+                                  dtype=dtype, heads_major=heads_major)
     assert plan.num_decode == 3 and [p.blocks is None for p in plan.prefills] == [True, False]
 
 
 @LAYOUTS
-def test_decode_only_batch_with_random_lengths(heads, kv_heads):
+@CACHE_STORAGE
+def test_decode_only_batch_with_random_lengths(heads, kv_heads, heads_major):
     lens = torch.randint(1, 90, (24,)).tolist()
-    plan = check_cache_and_attend([1] * 24, lens, heads=heads, kv_heads=kv_heads, block_size=8)
+    plan = check_cache_and_attend([1] * 24, lens, heads=heads, kv_heads=kv_heads, block_size=8,
+                                  heads_major=heads_major)
     assert plan.decode_rows is None and plan.decode_mask is not None
 
 
@@ -89,8 +98,10 @@ def test_decode_batch_of_equal_full_blocks_needs_no_mask():
     assert plan.decode_mask is None
 
 
-def test_prefill_only_batch_of_prompts_and_a_chunk_of_one_long_prompt():
-    check_cache_and_attend([40, 7, 64], [40, 7, 200], heads=4, kv_heads=2, head_dim=64, block_size=32)
+@CACHE_STORAGE
+def test_prefill_only_batch_of_prompts_and_a_chunk_of_one_long_prompt(heads_major):
+    check_cache_and_attend([40, 7, 64], [40, 7, 200], heads=4, kv_heads=2, head_dim=64, block_size=32,
+                           heads_major=heads_major)
 
 
 def test_gather_buffers_are_reused_by_every_layer_of_a_step():
@@ -98,9 +109,10 @@ def test_gather_buffers_are_reused_by_every_layer_of_a_step():
                                                                             kv_heads=2)
     plan = cpu.plan_attention(qsl, lens, tables, k_cache.shape[1])
     cpu.cache_and_attend(q, key, value, k_cache, v_cache, slots, plan, 0.3)
-    first = plan.gather_buffer("k", k_cache).data_ptr()
+    shape = cpu.gather_buffer_shape(k_cache, plan.decode_blocks.shape[0])
+    first = plan.gather_buffer("k", shape, k_cache).data_ptr()
     cpu.cache_and_attend(q, key, value, k_cache.clone(), v_cache.clone(), slots, plan, 0.3)
-    assert plan.gather_buffer("k", k_cache).data_ptr() == first
+    assert plan.gather_buffer("k", shape, k_cache).data_ptr() == first
 
 
 def poison_freed_blocks(k_cache, v_cache, tables, q_lens, seq_lens, window):
@@ -171,6 +183,20 @@ def test_rotary_in_place_on_strided_views_of_one_qkv_tensor():
     torch.testing.assert_close(out_k, exp_k, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(q, exp_q, atol=1e-6, rtol=1e-6)  # in place, in the qkv tensor
 
+
+
+def test_rotary_on_separate_q_and_k_tensors():
+    # Qwen3's per-head norms hand rotary new tensors, not views of one qkv row: each rotates on its own
+    tokens, heads, kv_heads, head_dim = 9, 4, 2, 32
+    q, k = torch.randn(tokens, heads * head_dim), torch.randn(tokens, kv_heads * head_dim)
+    positions = torch.randint(0, 100, (tokens,))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(128).float()[:, None] * inv_freq
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    exp_q, exp_k = reference.rotary_embedding(positions, q.clone(), k.clone(), cache, head_dim)
+    out_q, out_k = cpu.rotary_embedding(positions, q, k, cache, head_dim)
+    torch.testing.assert_close(out_q, exp_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out_k, exp_k, atol=1e-6, rtol=1e-6)
 
 # -- the engine on both paths -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")

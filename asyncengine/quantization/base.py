@@ -51,8 +51,12 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", set_weight_attrs(weight, output_dim=0, input_dim=1))
 
     def process_weights_after_loading(self, layer):
+        """On CPU the weight is first re-stored column-major, the layout the CPU's GEMM reads fastest
+        (cpu_prepacked; same values and shape). Then, on CUDA, the GEMV threshold is measured."""
         from asyncengine import ops
+        from asyncengine.quantization.cpu_prepacked import use_cpu_gemm_layout
 
+        use_cpu_gemm_layout(layer.weight)
         weight = layer.weight
         layer.gemv_max_m = ops.decode_gemv_max_m(
             ("dense", *weight.shape, weight.dtype), lambda x: ops.dense_gemv(x, weight), lambda x: F.linear(x, weight),
