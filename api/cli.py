@@ -425,7 +425,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--timeout-keep-alive must be a positive number of seconds, got {args.timeout_keep_alive}")
         config = engine_config(args)
         options = serving_options(args, config.model)
-        if not config.engine_process:  # an engine process does this itself
+        if not config.engine_process:  # an engine process keeps every core: its event loop is elsewhere
             leave_a_core_for_the_event_loop(config)
         engine = AsyncLLMEngine(config)
         sock = bind_socket(args.host, args.port)

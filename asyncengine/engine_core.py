@@ -128,9 +128,10 @@ def _from_wire(wire: tuple, prompt: Optional[str], prompt_ids: list[int]) -> Req
 
 # -- the core process ---------------------------------------------------------------------------------------------
 def leave_a_core_for_the_event_loop(config) -> None:
-    """On CPU, torch's threads would take every core and the event loop (HTTP, SSE, detokenization; in the other
-    process with engine_process) would wait for them; one core fewer serves more tokens (measured:
-    loadtest/RESULTS.md). OMP_NUM_THREADS still wins."""
+    """On CPU with the engine in the server's process, torch's threads would take every core and the event loop
+    (HTTP, SSE, detokenization) would wait for them; one core fewer serves more tokens (measured:
+    loadtest/RESULTS.md). OMP_NUM_THREADS still wins. The engine process does not call this: its event loop is in
+    the other process, and all cores for the model served 1.6x the tokens of cores - 1 there (issue 17)."""
     cores = os.cpu_count() or 1
     if config.torch_device().type == "cpu" and "OMP_NUM_THREADS" not in os.environ and cores > 1:
         torch.set_num_threads(cores - 1)
@@ -146,7 +147,7 @@ def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     try:
-        leave_a_core_for_the_event_loop(config)
+        # torch's threads: every core (see leave_a_core_for_the_event_loop)
         engine = build_engine(config)  # an LLMEngine, or a PoolingEngine for a pooling model
         gc.collect()  # as AsyncLLMEngine does: keep the model's long-lived objects out of the collector's sight
         gc.freeze()
