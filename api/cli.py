@@ -169,6 +169,7 @@ def _engine_args(engine) -> None:
                         help="run the engine in a process of its own, so HTTP framing and the engine's steps use "
                              "two cores (measured: 1.1-1.25x the requests/s of one process under load on an H100, "
                              "1.1x the tokens/s on 2 CPU cores; loadtest/RESULTS.md). Default: on")
+    _parallel_args(engine)
     engine.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                         help="generate text, or pool (/v1/embeddings; /score and /rerank for cross-encoders); "
                              "auto: pooling for encoder checkpoints (BERT) and sentence-transformers checkpoints, "
@@ -215,6 +216,14 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _parallel_args(group) -> None:
+    group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                       help="split the model's layers over N ranks (one GPU each on CUDA, one process each on CPU)")
+    group.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                       help="start ranks 1..N-1 as processes of our own (mp) or as Ray actors in a placement group "
+                            "(ray: pip install 'asyncengine[ray]')")
+
+
 def _json_list(text: str) -> list[str]:
     """argparse type of --allowed-origins: a JSON list of strings (as vLLM takes it)."""
     try:
@@ -235,6 +244,7 @@ def generate_parser(generate: argparse.ArgumentParser) -> None:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--max-model-len", type=int, default=None)
     generate.add_argument("--dtype", default="auto")
+    _parallel_args(generate)
 
 
 def engine_config(args: argparse.Namespace):
@@ -264,6 +274,8 @@ def engine_config(args: argparse.Namespace):
         async_scheduling=args.async_scheduling,
         engine_process=args.engine_process,
         runner=args.runner,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
     return config
 
@@ -443,7 +455,9 @@ def generate(args: argparse.Namespace) -> int:
     from asyncengine import LLM, SamplingParams
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  distributed_executor_backend=args.distributed_executor_backend)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)
     except ValueError as exc:
@@ -451,8 +465,11 @@ def generate(args: argparse.Namespace) -> int:
         return 2
     prompts = args.prompt or DEMO_PROMPTS
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.close()
     tokens = 0
     for out in outputs:
         completion = out.outputs[0]

@@ -51,10 +51,17 @@ class ModelConfig:
     eos_token_ids: list[int]
     # the weight format of the decoder's linear layers (asyncengine.quantization); None: unquantized
     quant_config: Any = None
+    tensor_parallel_size: int = 1
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads in one rank's cache: its share, or one replicated head when there are fewer than ranks."""
+        return max(1, self.num_kv_heads // self.tensor_parallel_size)
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        """KV cache bytes one token takes on one rank (all of them with one rank)."""
         elem = torch.tensor([], dtype=kv_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.kv_heads_per_rank * self.head_dim * elem
 
 
 @dataclass
@@ -88,10 +95,18 @@ class EngineConfig:
     # The process is spawned: a script that asks for it must guard its entry point (if __name__ == "__main__"),
     # and model families reach it through plugins' entry points (or the script's top level), not a runtime call.
     engine_process: bool = False
+    # ranks the model's layers are split over (Megatron style): one GPU each on CUDA, one process each on CPU
     tensor_parallel_size: int = 1
     # weight format, vLLM's spelling (awq, gptq, fp8, compressed-tensors); None: the checkpoint's own
     # quantization_config. fp8 on an unquantized checkpoint quantizes it at load time.
     quantization: Optional[str] = None
+    # who starts ranks 1..N-1: mp (processes of our own, on this host) | ray (Ray actors in a placement group)
+    distributed_executor_backend: str = "mp"
+    # seconds a collective may wait for the other ranks before the engine counts a rank as hung (and dies)
+    distributed_timeout_s: float = 600.0
+    # auto: the checkpoint's safetensors | dummy: random weights drawn on each rank's device (config.json and a
+    # tokenizer suffice; for benchmarks of shapes too large to write to disk, e.g. a 70B model over 8 GPUs)
+    load_format: str = "auto"
     # generate | pooling (embeddings) | auto: pooling for encoders and sentence-transformers checkpoints
     runner: str = "auto"
 
@@ -128,8 +143,28 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet (layers are written for it)")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size (--tensor-parallel-size) must be a positive integer, got {tp!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend (--distributed-executor-backend) must be mp or ray, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+        device = self.torch_device()
+        if tp > 1 and self.distributed_executor_backend == "mp" and device.type == "cuda":
+            gpus = torch.cuda.device_count()
+            if tp > gpus:
+                raise ValueError(f"tensor_parallel_size (--tensor-parallel-size) is {tp} but this host has {gpus} "
+                                 "GPU(s): one rank needs one GPU")
+            if device.index not in (None, 0):
+                raise ValueError(f"with --tensor-parallel-size > 1 rank r runs on cuda:r; device {self.device!r} "
+                                 "cannot be chosen (use CUDA_VISIBLE_DEVICES)")
 
     def _check_positive(self, *names: str) -> None:
         for name in names:
@@ -195,12 +230,12 @@ def load_model_config(config: EngineConfig, device: torch.device) -> ModelConfig
     supported = [a for a in archs if a in supported_architectures()]
     if not supported:
         raise ValueError(f"model folder {folder}: {unsupported_architecture_message(archs)}")
-    if not any(folder.glob("*.safetensors")):
+    if config.load_format == "auto" and not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder} has no *.safetensors weights")
     hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    return ModelConfig(
+    model_config = ModelConfig(
         path=str(folder),
         architecture=supported[0],
         hf_config=hf_config,
@@ -214,7 +249,27 @@ def load_model_config(config: EngineConfig, device: torch.device) -> ModelConfig
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
         eos_token_ids=_eos_ids(folder, hf_config),
         quant_config=quantization_config_for(raw.get("quantization_config"), config.quantization),
+        tensor_parallel_size=config.tensor_parallel_size,
     )
+    _check_heads_split(model_config)
+    return model_config
+
+
+def _check_heads_split(mc: ModelConfig) -> None:
+    """ValueError naming --tensor-parallel-size when the model's heads (or MLP width) do not split over the ranks."""
+    tp = mc.tensor_parallel_size
+    if tp == 1:
+        return
+    flag = f"--tensor-parallel-size (tensor_parallel_size={tp})"
+    if mc.num_heads % tp:
+        raise ValueError(f"{flag} must divide the model's {mc.num_heads} attention heads")
+    kv = mc.num_kv_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise ValueError(f"{flag} and the model's {kv} KV heads must divide one another (KV heads are split, or "
+                         "replicated when fewer than the ranks)")
+    inter = getattr(mc.hf_config, "intermediate_size", None)
+    if inter is not None and inter % tp:
+        raise ValueError(f"{flag} must divide the model's intermediate_size ({inter})")
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

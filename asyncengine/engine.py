@@ -83,6 +83,25 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        try:
+            self._check_cache_fits(config)
+        except BaseException:
+            self.runner.close(graceful=False)  # the tensor-parallel workers, if any
+            raise
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.runner.kv_sliding_window)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.enable_chunked_prefill, config.min_prefill_batch)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.stop)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
+        self.awaiting_grammar: list[Request] = []  # constrained requests whose grammar is compiling (not scheduled)
+        self.stats_listeners: list[Callable[[StepStats], None]] = []
+        self._stats = StepStats()  # observations since the last emit
+        self._ids = itertools.count()
+        logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
+
+    def _check_cache_fits(self, config: EngineConfig) -> None:
+        """ValueError when the KV cache cannot hold one sequence, or the step budget one prompt."""
         one_sequence = self.runner.tokens_one_sequence_holds()
         if self.runner.num_blocks * config.block_size < one_sequence:
             what = (f"max_model_len ({self.max_model_len})" if one_sequence == self.max_model_len else
@@ -97,17 +116,6 @@ class LLMEngine:
                 f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}), or a long prompt could never be scheduled"
             )
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          self.runner.kv_sliding_window)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.enable_chunked_prefill, config.min_prefill_batch)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.stop)
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
-        self.awaiting_grammar: list[Request] = []  # constrained requests whose grammar is compiling (not scheduled)
-        self.stats_listeners: list[Callable[[StepStats], None]] = []
-        self._stats = StepStats()  # observations since the last emit
-        self._ids = itertools.count()
-        logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
 
     def _max_model_len(self) -> int:
         return resolve_max_model_len(self.config, self.model_config)
@@ -290,6 +298,16 @@ class LLMEngine:
             prefix_cache_queries=self.block_manager.prefix_queries,
             prefix_cache_hits=self.block_manager.prefix_hits,
         )
+
+    def failure(self) -> Optional[BaseException]:
+        """Why the engine cannot step any more without having run a step yet (a tensor-parallel worker died),
+        or None. Cheap: health checks call it."""
+        return self.runner.failure()
+
+    def close(self, graceful: bool = True) -> None:
+        """Release what the engine started (the tensor-parallel workers: told to stop when `graceful`, else
+        killed, as after a failed step, whose world may be broken). Idempotent."""
+        self.runner.close(graceful)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block that no unfinished request holds, so the next prompts are computed

@@ -111,12 +111,18 @@ class InProcessClient:
         return self.engine.stats()
 
     def check_alive(self) -> Optional[BaseException]:
+        if self._dead is None:
+            failure = self.engine.failure()  # a TP worker that died while idle
+            if failure is not None:
+                self._dead = failure
+                self._on_dead(failure)
         return self._dead
 
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
         self._device_thread.shutdown(wait=True)
+        self.engine.close()
 
     def _wake(self) -> None:
         if self._wakeup is not None:
@@ -146,5 +152,6 @@ class InProcessClient:
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
             logger.exception("engine step failed; the engine is now dead")
+            self.engine.close(graceful=False)  # TP workers: no process left behind
             self._dead = exc
             self._on_dead(exc)

@@ -61,6 +61,7 @@ from asyncengine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+IDLE_CHECK_S = 0.5  # while idle, how often the core checks that its tensor-parallel workers live
 STARTUP_POLL_S = 0.5  # how often the client checks that a starting core is still alive
 SHUTDOWN_WAIT_S = 10.0  # how long the client waits for the core to exit before killing it
 
@@ -164,10 +165,13 @@ def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> 
         logger.warning("the server went away; the engine core exits")
     except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
         logger.exception("engine step failed; the engine core exits")
+        engine.close(graceful=False)  # the tensor-parallel world may be broken: kill the workers
         try:
             outbox_conn.send(("dead", f"{type(exc).__name__}: {exc}"))
         finally:
             raise SystemExit(1)
+    finally:
+        engine.close()  # the tensor-parallel workers, if any
 
 
 def _pump_inbox(conn, inbox: queue.Queue) -> None:
@@ -193,7 +197,7 @@ def _step_until_shutdown(engine: LLMEngine, inbox: queue.Queue, outbox_conn) -> 
 
     def apply_messages() -> list[RequestOutput]:
         nonlocal adds_applied
-        messages = _drain(inbox, block=pipeline.idle)
+        messages = _drain(inbox, block=pipeline.idle, failure=engine.failure)
         adds_applied += sum(m[0] == "add" for m in messages)
         return _apply_messages(engine, messages)
 
@@ -212,8 +216,16 @@ def _step_until_shutdown(engine: LLMEngine, inbox: queue.Queue, outbox_conn) -> 
             done = pending.result() if pending is not None else None
 
 
-def _drain(inbox: queue.Queue, block: bool) -> list[tuple]:
-    messages = [inbox.get()] if block else []
+def _drain(inbox: queue.Queue, block: bool, failure: Callable[[], Optional[BaseException]]) -> list[tuple]:
+    """The inbox's messages; with `block`, waits for one, raising `failure()` if the engine breaks meanwhile
+    (a tensor-parallel worker that dies while no request runs)."""
+    messages = []
+    while block and not messages:
+        try:
+            messages.append(inbox.get(timeout=IDLE_CHECK_S))
+        except queue.Empty:
+            if (exc := failure()) is not None:
+                raise exc
     while True:
         try:
             messages.append(inbox.get_nowait())

@@ -31,6 +31,12 @@ class LLM:
         # Device work runs here so that detokenizing one step overlaps the next step on the GPU.
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-llm")
 
+    def close(self) -> None:
+        """Stop what the engine started (tensor-parallel workers); the LLM cannot generate afterwards.
+        Idempotent; also done at interpreter exit."""
+        self._device_thread.shutdown(wait=True)
+        self.engine.close()
+
     def reset_prefix_cache(self) -> None:
         """See `LLMEngine.reset_prefix_cache`."""
         self.engine.reset_prefix_cache()

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from asyncengine.config import EngineConfig, ModelConfig
+from asyncengine.distributed.executor import StepChannel, WorkerGroup
+from asyncengine.distributed.parallel_state import all_reduce_min
 from asyncengine.kernels.cpu import allocate_kv_cache, plan_attention
 from asyncengine.models.layers import AttentionMetadata
 from asyncengine.models.loader import load_model
@@ -69,13 +71,37 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    """One rank's model. Rank 0 (the engine's) prepares, launches and collects steps; with tensor parallelism it
+    first starts ranks 1..N-1 (`WorkerGroup`), each a ModelRunner built with its `rank` and `device` that
+    `follow`s rank 0's steps. With one rank there is no process group and no extra work per step."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, rank: int = 0,
+                 device: Optional[torch.device] = None):
         self.config = config
         self.model_config = model_config
-        self.device = config.torch_device()
+        self.rank = rank
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.model = load_model(model_config, self.device, max_positions=max_model_len)
+        self.workers: Optional[WorkerGroup] = None
+        self.channel: Optional[StepChannel] = None
+        self.device = device or config.torch_device()
+        if config.tensor_parallel_size > 1:
+            if rank == 0:  # the world exists once this returns; the layers below read its rank and size
+                self.workers = WorkerGroup(config, model_config, max_model_len)
+                self.device = self.workers.rank0_device
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
+                self.workers.start()
+            self.channel = StepChannel(self.device, self.block_size)
+        try:
+            self._build(config, model_config, max_model_len)
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    def _build(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+        self.model = load_model(model_config, self.device, max_positions=max_model_len,
+                                load_format=config.load_format, seed=config.seed)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -83,8 +109,9 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self)
-        self.num_blocks = self._choose_num_blocks()
-        shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.num_blocks = all_reduce_min(self._choose_num_blocks())  # the rank with least room decides
+        # this rank's heads only (kv_heads_per_rank)
+        shape = (self.num_blocks, self.block_size, model_config.kv_heads_per_rank, model_config.head_dim)
         self.kv_caches = [(self._allocate_cache(shape), self._allocate_cache(shape))
                           for _ in range(model_config.num_layers)]
         self._num_prepared = 0
@@ -173,7 +200,7 @@ class ModelRunner:
         lens = [min(self.max_model_len, num_tokens - start) for start in range(0, num_tokens, self.max_model_len)]
         blocks_per_seq = -(-lens[0] // bs)
         num_blocks = blocks_per_seq * len(lens)
-        shape = (num_blocks, bs, mc.num_kv_heads, mc.head_dim)
+        shape = (num_blocks, bs, mc.kv_heads_per_rank, mc.head_dim)
         caches = [(torch.empty(shape, dtype=mc.dtype, device=dev), torch.empty(shape, dtype=mc.dtype, device=dev))
                   for _ in range(mc.num_layers)]
         qsl = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
@@ -302,13 +329,13 @@ class ModelRunner:
         penalties = inputs.sampling.penalties if inputs.sampling is not None else None
         if penalties is not None and penalties.inflight_rows is not None:  # their in-flight tokens, now known
             inputs.sampling.last_input_ids = inputs.input_ids.index_select(0, inputs.logits_indices)
-        if inputs.graph_size is not None:
-            logits = self.graphs.run(inputs.graph_size, inputs)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-            if not inputs.sampling_requests:
-                return LaunchedStep(inputs)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if self.channel is not None:  # the other ranks run the same forward pass
+            self._check_workers()
+            self.channel.send(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices,
+                              inputs.graph_size)
+        logits = self._forward(inputs)
+        if logits is None:
+            return LaunchedStep(inputs)
         grammar = inputs.sampling.grammar
         if grammar is not None:  # the forward is queued: build the mask while the device runs it
             inputs.sampling.grammar_bitmask = grammar.mask(self.device)
@@ -327,6 +354,36 @@ class ModelRunner:
         if grammar is not None:
             grammar.record_sampled(host.token_ids, event)
         return LaunchedStep(inputs, host, event)
+
+    def _forward(self, inputs) -> Optional[torch.Tensor]:
+        """The step's forward pass (a graph replay or eager) and its logits [S, vocab] float32, None if no row
+        samples. `inputs`: StepInputs, or a worker's FollowerStep (the same fields but sampling)."""
+        if inputs.graph_size is not None:
+            return self.graphs.run(inputs.graph_size, inputs)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        if inputs.logits_indices.shape[0] == 0:
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks 1..N-1: run rank 0's steps (their forward passes; the logits are gathered, not sampled) until
+        rank 0 says stop."""
+        while (step := self.channel.receive()) is not None:
+            self._forward(step)
+
+    def _check_workers(self) -> None:
+        if self.workers is not None and self.workers.failure is not None:
+            raise RuntimeError(f"tensor parallelism is broken: {self.workers.failure}")
+
+    def failure(self) -> Optional[BaseException]:
+        """Why this runner cannot step any more (a tensor-parallel worker died), or None."""
+        return self.workers.failure if self.workers is not None else None
+
+    def close(self, graceful: bool = True) -> None:
+        """Rank 0: stop the other ranks (idempotent; nothing to do with one rank)."""
+        if self.workers is not None:
+            self.workers.stop(graceful, self.channel)
 
     @staticmethod
     def _copy_to_pinned(tensor: torch.Tensor) -> torch.Tensor:
@@ -412,7 +469,10 @@ class DecodeGraphs:
             self._forward(g)  # warm-up: Triton compilation and cuBLAS handles outside the capture
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # With several ranks NCCL's watchdog thread queries events while we capture: "thread_local" keeps its
+            # calls legal (only this thread's capture is checked).
+            mode = "thread_local" if self.runner.config.tensor_parallel_size > 1 else "global"
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
                 self._forward(g)
             if self.pool is None:
                 self.pool = graph.pool()

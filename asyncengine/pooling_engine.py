@@ -169,7 +169,12 @@ class PoolingLimits:
 
 def build_engine(config: EngineConfig):
     """An LLMEngine, or a PoolingEngine when the pooling runner applies (`config.runner`, else the checkpoint)."""
-    return PoolingEngine(config) if pooling_runner_for(config) else LLMEngine(config)
+    if not pooling_runner_for(config):
+        return LLMEngine(config)
+    if config.tensor_parallel_size > 1:
+        raise ValueError("--tensor-parallel-size (tensor_parallel_size) > 1 is not supported with the pooling runner "
+                         "(embedding models run on one device)")
+    return PoolingEngine(config)
 
 
 class PoolingEngine:
@@ -359,6 +364,13 @@ class PoolingEngine:
     def stats(self) -> EngineStats:
         """Queue lengths after the latest step (no KV cache, preemption or prefix cache: those stay 0)."""
         return EngineStats(num_running=self.num_in_pass, num_waiting=len(self.waiting))
+
+    def failure(self) -> Optional[BaseException]:
+        """As LLMEngine.failure: always None (a pooling model runs on one device, with no workers)."""
+        return None
+
+    def close(self, graceful: bool = True) -> None:
+        """As LLMEngine.close: nothing was started."""
 
     def reset_prefix_cache(self) -> None:
         """Nothing to reset: pooling keeps no prefix cache."""

@@ -22,6 +22,13 @@ intermediate 768, top-8, 32/4 heads) with random bf16 weights, written layer by 
 parameters one token activates plus its KV, at the measured copy bandwidth) and W1 (requests/s), each against
 transformers on the same checkpoint in the same run (generate at batch 1 for W3, its continuous batching with each
 request's own max_new_tokens for W1). --tiny: the same mode at a tiny shape on the CPU (a smoke run).
+
+    python -m loadtest.bench_offline --tensor-parallel-size N [--quick] [--tiny]
+
+Tensor parallelism: a Llama-3-70B-shape model (80 layers, hidden 8192, 64 heads / 8 KV heads, intermediate
+28672, vocab 128256) over N GPUs, its random bf16 weights drawn by each rank on its own GPU (load_format
+"dummy": only config.json and a tokenizer are written); W1 and W3 as above. --tiny: a CPU smoke run of the mode
+(a 2-layer model of the same proportions, scaled down, over N CPU processes).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import argparse
 import gc
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +51,11 @@ LLAMA3_8B = dict(
                   "original_max_position_embeddings": 8192},
     rope_theta=500000.0, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
 )
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8)
+# the same proportions, small enough for a CPU smoke run of the tensor-parallel mode
+TINY_70B_LIKE = dict(LLAMA3_70B, hidden_size=256, intermediate_size=896, num_hidden_layers=2, num_attention_heads=8,
+                     num_key_value_heads=2, vocab_size=4096)
 
 
 # -- the hardware's limits -------------------------------------------------------------------------------------
@@ -120,6 +133,55 @@ def build_checkpoint(folder: Path, layers: int | None = None) -> Path:
     gc.collect()
     torch.cuda.empty_cache()
     return folder
+
+
+def build_shape_only_checkpoint(folder: Path, shape: dict) -> Path:
+    """config.json (bf16) and a tokenizer: enough for load_format="dummy", where each rank draws its own weights."""
+    from transformers import LlamaConfig
+
+    if not (folder / "config.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        LlamaConfig(**shape, torch_dtype="bfloat16").save_pretrained(str(folder))
+        build_tokenizer(folder, shape["vocab_size"])
+    return folder
+
+
+def run_tensor_parallel(args) -> int:
+    """W1 and W3 on a 70B-shape model over args.tensor_parallel_size ranks (weights drawn on each rank's GPU)."""
+    from asyncengine import LLM
+
+    tiny = args.tiny
+    shape = TINY_70B_LIKE if tiny else LLAMA3_70B
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tp = args.tensor_parallel_size
+    folder = build_shape_only_checkpoint(Path(args.checkpoint if args.checkpoint_given else
+                                              f"/tmp/llama3-70b-shape{'-tiny' if tiny else ''}"), shape)
+    results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                     "date": time.strftime("%Y-%m-%d"), "args": vars(args), "tensor_parallel_size": tp}
+    t0 = time.perf_counter()
+    llm = LLM(str(folder), load_format="dummy", dtype="float32" if tiny else "bfloat16",
+              tensor_parallel_size=tp, distributed_executor_backend=args.distributed_executor_backend,
+              max_model_len=512 if tiny else 4096, max_num_seqs=16 if tiny else args.max_num_seqs,
+              max_num_batched_tokens=256 if tiny else args.max_num_batched_tokens, gpu_memory_utilization=0.90)
+    try:
+        results["engine_init_s"] = time.perf_counter() - t0
+        results["kv_blocks"] = llm.engine.runner.num_blocks
+        vocab = shape["vocab_size"]
+        n = 16 if tiny else (200 if args.quick else 1000)
+        mean_in, mean_out = (20, 20) if tiny else (200, 180)
+        run_engine(llm, *sharegpt_like(min(n, 64), mean_in, 16, seed=8, vocab=vocab))  # warm-up
+        results["W1"] = run_engine(llm, *sharegpt_like(n, mean_in, mean_out, seed=1, vocab=vocab))
+        context, new = (100, 20) if tiny else (1000, 200)
+        results["W3_ms_per_token"] = batch1_decode_ms(llm, vocab, context, new)["ms_per_token"]
+    finally:
+        llm.close()
+    (out_dir / f"bench_offline_tp{tp}{'_tiny' if tiny else ''}.json").write_text(json.dumps(results, indent=2))
+    w1 = results["W1"]
+    print(f"{'model':<28}{'TP':>4}{'W1 out tok/s':>14}{'W1 req/s':>10}{'W3 ms/token':>13}")
+    print(f"{'Llama-3-70B shape' + (' (tiny)' if tiny else ''):<28}{tp:>4}{w1['output_tok_per_s']:>14.0f}"
+          f"{w1['req_per_s']:>10.2f}{results['W3_ms_per_token']:>13.2f}")
+    return 0
 
 
 # -- workloads -------------------------------------------------------------------------------------------------
@@ -200,7 +262,7 @@ class PhaseTimer:
     def __exit__(self, *exc):
         for (obj, name), original in self._originals.items():
             setattr(obj, name, original)
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():  # (a CPU smoke run has no graphs to time)
             torch.cuda.synchronize()
         self.graph_gpu_s = sum(s.elapsed_time(e) for s, e in self.events) / 1e3
         self.steps["graph"] = len(self.events)
@@ -734,8 +796,15 @@ def main(argv=None) -> int:
                         help="the quantized formats instead: W3 per format with its roofline, W1 fp8 vs bf16")
     parser.add_argument("--tiny", action="store_true",
                         help="a CPU smoke run: W1-structured on the embedded default model (32 short requests), "
-                             "or with --family qwen3-30b-a3b the MoE mode at a tiny shape")
+                             "or with --family qwen3-30b-a3b the MoE mode at a tiny shape, or with "
+                             "--tensor-parallel-size the tensor-parallel mode at a tiny shape")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                        help="the tensor-parallel mode: a Llama-3-70B-shape model over N GPUs (W1, W3)")
+    parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
     args = parser.parse_args(argv)
+    args.checkpoint_given = "--checkpoint" in (argv if argv is not None else sys.argv)
+    if args.tensor_parallel_size is not None:
+        return run_tensor_parallel(args)
     if args.quant and args.family != "llama3-8b":
         parser.error("--quant runs on the llama3-8b family (AWQ and FP8 of its dense layers)")
     if args.quant and args.tiny:

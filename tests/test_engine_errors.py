@@ -106,7 +106,10 @@ def test_unexpected_tensor_is_named(broken):
         (dict(kv_cache_memory_gb=0), "kv_cache_memory_gb"),
         (dict(max_queue_len=-1), "max_queue_len"),
         (dict(dtype="int8"), "dtype"),
-        (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+        (dict(distributed_executor_backend="slurm"), "distributed_executor_backend"),
+        (dict(distributed_timeout_s=0), "distributed_timeout_s"),
+        (dict(load_format="pt"), "load_format"),
     ],
 )
 def test_engine_config_rejects_bad_values_naming_the_field(kwargs, field):

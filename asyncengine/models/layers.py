@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine import ops
-from asyncengine.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from asyncengine.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
 from asyncengine.quantization import LinearMethod, UnquantizedLinearMethod, set_weight_attrs
 
 
@@ -49,12 +49,14 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def _rank_part(param: nn.Parameter, dim: int, loaded: torch.Tensor, size: int) -> torch.Tensor:
-    """This rank's `size` rows of `loaded` along `dim`. A checkpoint's single value (a per-tensor scale) for a
+def _rank_part(param: nn.Parameter, dim: int, loaded: torch.Tensor, size: int,
+               piece: Optional[int] = None) -> torch.Tensor:
+    """This rank's `size` rows of `loaded` along `dim` (the `piece`-th run of them; default: the rank's own, but
+    a replicated KV head is shared by several ranks). A checkpoint's single value (a per-tensor scale) for a
     parameter kept per output row (fused shards each bring their own) comes back as one row: `copy_` broadcasts it."""
     if loaded.numel() == 1 and param.shape[dim] > 1:
         return loaded.reshape((1,) * param.dim())
-    return loaded.narrow(dim, tp_rank() * size, size)
+    return loaded.narrow(dim, (tp_rank() if piece is None else piece) * size, size)
 
 
 def _load_shared(param: nn.Parameter, loaded: torch.Tensor, layer: str) -> None:
@@ -108,14 +110,16 @@ class ColumnParallelLinear(LinearBase):
             return
         param.data.copy_(_rank_part(param, dim, loaded, param.shape[dim]))
 
-    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
-        """Copy this rank's part of one fused shard (logical rows [offset, offset + size) of this rank's slice)."""
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int,
+                    piece: Optional[int] = None) -> None:
+        """Copy this rank's part of one fused shard into logical rows [offset, offset + size) of this rank's
+        slice: the checkpoint tensor's `piece`-th run of `size` rows (default: the rank's own)."""
         dim = getattr(param, "output_dim", None)
         if dim is None:  # a parameter shared by the shards (e.g. GPTQ's g_idx of their common input)
             _load_shared(param, loaded, type(self).__name__)
             return
         offset, size = _shard_of(param, dim, offset, size, self.out_per_rank)
-        param.data.narrow(dim, offset, size).copy_(_rank_part(param, dim, loaded, size))
+        param.data.narrow(dim, offset, size).copy_(_rank_part(param, dim, loaded, size, piece))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -132,17 +136,33 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self._load_shard(param, loaded, offset, size)
 
 
+def kv_heads_per_rank(num_kv_heads: int, world: int) -> int:
+    """KV heads each rank holds: its 1/world share, or one replicated head when there are fewer heads than ranks
+    (rank r then holds head r * num_kv_heads // world, shared with world / num_kv_heads - 1 other ranks)."""
+    return max(1, num_kv_heads // world)
+
+
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections as one weight [q | k | v]; shard ids "q", "k", "v"."""
+    """q, k and v projections as one weight [q | k | v]; shard ids "q", "k", "v".
+
+    Each rank holds num_heads / tp query heads and kv_heads_per_rank(num_kv_heads, tp) KV heads (replicated when
+    the model has fewer KV heads than ranks).
+    """
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype,
                  linear_method: Optional[LinearMethod] = None):
-        self.sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
-        super().__init__(hidden, sum(self.sizes.values()), bias, dtype, linear_method)
+        world = tp_size()
+        kv_per_rank = kv_heads_per_rank(num_kv_heads, world)
+        # this rank's sizes, and which of the checkpoint's equal-sized pieces it takes
+        self.sizes = {"q": num_heads // world * head_dim, "k": kv_per_rank * head_dim, "v": kv_per_rank * head_dim}
+        kv_piece = tp_rank() * num_kv_heads // world if num_kv_heads < world else tp_rank()
+        self.pieces = {"q": tp_rank(), "k": kv_piece, "v": kv_piece}
+        out_per_rank = sum(self.sizes.values())
+        LinearBase.__init__(self, hidden, out_per_rank, out_per_rank if bias else None, dtype, linear_method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         offsets = {"q": 0, "k": self.sizes["q"], "v": self.sizes["q"] + self.sizes["k"]}
-        self._load_shard(param, loaded, offsets[shard_id] // tp_size(), self.sizes[shard_id] // tp_size())
+        self._load_shard(param, loaded, offsets[shard_id], self.sizes[shard_id], self.pieces[shard_id])
 
 
 class RowParallelLinear(LinearBase):
@@ -168,15 +188,48 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(dim, tp_rank() * size, size))
 
 
-class VocabEmbedding(nn.Module):
-    """Token embedding [vocab, hidden]; also serves as the LM head when embeddings are tied."""
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding [vocab, hidden] split by rows over the ranks: each holds vocab_per_rank consecutive tokens
+    (the vocabulary padded up to a multiple of the ranks, pad rows zero). A rank embeds the tokens it holds and
+    zeros for the rest; the all-reduce sums them into every token's row. Also the LM head (`ParallelLMHead`)."""
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype):
         super().__init__()
-        self.weight = _param(vocab_size, hidden, dtype=dtype)
+        self.vocab_size = vocab_size
+        self.vocab_per_rank = -(-vocab_size // tp_size())
+        self.vocab_start = tp_rank() * self.vocab_per_rank
+        self.weight = set_weight_attrs(_param(self.vocab_per_rank, hidden, dtype=dtype), output_dim=0)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        """input_ids [T] -> [T, hidden]."""
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill_(outside[:, None], 0))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
+        param.data[rows:].zero_()
+        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+
+
+VocabEmbedding = VocabParallelEmbedding  # the name the single-rank layers had
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The LM head [vocab, hidden], split by rows like the embedding; see `vocab_parallel_logits`."""
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """hidden [S, hidden] x this rank's head rows weight [vocab_per_rank, hidden] -> logits [S, vocab_size] in the
+    weight's dtype: each rank computes its tokens' logits and the pieces are gathered (every rank gets them; rank 0
+    samples). The pad rows of the last rank are cut off."""
+    local = F.linear(hidden, weight)  # [S, vocab_per_rank]
+    if tp_size() == 1:
+        return local
+    return all_gather(local, dim=-1)[:, :vocab_size]
 
 
 class RMSNorm(nn.Module):
@@ -296,12 +349,13 @@ def load_checkpoint_tensor(model: nn.Module, params: dict, name: str, shard_id, 
                            hf_name: str) -> None:
     """Copy one checkpoint tensor into the model parameter `name` (already renamed to ours), through its module's
     `weight_loader` when it has one (fused and sharded layers: `shard_id` says which part); a tensor with no
-    place in the model is a ValueError naming it."""
+    place in the model is a ValueError naming it. `tensor` may be a `CheckpointSlice`: loaders narrow it to their
+    rank's slice before it is read, and `copy_` casts to the parameter's dtype."""
     if name not in params:
         raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
     param = params[name]
     loader = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "weight_loader", None)
     if loader is not None:
-        loader(param, tensor.to(param.dtype), shard_id)
+        loader(param, tensor, shard_id)
     else:
-        param.data.copy_(tensor.to(param.dtype))
+        param.data.copy_(tensor)

@@ -19,15 +19,17 @@ from asyncengine.quantization import LinearMethod, QuantizationConfig
 from asyncengine.models.layers import (
     LONGROPE_TYPES,
     AttentionMetadata,
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     PagedAttention,
+    ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
-    load_checkpoint_tensor,
     RotaryEmbedding,
     RowParallelLinear,
-    VocabEmbedding,
+    VocabParallelEmbedding,
+    kv_heads_per_rank,
+    vocab_parallel_logits,
+    load_checkpoint_tensor,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, KVH, D]
@@ -68,7 +70,8 @@ class Attention(nn.Module):
         hidden, heads = cfg.hidden_size, cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        self.num_heads, self.num_kv_heads = heads // tp_size(), kv_heads // tp_size()
+        # this rank's heads (KV heads replicated when there are fewer than ranks)
+        self.num_heads, self.num_kv_heads = heads // tp_size(), kv_heads_per_rank(kv_heads, tp_size())
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, kv_heads, qkv_bias, dtype, linear_method)
         self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, getattr(cfg, "attention_bias", False), dtype,
@@ -145,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         self.linear_method = linear_method  # make_mlp's too
         self.config = cfg
         qkv_bias = getattr(cfg, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.sliding_windows = layer_sliding_windows(cfg)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, dtype, qkv_bias, self.qk_norm, max_positions, window, self.make_mlp(cfg, dtype, i),
@@ -154,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        # tied: the embedding's weight (split by rows like the head's) serves as the head
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
 
     def make_mlp(self, cfg, dtype: torch.dtype, layer_index: int) -> nn.Module:
         """The feed-forward block of layer `layer_index` (families with sparse layers override this)."""
@@ -169,9 +173,10 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """hidden: [S, hidden] -> logits [S, vocab] in float32, written into `out` ([S, vocab] float32) if given."""
+        """hidden: [S, hidden] -> logits [S, vocab] in float32, written into `out` ([S, vocab] float32) if given.
+        With several ranks every rank computes its vocabulary slice and gets the gathered logits."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
+        logits = vocab_parallel_logits(hidden, weight, self.config.vocab_size)
         if out is None:
             return logits.float()
         return out.copy_(logits)

@@ -12,7 +12,9 @@ import torch
 from safetensors import safe_open
 
 from asyncengine.config import ModelConfig
+from asyncengine.distributed.parallel_state import tp_rank, tp_size
 from asyncengine.models import model_class_for
+from asyncengine.models.checkpoint_slice import CheckpointSlice
 from asyncengine.models.layers import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from asyncengine.models.llama import LlamaForCausalLM
 
@@ -34,11 +36,14 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
+    """(name, tensor) for every checkpoint tensor. With several ranks the tensors are `CheckpointSlice`s, read
+    only where a weight loader takes its rank's slice, so no rank reads (or holds) the whole model."""
+    sharded = tp_size() > 1
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointSlice.whole(f.get_slice(name)) if sharded else f.get_tensor(name)
 
 
 def _expected_shards(model: torch.nn.Module) -> set[tuple[str, object]]:
@@ -79,21 +84,42 @@ def _quantization_kwargs(model_config: ModelConfig, cls: type, device: torch.dev
     return {"quant_config": quant_config}
 
 
-def load_model(model_config: ModelConfig, device: torch.device, max_positions: int) -> torch.nn.Module:
-    """Instantiate the architecture on `device` in model_config.dtype and fill every parameter from disk."""
+def load_model(model_config: ModelConfig, device: torch.device, max_positions: int,
+               load_format: str = "auto", seed: int = 0) -> torch.nn.Module:
+    """Instantiate the architecture on `device` in model_config.dtype and fill every parameter from disk (each
+    rank reads only its slices), or with random values drawn on `device` (load_format "dummy")."""
     cls = model_class_for(model_config.architecture)
     quant = _quantization_kwargs(model_config, cls, device)
     with torch.device(device):
         model = cls(model_config.hf_config, model_config.dtype, max_positions, **quant)
-    weights = iterate_weights(Path(model_config.path))
-    if quant:  # tensors the format does not need (e.g. compressed-tensors' weight_shape)
-        skipped = quant["quant_config"].skipped_checkpoint_tensors()
-        weights = ((name, t) for name, t in weights if not (skipped and name.endswith(skipped)))
-    loaded = model.load_weights(weights)
-    missing = sorted(f"{n}" + (f"[{s}]" if s is not None else "") for n, s in _expected_shards(model) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint {model_config.path} lacks weights for: {', '.join(missing[:10])}")
+    if load_format == "dummy":
+        fill_random(model, seed)
+    else:
+        weights = iterate_weights(Path(model_config.path))
+        if quant:  # tensors the format does not need (e.g. compressed-tensors' weight_shape)
+            skipped = quant["quant_config"].skipped_checkpoint_tensors()
+            weights = ((name, t) for name, t in weights if not (skipped and name.endswith(skipped)))
+        loaded = model.load_weights(weights)
+        missing = sorted(f"{n}" + (f"[{s}]" if s is not None else "") for n, s in _expected_shards(model) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint {model_config.path} lacks weights for: {', '.join(missing[:10])}")
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.linear_method.process_weights_after_loading(module)
     return model.eval()
+
+
+@torch.no_grad()
+def fill_random(model: torch.nn.Module, seed: int) -> None:
+    """Random weights where they live (each rank draws its own slices on its device): matrices N(0, 0.02), the
+    LM head N(0, 0.25) so logits are peaked like a trained model's, vectors (norms) 1, integer (packed) tensors
+    left as allocated."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed * 1000 + tp_rank())
+    for name, param in model.named_parameters():
+        if not param.dtype.is_floating_point:
+            continue
+        if param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.25 if name.startswith("lm_head") else 0.02, generator=generator)

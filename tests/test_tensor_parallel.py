@@ -1,0 +1,268 @@
+"""Tensor parallelism on CPU (gloo): two ranks give the greedy tokens of one rank, for every Llama-family
+architecture (and a model with fewer KV heads than ranks), with prefix caching, chunked prefill, preemption and
+lookahead scheduling in play; with worker processes of our own (mp) and with Ray actors; a worker killed
+mid-stream ends the streams with an error and leaves no process behind; bad values fail at start-up naming the
+flag. Weights load sharded: each rank reads only its slices."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncengine import LLM, EngineConfig, SamplingParams
+from asyncengine.async_engine import AsyncLLMEngine
+from asyncengine.distributed import parallel_state
+from checkpoints import ARCHITECTURES, build_checkpoint
+from conftest import assert_no_leaks
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "The quick brown fox jumps over the lazy dog. Hello world!",  # shares a prefix (prefix cache hits)
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching keeps the accelerator busy while requests come and go.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+# small KV cache and step budget: prompts are prefilled in chunks and running requests get preempted
+TIGHT = dict(num_kv_blocks=28, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=96,
+             enable_prefix_caching=True, seed=0)
+
+
+class Checkpoints:
+    """Tiny checkpoints by name, built on first use (a run of the default tests builds one)."""
+
+    def __init__(self, root):
+        self.root, self.built = root, {}
+
+    def __getitem__(self, name: str):
+        if name not in self.built:
+            if name == "one_kv_head":  # one KV head for two ranks: replicated, each rank's cache holds it
+                self.built[name] = build_checkpoint(self.root / name, "Qwen3ForCausalLM", lm_head_std=0.5,
+                                                    num_key_value_heads=1)
+            else:
+                self.built[name] = build_checkpoint(self.root / name, name, lm_head_std=0.5)
+        return self.built[name]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return Checkpoints(tmp_path_factory.mktemp("tp"))
+
+
+def generate(folder, tp: int, backend: str = "mp", lookahead: bool = False):
+    """Greedy token ids per prompt, and the engine's counters, with `tp` ranks."""
+    llm = LLM(model=str(folder), tensor_parallel_size=tp, distributed_executor_backend=backend,
+              async_scheduling=lookahead, **TIGHT)
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert_no_leaks(llm.engine)
+        stats = llm.engine.stats()
+        return [o.outputs[0].token_ids for o in outputs], stats
+    finally:
+        llm.close()
+
+
+def assert_same_tokens(got, want):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"prompt {i}: first difference at token {next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)}"
+
+
+# ~40 s each on 2 loaded cores: one_kv_head (Qwen3's q/k norms, a replicated KV head) runs always, the rest are slow
+CASES = [pytest.param(a, marks=() if a == "one_kv_head" else pytest.mark.slow) for a in ARCHITECTURES + ["one_kv_head"]]
+
+
+@pytest.mark.parametrize("arch", CASES)
+def test_two_ranks_give_the_greedy_tokens_of_one(checkpoints, arch):
+    one, stats_one = generate(checkpoints[arch], tp=1)
+    two, stats_two = generate(checkpoints[arch], tp=2, lookahead=True)  # in-flight tokens reach rank 1 too
+    assert_same_tokens(two, one)
+    for stats in (stats_one, stats_two):  # the conditions the test claims were really met
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert parallel_state.tp_size() == 1, "closing the engine leaves the process with one rank again"
+
+
+@pytest.mark.slow
+def test_two_ranks_on_ray_give_the_greedy_tokens_of_one(checkpoints):
+    ray = pytest.importorskip("ray")
+    temp_dir = tempfile.mkdtemp(prefix="tp-ray-")  # short: Ray's socket paths must fit 107 bytes
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, _node_ip_address="127.0.0.1",
+             configure_logging=False, log_to_driver=False)
+    try:
+        arch = "Qwen2ForCausalLM"
+        two, _ = generate(checkpoints[arch], tp=2, backend="ray")
+        one, _ = generate(checkpoints[arch], tp=1)
+        assert_same_tokens(two, one)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_rank_reads_only_its_slices(checkpoints):
+    """Load a rank's model on its own (world of 2 declared, no collective needed to load) and check each
+    parameter holds the checkpoint's slice for that rank, from a loader that never sees a whole tensor."""
+    from safetensors import safe_open
+
+    from asyncengine.config import load_model_config
+    from asyncengine.models.checkpoint_slice import CheckpointSlice
+    from asyncengine.models.loader import load_model
+
+    folder = checkpoints["one_kv_head"]
+    config = EngineConfig(model=str(folder), tensor_parallel_size=2, device="cpu")
+    mc = load_model_config(config, torch.device("cpu"))
+    read_elements = []
+    original = CheckpointSlice.read
+    CheckpointSlice.read = lambda self: read_elements.append(self.shape.numel()) or original(self)
+    parallel_state._RANK, parallel_state._SIZE = 1, 2
+    try:
+        model = load_model(mc, torch.device("cpu"), max_positions=128)
+    finally:
+        parallel_state._RANK, parallel_state._SIZE = 0, 1
+        CheckpointSlice.read = original
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        full = {n: f.get_tensor(n) for n in f.keys()}
+    total = sum(t.numel() for t in full.values())
+    assert sum(read_elements) < 0.7 * total, "rank 1 read more than its share"
+    q_rows = mc.num_heads // 2 * mc.head_dim
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(qkv[:q_rows], full["model.layers.0.self_attn.q_proj.weight"][q_rows:])
+    # the one KV head is replicated: rank 1 holds all of it
+    assert torch.equal(qkv[q_rows:q_rows + mc.head_dim], full["model.layers.0.self_attn.k_proj.weight"])
+    half_vocab = -(-mc.vocab_size // 2)
+    assert torch.equal(model.embed_tokens.weight[: mc.vocab_size - half_vocab],
+                       full["model.embed_tokens.weight"][half_vocab:])
+    down = model.layers[0].mlp.down_proj.weight
+    inter = mc.hf_config.intermediate_size
+    assert torch.equal(down, full["model.layers.0.mlp.down_proj.weight"][:, inter // 2:])
+
+
+def _worker_pids(engine: AsyncLLMEngine) -> list[int]:
+    return [proc.pid for _, proc in engine.client.engine.runner.workers._backend.procs]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_killing_a_worker_mid_stream_ends_the_streams_with_an_error(checkpoints):
+    async def run():
+        engine = AsyncLLMEngine(EngineConfig(model=str(checkpoints["one_kv_head"]), tensor_parallel_size=2,
+                                             max_model_len=256, seed=0))
+        pids = _worker_pids(engine)
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+        async def consume(request_id):
+            got = 0
+            async for _ in engine.generate(PROMPTS[0], params, request_id):
+                got += 1
+                if got == 3 and request_id == "a":
+                    os.kill(pids[0], signal.SIGKILL)
+            return got
+
+        results = await asyncio.wait_for(asyncio.gather(consume("a"), consume("b"), return_exceptions=True), 60)
+        assert all(isinstance(r, Exception) for r in results), results
+        with pytest.raises(Exception):
+            engine.check_health()
+        await engine.shutdown()
+        return pids
+
+    pids = asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids), "a worker process was left behind"
+    assert parallel_state.tp_size() == 1 or not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel_size=0), "--tensor-parallel-size"),
+    (dict(tensor_parallel_size=3), "--tensor-parallel-size"),  # 4 heads do not split over 3 ranks
+    (dict(tensor_parallel_size=2, distributed_executor_backend="slurm"), "--distributed-executor-backend"),
+])
+def test_bad_values_fail_at_start_naming_the_flag(checkpoints, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(checkpoints["one_kv_head"]), **kwargs)
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except FileNotFoundError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _workers_of(pid: int) -> list[int]:
+    return [c for c in _descendants(pid) if b"asyncengine.distributed.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@pytest.mark.slow
+def test_a_served_worker_killed_mid_stream_ends_the_stream_503s_and_the_server_exits_1(tmp_path):
+    """`asyncengine serve -tp 2` (engine process, rank 0 in it, rank 1 its child): killing rank 1 mid-stream
+    ends the stream with an error frame, /health answers 503, the server exits 1 and no process is left."""
+    import httpx
+    from test_server_cli import CLIServer, stream_events
+    from test_server_engine_process import wait_gone
+
+    server = CLIServer(None, "-tp", "2", "--max-model-len", "512", log_dir=tmp_path, num_kv_blocks=256)
+    try:
+        everyone = _descendants(server.proc.pid)
+        workers = _workers_of(server.proc.pid)
+        assert len(workers) == 1, everyone
+        events, first = [], threading.Event()
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        reader = threading.Thread(target=stream_events, args=(server.url, body, events, first), daemon=True)
+        reader.start()
+        assert first.wait(60), server.logs()
+        os.kill(workers[0], signal.SIGKILL)
+        reader.join(30)
+        assert not reader.is_alive()
+        assert any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+        health = httpx.get(server.url + "/health", timeout=10)
+        code = server.proc.wait(30)
+    finally:
+        server.kill()
+    assert health.status_code == 503
+    assert code == 1, server.logs()
+    assert all(wait_gone(p, 10) for p in everyone), "a process was left behind"
+
+
+def test_the_ray_backend_without_ray_names_the_extra(checkpoints, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(ValueError, match=r"asyncengine\[ray\]"):
+        LLM(model=str(checkpoints["one_kv_head"]), tensor_parallel_size=2, distributed_executor_backend="ray")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "one_kv_head"])
+def test_two_gpus_give_the_greedy_tokens_of_one(checkpoints, arch):
+    """On CUDA: NCCL, CUDA graphs captured on both ranks with the collectives inside, lookahead on (the default);
+    float32 so that the ranks' partial sums cannot flip a greedy token."""
+    def run(tp):
+        llm = LLM(model=str(checkpoints[arch]), tensor_parallel_size=tp, dtype="float32", max_model_len=256,
+                  gpu_memory_utilization=0.3, seed=0)
+        try:
+            assert llm.engine.runner.graphs is not None
+            return [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 4, GREEDY, use_tqdm=False)]
+        finally:
+            llm.close()
+
+    assert_same_tokens(run(2), run(1))
