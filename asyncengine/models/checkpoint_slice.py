@@ -47,6 +47,17 @@ class CheckpointSlice:
         bounds[dim] = (lo + start, lo + start + length)
         return CheckpointSlice(self._lazy, tuple(bounds))
 
+    def __getitem__(self, key):
+        """Basic slicing (slices with step 1, per leading dimension) stays lazy; anything else reads the window."""
+        keys = key if isinstance(key, tuple) else (key,)
+        if len(keys) > self.dim() or not all(isinstance(k, slice) and k.step in (None, 1) for k in keys):
+            return self.read()[key]
+        window = self
+        for dim, k in enumerate(keys):
+            start, stop, _ = k.indices(window.shape[dim])
+            window = window.narrow(dim, start, max(0, stop - start))
+        return window
+
     def read(self) -> torch.Tensor:
         """The window's values, read from the file now."""
         if not self._bounds:  # a scalar
