@@ -48,6 +48,10 @@ class Checkpoints:
             if name == "one_kv_head":  # one KV head for two ranks: replicated, each rank's cache holds it
                 self.built[name] = build_checkpoint(self.root / name, "Qwen3ForCausalLM", lm_head_std=0.5,
                                                     num_key_value_heads=1)
+            elif name == "MistralForCausalLM":  # no sliding window here, so that the tight cache preempts
+                self.built[name] = build_checkpoint(self.root / name, name, lm_head_std=0.5, sliding_window=None)
+            elif name == "mistral_sliding_window":  # the test checkpoints' Mistral (window 12)
+                self.built[name] = build_checkpoint(self.root / name, "MistralForCausalLM", lm_head_std=0.5)
             else:
                 self.built[name] = build_checkpoint(self.root / name, name, lm_head_std=0.5)
         return self.built[name]
@@ -81,7 +85,7 @@ def assert_same_tokens(got, want):
 FAMILIES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 CASES = [pytest.param(a, marks=() if a == "one_kv_head" else pytest.mark.slow) for a in FAMILIES + ["one_kv_head"]]
 # families added since (sliding windows, soft-caps, experts): the same tokens, slow
-OTHERS = [a for a in ARCHITECTURES if a not in FAMILIES]
+OTHERS = [a for a in ARCHITECTURES if a not in FAMILIES] + ["mistral_sliding_window"]
 
 
 @pytest.mark.parametrize("arch", CASES)
