@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, offline benchmark, served benchmark. Logs under $OUT (or ./gpu_out).
-# Usage: bash scripts/gpu_run.sh [tests|bench|served|served-modes|served-engine-process|before-after|profile|all] [extra args]
+# Usage: bash scripts/gpu_run.sh [tests|bench|served|served-modes|served-engine-process|before-after|tp N|profile|all] [extra args]
 # served-modes: offline W1 (same engine flags as the server), then the server with --engine-process, then
 # in-process, each at unlimited rate with enough client processes (--workers), and each mode's ratio to offline,
 # all in one bench_served call; extra args go to it (e.g. --workers 8, --rates 16 inf --prompts-per-rate 200).
 # before-after: W1 and W3 of an older revision unpacked in .old/ (`bash scripts/prepare_old.sh REV`, then carry
 # .old), then of this tree, in one lease; extra args go to both bench_offline calls.
+# tp N: on a machine of N >= 2 GPUs, the tensor-parallel GPU tests (NCCL, graphs on every rank), then
+# bench_offline's TP mode (a Llama-3-70B shape over N GPUs, weights drawn on each GPU); extra args go to it.
 # The served benchmark needs the server's wheels: run ../shared/tools/device-wheels.sh first and carry .whl.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -47,6 +49,14 @@ if [[ $what == before-after ]]; then
     | tee "$OUT/before.log" | tail -6)
   python3 -m loadtest.bench_offline --only W1 W3 --skip-peers --out "$OUT/after" "$@" 2>&1 \
     | grep -v "rope_parameters\|Loading weights" | tee "$OUT/after.log" | tail -6
+fi
+if [[ $what == tp ]]; then
+  tp=${1:?usage: gpu_run.sh tp N [bench_offline args]}; shift
+  timeout 400 python3 -m pytest -q -s -m gpu tests/test_tensor_parallel.py -p no:cacheprovider 2>&1 \
+    | grep -v "rope_parameters\|Loading weights\|Writing model" | tee "$OUT/tp_tests.log" | tail -12
+  rc=${PIPESTATUS[0]}
+  python3 -m loadtest.bench_offline --tensor-parallel-size "$tp" --out "$OUT" "$@" 2>&1 \
+    | grep -v "rope_parameters\|Loading weights\|Writing model" | tee "$OUT/tp_bench.log" | tail -12
 fi
 if [[ $what == profile ]]; then
   python3 -m loadtest.profile_steps --out "$OUT" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" \
