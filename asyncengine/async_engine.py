@@ -143,13 +143,18 @@ class AsyncLLMEngine:
     @property
     def pooling(self) -> bool:
         """Served with the pooling runner (embeddings or scores), not to generate."""
-        return self._pooling is not None
+        return self._pooling is not None and not self._pooling.generates
+
+    @property
+    def embeds(self) -> bool:
+        """Serves embeddings: an embedding model, or a decoder served to generate that pools alongside."""
+        return self._pooling is not None and self._pooling.task == "embed"
 
     @property
     def pooling_task(self) -> Optional[str]:
         """What pooling requests this engine serves: "embed" (embedding models), "score" (cross-encoders), or
         None (a model served to generate)."""
-        return None if self._pooling is None else self._pooling.task
+        return self._pooling.task if self.pooling else None
 
     @property
     def errored(self) -> bool:
@@ -210,13 +215,14 @@ class AsyncLLMEngine:
         pooling_params: Optional[PoolingParams] = None,
         request_id: Optional[str] = None,
     ) -> AsyncIterator[EmbeddingRequestOutput]:
-        """Embed one prompt (text or token ids) with the pooling runner; yields one EmbeddingRequestOutput (vLLM's
-        shape: `.outputs.embedding`, `.prompt_token_ids`). Raises (at the first iteration) ValueError for bad input
-        or a model loaded to generate, QueueFullError and EngineDeadError as generate() does. Stopping early
-        aborts the request."""
-        if not self.pooling:
-            raise ValueError("encode needs the pooling runner: this model was loaded to generate "
-                             "(start the engine with runner='pooling' to embed with it)")
+        """Embed one prompt (text or token ids); yields one EmbeddingRequestOutput (vLLM's shape:
+        `.outputs.embedding`, `.prompt_token_ids`). On a model served to generate, the request is prefill-only in
+        the generation scheduler (LLMEngine). Raises (at the first iteration) ValueError for bad input or a model
+        that cannot embed, QueueFullError and EngineDeadError as generate() does. Stopping early aborts the
+        request."""
+        if self._pooling is None:
+            raise ValueError("encode: this model cannot embed (its pooling config is not supported; see the "
+                             "server's log), or it runs a pooling engine that does not report its limits")
         params = pooling_params or PoolingParams()
         [prompt_ids] = await self.pooling_prompt_ids([prompt], params)
         stream = await self.add_request(prompt_ids, params, request_id)
@@ -245,10 +251,13 @@ class AsyncLLMEngine:
 
     def _validate(self, prompt_ids: list[int], params) -> None:
         """The one validation of a request at the edge: ValueError naming the field."""
-        if self._pooling is not None:
-            self._pooling.check(prompt_ids, params)  # also refuses SamplingParams: cannot generate
-        elif isinstance(params, PoolingParams):
-            raise ValueError("pooling requests need the pooling runner: this model was loaded to generate")
+        if isinstance(params, PoolingParams):
+            if self._pooling is None:
+                raise ValueError("this model cannot embed: its sentence-transformers pooling config is not "
+                                 "supported (the server's log says why)")
+            self._pooling.check(prompt_ids, params)
+        elif self.pooling:
+            self._pooling.check(prompt_ids, params)  # refuses SamplingParams: the pooling runner cannot generate
         else:
             validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
 

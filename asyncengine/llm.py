@@ -118,6 +118,8 @@ class LLM:
                           "Scored pairs", use_tqdm)
 
     def _check_pooling(self, what: str) -> None:
+        if what == "embed" and isinstance(self.engine, LLMEngine):
+            return  # a decoder loaded to generate embeds too (in its scheduler; LLMEngine.check_prompt)
         if not isinstance(self.engine, PoolingEngine):
             raise ValueError(f"{what} needs the pooling runner: this model was loaded to generate "
                              f"(pass runner='pooling' to LLM(...) for an embedding model or a cross-encoder)")
