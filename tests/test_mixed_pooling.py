@@ -9,6 +9,7 @@ import asyncio
 import base64
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -73,6 +74,17 @@ def run_mixed(engine: LLMEngine, gen_prompts: list[list[int]], embed_ids: list[l
     return generated, embeddings, facts
 
 
+def generate_alone(folder, gen_prompts: list[list[int]]) -> list[list[int]]:
+    """The greedy tokens of the generation requests run without any embedding request."""
+    alone = engine_for(folder)
+    for i, ids in enumerate(gen_prompts):
+        alone.add_request(f"gen-{i}", ids, GREEDY)
+    finished = {}
+    while alone.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in alone.step() if o.finished)
+    return [finished[f"gen-{i}"].outputs[0].token_ids for i in range(len(gen_prompts))]
+
+
 def test_mixed_batches_equal_pooling_engine_transformers_and_generation_alone(folder):
     engine = engine_for(folder)
     tok = engine.tokenizer
@@ -92,13 +104,33 @@ def test_mixed_batches_equal_pooling_engine_transformers_and_generation_alone(fo
     assert cosines(ours, reference).min() >= COSINE_MIN
     assert torch.allclose(ours, reference, atol=1e-5)
 
-    alone = engine_for(folder)
+    assert generated == generate_alone(folder, gen_prompts)
+
+
+def test_lookahead_and_preemption_keep_embeddings_and_tokens(folder):
+    """The CUDA default (lookahead: the next step is scheduled before this one is booked) and a KV cache so small
+    that requests are preempted and recomputed, embeddings among them."""
+    tight = LLMEngine(EngineConfig(model=str(folder), max_model_len=256, max_num_batched_tokens=BUDGET,
+                                   num_kv_blocks=256 // 16, block_size=16))
+    tok = tight.tokenizer
+    gen_prompts = [tok(t).input_ids[:40] for t in sentences(6, seed=5, max_words=30)]
+    embed_ids = embed_inputs(tok, 10, seed=10)
     for i, ids in enumerate(gen_prompts):
-        alone.add_request(f"gen-{i}", ids, GREEDY)
-    finished = {}
-    while alone.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in alone.step() if o.finished)
-    assert generated == [finished[f"gen-{i}"].outputs[0].token_ids for i in range(len(gen_prompts))]
+        tight.add_request(f"gen-{i}", ids, GREEDY)
+    for i, ids in enumerate(embed_ids):
+        tight.add_request(f"emb-{i}", ids, PoolingParams())
+    outputs = {}
+    with ThreadPoolExecutor(1) as device:
+        for step_outputs in tight.run_pipelined(device, lookahead=True):
+            outputs.update((o.request_id, o) for o in step_outputs if o.finished)
+    assert tight.scheduler.num_preemptions > 0
+    assert_no_leaks(tight)
+    ours = torch.tensor([outputs[f"emb-{i}"].outputs.embedding for i in range(len(embed_ids))])
+    reference = F.normalize(transformers_last_hidden(folder, embed_ids), dim=-1)
+    assert cosines(ours, reference).min() >= COSINE_MIN
+
+    generated = [outputs[f"gen-{i}"].outputs[0].token_ids for i in range(len(gen_prompts))]
+    assert generated == generate_alone(folder, gen_prompts)
 
 
 def test_llm_embed_on_a_generation_engine_and_its_errors(folder, tmp_path):
