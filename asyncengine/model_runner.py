@@ -4,6 +4,7 @@ and samples the next tokens.
 Batch layout of one step (T tokens over B scheduled requests, S of which sample):
     input_ids, positions, slot_mapping: [T]    query_start_loc: [B + 1]    seq_lens: [B]
     block_tables: [B, max_blocks]             logits_indices: [S] (last row of each sampling request)
+    pooling_indices: [P] (last row of each pooling request, only when the step has one) -> pooled [P, hidden] fp32
 Host-side inputs are built as CPU tensors (pinned on CUDA) and copied without blocking. A step is `launch`ed
 (forward and sampling queued on the device, sampled tokens copied into pinned host memory behind a CUDA event)
 and later `collect`ed (waits on that event: the step's one host sync). Between the two the host may prepare and

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from asyncengine.config import EngineConfig, load_model_config, resolve_max_model_len
 from asyncengine.engine import EngineStats, LLMEngine, PromptType, StepStats
