@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_no_leaks
-from test_embeddings import COSINE_MIN, cosines, sentence_transformers_decoder, sentences, transformers_last_hidden
+from test_embeddings import (COSINE_MIN, cosines, needs_cuda, sentence_transformers_decoder, sentences,
+                             transformers_last_hidden)
 from test_server_harness import ServerThread
 
 from asyncengine import LLM
@@ -210,3 +211,36 @@ def test_openai_client_embeddings_and_chat_concurrently_through_the_engine_proce
         with pytest.raises(openai.BadRequestError) as info:
             refused.embeddings.create(model="tiny", input="hi", dimensions=8)
         assert info.value.body["param"] == "dimensions"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_mixed_batches_with_lookahead_and_decode_graphs(folder):
+    """On CUDA the defaults differ (lookahead, decode CUDA graphs, Triton attention): float32 embeddings of a mixed
+    run still equal transformers', and the greedy tokens those of the same engine without embeddings."""
+    def engine():
+        return LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32", max_model_len=256,
+                                      max_num_batched_tokens=BUDGET, num_kv_blocks=128))
+
+    def run(eng, gen_prompts, embed_ids):
+        for i, ids in enumerate(gen_prompts):
+            eng.add_request(f"gen-{i}", ids, GREEDY)
+        for i, ids in enumerate(embed_ids):
+            eng.add_request(f"emb-{i}", ids, PoolingParams())
+        outputs = {}
+        with ThreadPoolExecutor(1) as device:
+            for step_outputs in eng.run_pipelined(device):
+                outputs.update((o.request_id, o) for o in step_outputs if o.finished)
+        assert_no_leaks(eng)
+        return outputs
+
+    mixed = engine()
+    gen_prompts = [mixed.tokenizer(t).input_ids[:40] for t in sentences(8, seed=11, max_words=30)]
+    embed_ids = embed_inputs(mixed.tokenizer, 24, seed=12)
+    outputs = run(mixed, gen_prompts, embed_ids)
+    ours = torch.tensor([outputs[f"emb-{i}"].outputs.embedding for i in range(len(embed_ids))])
+    reference = F.normalize(transformers_last_hidden(folder, embed_ids), dim=-1)
+    assert cosines(ours, reference).min() >= COSINE_MIN
+    alone = run(engine(), gen_prompts, [])
+    assert [outputs[f"gen-{i}"].outputs[0].token_ids for i in range(len(gen_prompts))] == \
+        [alone[f"gen-{i}"].outputs[0].token_ids for i in range(len(gen_prompts))]
