@@ -229,11 +229,17 @@ class AsyncLLMEngine:
         async for output in self.iterate(stream):
             yield output
 
+    @property
+    def _max_pooling_len(self) -> int:
+        """The longest input a pooling request takes (on a generating engine it may be below max_model_len: the
+        checkpoint's sentence-transformers max_seq_length)."""
+        return self._pooling.max_model_len if self._pooling is not None else self.max_model_len
+
     async def pooling_prompt_ids(self, prompts: list[PromptType], params: PoolingParams) -> list[list[int]]:
         """The token ids each pooling prompt embeds, truncated as params ask; tokenized off the loop when the texts
         are long or many."""
         def run() -> list[list[int]]:
-            return pooling_token_ids(self.tokenizer, prompts, params, self.max_model_len)
+            return pooling_token_ids(self.tokenizer, prompts, params, self._max_pooling_len)
 
         if sum(len(p) for p in prompts if isinstance(p, str)) > _OFF_LOOP_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, run)
@@ -243,7 +249,7 @@ class AsyncLLMEngine:
                               ) -> list[tuple[list[int], Optional[int]]]:
         """A cross-encoder's inputs (see pooling_engine.pair_token_ids); tokenized off the loop when long or many."""
         def run():
-            return pair_token_ids(self.tokenizer, pairs, params, self.max_model_len)
+            return pair_token_ids(self.tokenizer, pairs, params, self._max_pooling_len)
 
         if sum(len(a) + len(b) for a, b in pairs) > _OFF_LOOP_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, run)

@@ -143,12 +143,19 @@ class LLMEngine:
         when the checkpoint's pooling config cannot be served (check_prompt says why)."""
         if self.pooler is None:
             return None
-        return PoolingLimits(self.pooler, self.model_config.hidden_size, self.vocab_size, self.max_model_len,
+        return PoolingLimits(self.pooler, self.model_config.hidden_size, self.vocab_size, self._max_embed_len,
                              generates=True)
+
+    @property
+    def _max_embed_len(self) -> int:
+        """The longest input an embedding takes: max_model_len, lowered to sentence-transformers' max_seq_length
+        when the checkpoint has one (as the pooling runner does unless max_model_len is given)."""
+        limit = self.pooler.max_seq_length if self.pooler is not None else None
+        return min(self.max_model_len, limit) if limit else self.max_model_len
 
     def tokenize(self, prompts: list[PromptType], params: PoolingParams) -> list[list[int]]:
         """Token ids of pooling prompts (see pooling_params.pooling_token_ids)."""
-        return pooling_token_ids(self.tokenizer, prompts, params, self.max_model_len)
+        return pooling_token_ids(self.tokenizer, prompts, params, self._max_embed_len)
 
     def check_prompt(self, prompt_ids: list[int], params: PoolingParams) -> None:
         """ValueError (naming the field) when this pooling request cannot run here: PoolingLimits.check."""

@@ -154,6 +154,12 @@ def test_llm_embed_on_a_generation_engine_and_its_errors(folder, tmp_path):
     unnormalised = LLM(str(plain), runner="generate", max_model_len=256, max_num_batched_tokens=BUDGET)
     raw = torch.tensor([o.outputs.embedding for o in unnormalised.embed(ids, use_tqdm=False)])
     assert torch.allclose(raw, transformers_last_hidden(folder, ids), atol=1e-5)
+    (plain / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 40}))
+    capped = LLM(str(plain), runner="generate", max_model_len=256)
+    with pytest.raises(ValueError, match="^input is 41 tokens but this model takes at most 40"):
+        capped.embed([[5] * 41], use_tqdm=False)
+    [cut] = capped.embed([ids[0] + [5] * 50], PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    assert len(cut.prompt_token_ids) == 40
     mean = tmp_path / "mean"
     shutil.copytree(plain, mean)
     (mean / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
