@@ -250,3 +250,18 @@ def test_gpu_mixed_batches_with_lookahead_and_decode_graphs(folder):
     alone = run(engine(), gen_prompts, [])
     assert [outputs[f"gen-{i}"].outputs[0].token_ids for i in range(len(gen_prompts))] == \
         [alone[f"gen-{i}"].outputs[0].token_ids for i in range(len(gen_prompts))]
+
+
+def test_two_tensor_parallel_ranks_embed_as_one(folder):
+    """Rank 0 pools the hidden states its forward pass ends with (replicated on every rank after the last
+    all-reduce), so tensor parallelism changes nothing."""
+    llm = LLM(str(folder), tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=BUDGET,
+              num_kv_blocks=64)
+    try:
+        ids = embed_inputs(llm.get_tokenizer(), 6, seed=13)
+        ours = torch.tensor([o.outputs.embedding for o in llm.embed(ids, use_tqdm=False)])
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.close()
+    reference = F.normalize(transformers_last_hidden(folder, ids), dim=-1)
+    assert cosines(ours, reference).min() >= COSINE_MIN
