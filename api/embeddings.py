@@ -53,7 +53,7 @@ _TASK_ROUTES = {"embed": "/v1/embeddings", "score": "/score and /rerank"}
 def check_pooling_task(engine: AsyncLLMEngine, task: str, model: str) -> None:
     """400 naming `model` when the served model does not do `task` ("embed" or "score")."""
     served = engine.pooling_task
-    if served == task:
+    if served == task or (task == "embed" and engine.embeds):  # a decoder served to generate embeds too
         return
     does = ("is served to generate; start the server with --runner pooling to pool with it" if served is None
             else f"serves {_TASK_ROUTES[served]}")

@@ -143,13 +143,18 @@ class AsyncLLMEngine:
     @property
     def pooling(self) -> bool:
         """Served with the pooling runner (embeddings or scores), not to generate."""
-        return self._pooling is not None
+        return self._pooling is not None and not self._pooling.generates
+
+    @property
+    def embeds(self) -> bool:
+        """Serves embeddings: an embedding model, or a decoder served to generate that pools alongside."""
+        return self._pooling is not None and self._pooling.task == "embed"
 
     @property
     def pooling_task(self) -> Optional[str]:
         """What pooling requests this engine serves: "embed" (embedding models), "score" (cross-encoders), or
         None (a model served to generate)."""
-        return None if self._pooling is None else self._pooling.task
+        return self._pooling.task if self.pooling else None
 
     @property
     def errored(self) -> bool:
@@ -210,24 +215,31 @@ class AsyncLLMEngine:
         pooling_params: Optional[PoolingParams] = None,
         request_id: Optional[str] = None,
     ) -> AsyncIterator[EmbeddingRequestOutput]:
-        """Embed one prompt (text or token ids) with the pooling runner; yields one EmbeddingRequestOutput (vLLM's
-        shape: `.outputs.embedding`, `.prompt_token_ids`). Raises (at the first iteration) ValueError for bad input
-        or a model loaded to generate, QueueFullError and EngineDeadError as generate() does. Stopping early
-        aborts the request."""
-        if not self.pooling:
-            raise ValueError("encode needs the pooling runner: this model was loaded to generate "
-                             "(start the engine with runner='pooling' to embed with it)")
+        """Embed one prompt (text or token ids); yields one EmbeddingRequestOutput (vLLM's shape:
+        `.outputs.embedding`, `.prompt_token_ids`). On a model served to generate, the request is prefill-only in
+        the generation scheduler (LLMEngine). Raises (at the first iteration) ValueError for bad input or a model
+        that cannot embed, QueueFullError and EngineDeadError as generate() does. Stopping early aborts the
+        request."""
+        if self._pooling is None:
+            raise ValueError("encode: this model cannot embed (its pooling config is not supported; see the "
+                             "server's log), or it runs a pooling engine that does not report its limits")
         params = pooling_params or PoolingParams()
         [prompt_ids] = await self.pooling_prompt_ids([prompt], params)
         stream = await self.add_request(prompt_ids, params, request_id)
         async for output in self.iterate(stream):
             yield output
 
+    @property
+    def _max_pooling_len(self) -> int:
+        """The longest input a pooling request takes (on a generating engine it may be below max_model_len: the
+        checkpoint's sentence-transformers max_seq_length)."""
+        return self._pooling.max_model_len if self._pooling is not None else self.max_model_len
+
     async def pooling_prompt_ids(self, prompts: list[PromptType], params: PoolingParams) -> list[list[int]]:
         """The token ids each pooling prompt embeds, truncated as params ask; tokenized off the loop when the texts
         are long or many."""
         def run() -> list[list[int]]:
-            return pooling_token_ids(self.tokenizer, prompts, params, self.max_model_len)
+            return pooling_token_ids(self.tokenizer, prompts, params, self._max_pooling_len)
 
         if sum(len(p) for p in prompts if isinstance(p, str)) > _OFF_LOOP_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, run)
@@ -237,7 +249,7 @@ class AsyncLLMEngine:
                               ) -> list[tuple[list[int], Optional[int]]]:
         """A cross-encoder's inputs (see pooling_engine.pair_token_ids); tokenized off the loop when long or many."""
         def run():
-            return pair_token_ids(self.tokenizer, pairs, params, self.max_model_len)
+            return pair_token_ids(self.tokenizer, pairs, params, self._max_pooling_len)
 
         if sum(len(a) + len(b) for a, b in pairs) > _OFF_LOOP_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, run)
@@ -245,10 +257,13 @@ class AsyncLLMEngine:
 
     def _validate(self, prompt_ids: list[int], params) -> None:
         """The one validation of a request at the edge: ValueError naming the field."""
-        if self._pooling is not None:
-            self._pooling.check(prompt_ids, params)  # also refuses SamplingParams: cannot generate
-        elif isinstance(params, PoolingParams):
-            raise ValueError("pooling requests need the pooling runner: this model was loaded to generate")
+        if isinstance(params, PoolingParams):
+            if self._pooling is None:
+                raise ValueError("this model cannot embed: its sentence-transformers pooling config is not "
+                                 "supported (the server's log says why)")
+            self._pooling.check(prompt_ids, params)
+        elif self.pooling:
+            self._pooling.check(prompt_ids, params)  # refuses SamplingParams: the pooling runner cannot generate
         else:
             validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
 

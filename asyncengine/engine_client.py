@@ -76,7 +76,7 @@ class InProcessClient:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
-        self.pooling = self.engine.limits if isinstance(self.engine, PoolingEngine) else None
+        self.pooling = self.engine.limits  # also a generating engine's, which embeds alongside (generates=True)
         self.stats_listeners = self.engine.stats_listeners
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-step")
         self._pending_aborts: set[str] = set()

@@ -72,7 +72,7 @@ class CoreFacts:
 
     max_model_len: int
     vocab_size: int
-    pooling: Optional[PoolingLimits] = None  # a pooling engine's limits; None for one that generates
+    pooling: Optional[PoolingLimits] = None  # the engine's pooling limits (generates=True: it generates too)
 
 
 # -- the wire form of an output -----------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> 
     except BaseException as exc:  # noqa: BLE001 - the parent must hear why the engine could not start
         outbox_conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(2)
-    pooling = getattr(engine, "limits", None)  # PoolingEngine only
+    pooling = engine.limits  # a generating engine's too: it embeds alongside (PoolingLimits.generates)
     outbox_conn.send(("ready", CoreFacts(engine.max_model_len, engine.vocab_size, pooling)))
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_pump_inbox, args=(inbox_conn, inbox), name="asyncengine-core-inbox", daemon=True).start()

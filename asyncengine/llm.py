@@ -88,8 +88,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (a string or a list of token ids), in the order of `prompts`; each output's
-        `.outputs.embedding` is a list of floats. Needs the pooling runner. Bad input raises ValueError before
-        anything runs."""
+        `.outputs.embedding` is a list of floats. With the pooling runner, or on a decoder loaded to generate (last
+        token, in its scheduler; LLMEngine.check_prompt). Bad input raises ValueError before anything runs."""
         self._check_pooling("embed")
         params = pooling_params or PoolingParams()
         prompt_list = self._as_list(prompts)
@@ -118,6 +118,8 @@ class LLM:
                           "Scored pairs", use_tqdm)
 
     def _check_pooling(self, what: str) -> None:
+        if what == "embed" and isinstance(self.engine, LLMEngine):
+            return  # a decoder loaded to generate embeds too (in its scheduler; LLMEngine.check_prompt)
         if not isinstance(self.engine, PoolingEngine):
             raise ValueError(f"{what} needs the pooling runner: this model was loaded to generate "
                              f"(pass runner='pooling' to LLM(...) for an embedding model or a cross-encoder)")

@@ -4,6 +4,7 @@ and samples the next tokens.
 Batch layout of one step (T tokens over B scheduled requests, S of which sample):
     input_ids, positions, slot_mapping: [T]    query_start_loc: [B + 1]    seq_lens: [B]
     block_tables: [B, max_blocks]             logits_indices: [S] (last row of each sampling request)
+    pooling_indices: [P] (last row of each pooling request, only when the step has one) -> pooled [P, hidden] fp32
 Host-side inputs are built as CPU tensors (pinned on CUDA) and copied without blocking. A step is `launch`ed
 (forward and sampling queued on the device, sampled tokens copied into pinned host memory behind a CUDA event)
 and later `collect`ed (waits on that event: the step's one host sync). Between the two the host may prepare and
@@ -51,6 +52,10 @@ class StepInputs:
     # input rows [F] whose token is in flight, and their rows [F] in the previous step's sampled tokens
     feedback: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     step_index: int = 0  # the order of prepare() calls; a step with feedback must follow its source directly
+    # pooling requests whose last prompt token this step computes, and those tokens' rows [P] (None: no such
+    # request, the usual case: nothing of pooling touches the step then)
+    pooling_requests: tuple[Request, ...] = ()
+    pooling_indices: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -60,6 +65,7 @@ class LaunchedStep:
     inputs: StepInputs
     host: Optional["SamplerOutput"] = None  # None when no request samples
     event: Optional[torch.cuda.Event] = None  # None on CPU, where launching computes everything
+    pooled: Optional[torch.Tensor] = None  # [P, hidden] float32 final hidden states at the pooling rows (host)
 
 
 @dataclass
@@ -68,6 +74,7 @@ class StepResult:
 
     tokens: dict[str, int]
     logprobs: dict[str, dict[int, Logprob]]
+    pooled: Optional[torch.Tensor] = None  # [P, hidden] float32, in the order of StepInputs.pooling_requests
 
 
 class ModelRunner:
@@ -268,6 +275,8 @@ class ModelRunner:
             request.inflight_row = row
         logits_idx = np.array([qsl[i + 1] - 1 for i, s in enumerate(items) if s.samples], dtype=np.int64)
         inflight = np.isin(logits_idx, feedback[0]).tolist()  # a sampling row whose last input is in flight
+        pooling = tuple(s.request for s in items if s.pools)
+        pooling_idx = [qsl[i + 1] - 1 for i, s in enumerate(items) if s.pools] if pooling else None
         qsl_cpu, lens_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_lens)
         metadata = AttentionMetadata(
             query_start_loc=to_device(qsl, self.device),
@@ -294,6 +303,8 @@ class ModelRunner:
             logprobs_asked={r.request_id: r.params.logprobs for r in sampling if r.params.logprobs is not None},
             feedback=tuple(to_device(a, self.device, torch.int64) for a in feedback) if feedback[0] else None,
             step_index=self._num_prepared,
+            pooling_requests=pooling,
+            pooling_indices=to_device(np.array(pooling_idx, dtype=np.int64), self.device) if pooling else None,
         )
 
     @staticmethod
@@ -333,9 +344,12 @@ class ModelRunner:
             self._check_workers()
             self.channel.send(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices,
                               inputs.graph_size)
-        logits = self._forward(inputs)
+        logits, hidden = self._forward(inputs)
+        pooled = None
+        if inputs.pooling_indices is not None:  # never in a graph replay (a pure decode step)
+            pooled = hidden.index_select(0, inputs.pooling_indices).float()  # [P, hidden]
         if logits is None:
-            return LaunchedStep(inputs)
+            return self._launched_without_sampling(inputs, pooled)
         grammar = inputs.sampling.grammar
         if grammar is not None:  # the forward is queued: build the mask while the device runs it
             inputs.sampling.grammar_bitmask = grammar.mask(self.device)
@@ -346,24 +360,35 @@ class ModelRunner:
         if self.device.type == "cpu":
             if grammar is not None:
                 grammar.record_sampled(out.token_ids, None)
-            return LaunchedStep(inputs, out)
+            return LaunchedStep(inputs, out, pooled=pooled)
         host = SamplerOutput(*(None if t is None else self._copy_to_pinned(t)
                                for t in (out.token_ids, out.logprobs, out.logprob_ids, out.ranks)))
+        pooled_host = self._copy_to_pinned(pooled) if pooled is not None else None
         event = torch.cuda.Event()
         event.record()
         if grammar is not None:
             grammar.record_sampled(host.token_ids, event)
-        return LaunchedStep(inputs, host, event)
+        return LaunchedStep(inputs, host, event, pooled_host)
 
-    def _forward(self, inputs) -> Optional[torch.Tensor]:
-        """The step's forward pass (a graph replay or eager) and its logits [S, vocab] float32, None if no row
-        samples. `inputs`: StepInputs, or a worker's FollowerStep (the same fields but sampling)."""
+    def _launched_without_sampling(self, inputs: StepInputs, pooled: Optional[torch.Tensor]) -> LaunchedStep:
+        """A step of prefill chunks only: nothing to read back but the pooled states, if any."""
+        if pooled is None or self.device.type == "cpu":
+            return LaunchedStep(inputs, pooled=pooled)
+        pooled_host = self._copy_to_pinned(pooled)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(inputs, event=event, pooled=pooled_host)
+
+    def _forward(self, inputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The step's forward pass (a graph replay or eager): its logits [S, vocab] float32 (None if no row
+        samples) and final hidden states [T, hidden] (None for a graph replay). `inputs`: StepInputs, or a
+        worker's FollowerStep (the same fields but sampling and pooling)."""
         if inputs.graph_size is not None:
-            return self.graphs.run(inputs.graph_size, inputs)
+            return self.graphs.run(inputs.graph_size, inputs), None
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         if inputs.logits_indices.shape[0] == 0:
-            return None
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+            return None, hidden
+        return self.model.compute_logits(hidden[inputs.logits_indices]), hidden
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -391,12 +416,15 @@ class ModelRunner:
         return host.copy_(tensor, non_blocking=True)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
-        """Wait for a launched step (the step's one host sync) and read its sampled tokens and logprobs."""
-        if launched.host is None:
+        """Wait for a launched step (the step's one host sync) and read its sampled tokens, logprobs and pooled
+        states."""
+        if launched.host is None and launched.pooled is None:
             return StepResult({}, {})
         if launched.event is not None:
             launched.event.synchronize()
-        return self._to_host(launched.inputs, launched.host)
+        result = self._to_host(launched.inputs, launched.host) if launched.host is not None else StepResult({}, {})
+        result.pooled = launched.pooled
+        return result
 
     def _to_host(self, inputs: StepInputs, out: SamplerOutput) -> StepResult:
         """Host-side result of the sampled tokens `out` (host tensors, or CPU-device ones)."""

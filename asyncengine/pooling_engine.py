@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from asyncengine.config import EngineConfig, load_model_config, resolve_max_model_len
 from asyncengine.engine import EngineStats, LLMEngine, PromptType, StepStats
 from asyncengine.models import model_class_for
 from asyncengine.pooler import PoolerConfig, choose_runner, load_cross_encoder_pooler, load_pooler_config
-from asyncengine.pooling_params import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput,
-                                        ScoringOutput, ScoringRequestOutput)
+from asyncengine.pooling_params import (EmbeddingOutput, EmbeddingRequestOutput, PoolingLimits, PoolingParams,  # noqa: F401
+                                        PoolingRequestOutput, ScoringOutput, ScoringRequestOutput, finish_embedding,
+                                        pooling_token_ids)
 from asyncengine.pooling_runner import LaunchedPooling, PoolingInputs, PoolingRunner
 from asyncengine.tokenizer import load_tokenizer
 
@@ -59,22 +59,6 @@ class PoolingStep:
     requests: list[PoolingRequest]
     inputs: PoolingInputs
     launched: Optional[LaunchedPooling] = None
-
-
-def pooling_token_ids(tokenizer, prompts: list[PromptType], params: PoolingParams, max_model_len: int
-                      ) -> list[list[int]]:
-    """Token ids of text or id prompts, cut as params.truncate_prompt_tokens says (see PoolingParams): texts
-    through the tokenizer's own truncation (one batch call), ids by keeping the last ones."""
-    limit = params.truncation_length(max_model_len)
-    texts = [p for p in prompts if isinstance(p, str)]
-    if not texts:
-        encoded = iter(())
-    elif limit is None:
-        encoded = iter(tokenizer(texts).input_ids)
-    else:
-        encoded = iter(tokenizer(texts, truncation=True, max_length=limit).input_ids)
-    return [next(encoded) if isinstance(p, str) else (list(p)[-limit:] if limit is not None else list(p))
-            for p in prompts]
 
 
 TextPair = tuple[str, str]
@@ -131,40 +115,6 @@ def pooling_runner_for(config: EngineConfig) -> bool:
     archs = [a for a in raw.get("architectures") or [] if a in supported_architectures()]
     is_encoder = bool(archs) and bool(getattr(model_class_for(archs[0]), "is_encoder", False))
     return choose_runner(config.runner, folder, is_encoder) == "pooling"
-
-
-@dataclass(frozen=True)
-class PoolingLimits:
-    """What validating a pooling request needs to know of the model: kept by the engine, and sent by an engine
-    process to the server's side at start-up (so the server validates before it sends)."""
-
-    pooler: PoolerConfig
-    hidden_size: int
-    vocab_size: int
-    max_model_len: int
-
-    @property
-    def task(self) -> str:
-        """"score" for a cross-encoder, else "embed"."""
-        return "score" if self.pooler.scores else "embed"
-
-    def check(self, prompt_ids: list[int], params: PoolingParams) -> None:
-        """ValueError when the input or the params cannot run on this model; the message names the field."""
-        if not isinstance(params, PoolingParams):
-            raise ValueError("this model is served with the pooling runner: it embeds or scores (encode / embed / "
-                             "score, /v1/embeddings, /score) and cannot generate")
-        if not prompt_ids:
-            raise ValueError("input must not be empty")
-        vocab = self.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
-            raise ValueError(f"input token ids must be integers in [0, {vocab})")
-        if len(prompt_ids) > self.max_model_len:
-            raise ValueError(f"input is {len(prompt_ids)} tokens but this model takes at most {self.max_model_len}; "
-                             "pass truncate_prompt_tokens to cut it")
-        params.check_for_model(self.pooler, self.hidden_size)
-        if params.second_text_start is not None and params.second_text_start > len(prompt_ids):
-            raise ValueError(f"second_text_start ({params.second_text_start}) is beyond the input's "
-                             f"{len(prompt_ids)} tokens")
 
 
 def build_engine(config: EngineConfig):
@@ -325,22 +275,10 @@ class PoolingEngine:
             if self.pooler.scores:
                 request.result = float(vector)
             else:
-                request.result = self._finish_vector(vector, request.params).tolist()
+                request.result = finish_embedding(vector, self.pooler, request.params)
             booked.append(request)
         self._stats.prompt_tokens += sum(len(r.prompt_token_ids) for r in booked)
         return booked
-
-    def _finish_vector(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-        """The request's view of a pooled vector [hidden]: first `dimensions` values, then (re)normalised when
-        the model normalises (or the request asks to)."""
-        normalize = self.pooler.normalize if params.normalize is None else params.normalize
-        if params.dimensions is not None:
-            vector = vector[: params.dimensions]
-        elif normalize == self.pooler.normalize:
-            return vector  # pooled as asked
-        if normalize:
-            vector = F.normalize(vector, p=2, dim=-1)
-        return vector
 
     def emit(self, booked: list[PoolingRequest]) -> list[PoolingRequestOutput]:
         """Final outputs of the booked requests, which are then forgotten."""

@@ -19,8 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
+import torch
+import torch.nn.functional as F
+
 from asyncengine.pooler import PoolerConfig
 from asyncengine.sampling_params import RequestOutputKind
+
+PromptType = Union[str, list[int]]
 
 
 PoolingTask = Literal["embed", "score"]
@@ -113,3 +118,73 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 
 class ScoringRequestOutput(PoolingRequestOutput):
     """A text pair's score from a cross-encoder: `outputs` is a ScoringOutput (or None, aborted)."""
+
+
+def pooling_token_ids(tokenizer, prompts: list[PromptType], params: PoolingParams, max_model_len: int
+                      ) -> list[list[int]]:
+    """Token ids of text or id prompts, cut as params.truncate_prompt_tokens says (see PoolingParams): texts
+    through the tokenizer's own truncation (one batch call), ids by keeping the last ones."""
+    limit = params.truncation_length(max_model_len)
+    texts = [p for p in prompts if isinstance(p, str)]
+    if not texts:
+        encoded = iter(())
+    elif limit is None:
+        encoded = iter(tokenizer(texts).input_ids)
+    else:
+        encoded = iter(tokenizer(texts, truncation=True, max_length=limit).input_ids)
+    return [next(encoded) if isinstance(p, str) else (list(p)[-limit:] if limit is not None else list(p))
+            for p in prompts]
+
+
+@dataclass(frozen=True)
+class PoolingLimits:
+    """What validating a pooling request needs to know of the model: kept by the engine, and sent by an engine
+    process to the server's side at start-up (so the server validates before it sends)."""
+
+    pooler: PoolerConfig
+    hidden_size: int
+    vocab_size: int
+    max_model_len: int
+    # The model is served to generate and pools alongside (last-token pooling in the generation scheduler;
+    # LLMEngine): generation requests are valid too.
+    generates: bool = False
+
+    @property
+    def task(self) -> str:
+        """"score" for a cross-encoder, else "embed"."""
+        return "score" if self.pooler.scores else "embed"
+
+    def check(self, prompt_ids: list[int], params: PoolingParams) -> None:
+        """ValueError when the input or the params cannot run on this model; the message names the field."""
+        if self.generates and isinstance(params, PoolingParams) and self.pooler.mode != "last":
+            raise ValueError(f"this model's {self.pooler.mode} pooling (its sentence-transformers config) is not "
+                             "supported while it is served to generate, where a prompt may be split across chunks "
+                             "and the prefix cache: serve it with --runner pooling (runner='pooling') to embed")
+        if not isinstance(params, PoolingParams):
+            raise ValueError("this model is served with the pooling runner: it embeds or scores (encode / embed / "
+                             "score, /v1/embeddings, /score) and cannot generate")
+        if not prompt_ids:
+            raise ValueError("input must not be empty")
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"input token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"input is {len(prompt_ids)} tokens but this model takes at most {self.max_model_len}; "
+                             "pass truncate_prompt_tokens to cut it")
+        params.check_for_model(self.pooler, self.hidden_size)
+        if params.second_text_start is not None and params.second_text_start > len(prompt_ids):
+            raise ValueError(f"second_text_start ({params.second_text_start}) is beyond the input's "
+                             f"{len(prompt_ids)} tokens")
+
+
+def finish_embedding(vector: torch.Tensor, pooler: PoolerConfig, params: PoolingParams) -> list[float]:
+    """The request's view of a pooled vector [hidden] (pooled as `pooler` says): its first `dimensions` values,
+    then (re)normalised when the model normalises (or the request asks to)."""
+    normalize = pooler.normalize if params.normalize is None else params.normalize
+    if params.dimensions is not None:
+        vector = vector[: params.dimensions]
+    elif normalize == pooler.normalize:
+        return vector.tolist()  # pooled as asked
+    if normalize:
+        vector = F.normalize(vector, p=2, dim=-1)
+    return vector.tolist()

@@ -95,6 +95,10 @@ class Request:
         self.generator: Optional[torch.Generator] = None  # per-request RNG when params.seed is set
         self.detokenizer = None  # set at creation by the engine (tokenizer.IncrementalDetokenizer)
         self.grammar = None  # structured_output.RequestGrammar when params.structured_outputs is set
+        # set for a pooling request (an embedding) served by the generation engine: prefill-only, it never
+        # samples; the step that computes its last prompt token pools there instead, and that step's booking
+        # finishes it (its blocks freed at once). `params` is then unused defaults.
+        self.pooling_params = None  # pooling_params.PoolingParams
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,10 @@ Each step, `schedule()` decides how many new tokens every request computes:
 Since decodes are scheduled before any prefill chunk, a long prompt never stalls running requests: it advances
 by the budget left over each step.
 
+Pooling requests (embeddings on a model served to generate, Request.pooling_params) are prefill-only: scheduled
+like any prompt (same budget, chunks, blocks), they never sample; the step that computes their last token pools
+it (ScheduledRequest.pools), and booking that step finishes them and frees their blocks.
+
 `schedule()` books a step's effect on each request at once: `num_computed_tokens` advances, and a request that
 samples counts one more token in flight. So the next step can be scheduled before this one's tokens are known
 (lookahead): a decoding request's next input is then the in-flight token, which the model runner takes from the
@@ -42,19 +46,23 @@ MAX_ADMISSION_DELAY_STEPS = 16  # bounds the extra queueing min_prefill_batch ma
 @dataclass
 class ScheduledRequest:
     """One request's share of a step: tokens [start, start + num_new_tokens) of it. `samples` is True when the
-    step reaches the request's last token, so its logits give the next token. Both default to the request's
-    state at construction (the scheduler builds items before it advances the request)."""
+    step reaches the request's last token, so its logits give the next token; for a pooling request (never
+    samples) `pools` is True instead: the step's hidden state at that token is its embedding. All default to the
+    request's state at construction (the scheduler builds items before it advances the request)."""
 
     request: Request
     num_new_tokens: int
     start: int = -1
     samples: Optional[bool] = None
+    pools: bool = False
 
     def __post_init__(self) -> None:
         if self.start < 0:
             self.start = self.request.num_computed_tokens
         if self.samples is None:
-            self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+            reaches_end = self.start + self.num_new_tokens == self.request.num_tokens
+            self.pools = reaches_end and self.request.pooling_params is not None
+            self.samples = reaches_end and not self.pools
 
 
 @dataclass
@@ -129,6 +137,9 @@ class Scheduler:
             if request.num_inflight and reaches_length_limit(request, self.max_model_len):
                 i += 1  # its last token is in flight: nothing more to compute
                 continue
+            if request.num_computed_tokens == request.num_tokens:
+                i += 1  # a pooling request whose pass is scheduled (lookahead): finished when booked
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
                 victim = self.running[-1]
@@ -201,6 +212,9 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:  # not preempted since
                 self.block_manager.register_full_blocks(request, item.start + item.num_new_tokens)
+            if item.pools:  # its pass is done: the engine takes the pooled state, the KV is not needed any more
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                continue
             if not item.samples:
                 continue
             token = sampled.get(request.request_id)

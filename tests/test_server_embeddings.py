@@ -145,15 +145,12 @@ def test_1000_concurrent_requests(server, reference):
     assert server.engine_idle()
 
 
-def test_generate_model_refuses_embeddings_and_pooling_model_refuses_completions(client, llama_dir):
+def test_generate_model_refuses_scores_and_pooling_model_refuses_completions(client, llama_dir):
+    """(A decoder served to generate embeds too: test_mixed_pooling.py.)"""
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="minilm", prompt="hi", max_tokens=2)
     assert "pooling runner" in info.value.body["message"]
     with ServerThread(str(llama_dir)) as generating:
-        other = openai.OpenAI(base_url=generating.url + "/v1", api_key="unused", max_retries=0)
-        with pytest.raises(openai.BadRequestError) as info:
-            other.embeddings.create(model=generating.engine.model_name, input="hi")
-        assert info.value.body["param"] == "model" and "--runner pooling" in info.value.body["message"]
         refused = httpx.post(generating.url + "/score", json={"text_1": "a", "text_2": "b"}, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
 
