@@ -41,6 +41,16 @@ def llama_dir(checkpoint_dir) -> Path:
     return checkpoint_dir("LlamaForCausalLM")
 
 
+THINK_TOKENS = ("<think>", "</think>")
+
+
+@pytest.fixture(scope="session")
+def think_dir(tmp_path_factory) -> Path:
+    """The tiny random Llama with `<think>` and `</think>` as added tokens (ids 384 and 385), as a reasoning
+    model's tokenizer has them."""
+    return build_checkpoint(tmp_path_factory.mktemp("think") / "model", added_tokens=THINK_TOKENS)
+
+
 def assert_no_leaks(engine) -> None:
     """Every KV block free, nothing queued or running, no request state left behind."""
     assert not engine.scheduler.running, engine.scheduler.running
@@ -81,4 +91,4 @@ def assert_same_completions(mine, theirs, atol: float = LOGPROB_ATOL) -> None:
             assert all(abs(x[k] - y[k]) <= atol for k in x), f"position {position}: {x} vs {y}"
 
 
-__all__ = ["ARCHITECTURES", "LOGPROB_ATOL", "assert_no_leaks", "assert_same_completions"]
+__all__ = ["ARCHITECTURES", "LOGPROB_ATOL", "THINK_TOKENS", "assert_no_leaks", "assert_same_completions"]
