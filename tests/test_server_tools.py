@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import THINK_IDS
 from test_server_errors import assert_error
 from test_server_harness import ServerThread
 
@@ -369,19 +370,59 @@ def test_reasoning_split_streamed_and_not(parser, text, reasoning, content, piec
     assert ("".join(r for r, _ in pieces) or None, "".join(c for _, c in pieces)) == (reasoning, content)
 
 
-def test_reasoning_content_over_the_api_streamed_and_not():
-    with ServerThread(default_model_path(), app_kwargs={"served_model_name": ["default"],
-                                                        "reasoning_parser": "qwen3"}) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        # the default model does not think: a regex makes it write a <think> block
-        kwargs = dict(model="default", messages=CHAT, temperature=1.0, seed=4, max_tokens=60,
-                      extra_body={"structured_outputs": {"regex": r"<think>[a-z ]{3,12}</think>(Romeo|Juliet)\."}})
-        message = client.chat.completions.create(**kwargs).choices[0].message
-        reasoning = message.model_extra["reasoning_content"]
-        assert 3 <= len(reasoning) <= 12 and message.content in ("Romeo.", "Juliet.")
-        streamed_reasoning, streamed_content = "", ""
-        for chunk in client.chat.completions.create(stream=True, **kwargs):
-            for choice in chunk.choices:
-                streamed_reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
-                streamed_content += choice.delta.content or ""
-        assert (streamed_reasoning, streamed_content) == (reasoning, message.content)
+def streamed_reasoning_and_content(client, **kwargs) -> tuple[str, str]:
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            content += choice.delta.content or ""
+    return reasoning, content
+
+
+ANSWER = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "b": {"enum": ["x", "y"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def think_server(think_dir):
+    """The tiny checkpoint with think tokens, --reasoning-parser deepseek_r1 (the output starts in the thinking)."""
+    with ServerThread(think_dir, app_kwargs={"served_model_name": ["tiny"], "reasoning_parser": "deepseek_r1"},
+                      max_model_len=512) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}},
+    {"tools": [{"type": "function", "function": {"name": "answer", "parameters": ANSWER}}],
+     "tool_choice": "required", "parallel_tool_calls": False},
+])
+def test_a_constraint_applies_to_the_answer_after_the_thinking_streamed_and_not(think_server, constraint):
+    """The thinking is free (the same reasoning_content as without the constraint, same seed) and the answer
+    after </think> obeys the constraint; streamed reasoning and answer are the non-streamed ones."""
+    client = openai.OpenAI(base_url=think_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    end = THINK_IDS[1]
+    for seed in range(3):
+        # a bias on </think> makes the random model close its thinking within a few tokens
+        kwargs = dict(model="tiny", messages=CHAT, temperature=1.0, seed=seed, max_tokens=100, logit_bias={end: 3.5})
+        free = client.chat.completions.create(**kwargs).choices[0].message
+        choice = client.chat.completions.create(**kwargs, **constraint).choices[0]
+        reasoning = choice.message.model_extra["reasoning_content"]
+        assert reasoning == free.model_extra["reasoning_content"]
+        if "tools" in constraint:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            arguments = choice.message.tool_calls[0].function.arguments
+            jsonschema.validate(json.loads(arguments), ANSWER)
+            streamed, finish_reasons, _ = streamed_calls(client, **kwargs, **constraint)
+            assert streamed == [("answer", arguments)] and finish_reasons == {"tool_calls"}
+        else:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), ANSWER)
+            assert streamed_reasoning_and_content(client, **kwargs, **constraint) == (reasoning or "",
+                                                                                   choice.message.content)
+    assert think_server.engine_idle()
+
+
+def test_reasoning_parser_needs_the_think_markers_as_single_tokens(server):
+    with pytest.raises(ValueError, match="reasoning_parser qwen3 needs '<think>' to be one token"):
+        create_app(server.engine, reasoning_parser="qwen3")  # the default model does not think

@@ -16,7 +16,7 @@ import pytest
 from asyncengine import LLM, SamplingParams, StructuredOutputsParams, ThinkingTokens
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.config import EngineConfig
-from conftest import assert_no_leaks
+from conftest import THINK_IDS, assert_no_leaks
 
 PROMPTS = ["KING HENRY:\nOnce more unto the breach", "And God said, Let there be", "To be, or not to be", "O Romeo"]
 
@@ -227,7 +227,7 @@ def test_async_engine_constrains_in_process_and_in_the_engine_process(engine_pro
 ANSWER_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                                   "b": {"enum": ["x", "y"]}},
                  "required": ["a", "b"], "additionalProperties": False}
-START, END = 384, 385  # think_dir's <think> and </think>
+START, END = THINK_IDS  # think_dir's <think> and </think>
 
 
 @pytest.fixture(scope="module")
