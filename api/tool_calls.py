@@ -152,6 +152,10 @@ def tool_call_mode(request: ChatCompletionRequest, auto_parser: Optional[str] = 
             or request.structured_outputs is not None:
         raise bad_request("a forced tool call (tool_choice) and response_format / structured_outputs exclude "
                           "each other", "tool_choice")
+    if request.min_tokens or request.ignore_eos:  # SamplingParams would say "structured_outputs", not sent here
+        field_name = "min_tokens" if request.min_tokens else "ignore_eos"
+        raise bad_request(f"{field_name} cannot be combined with a forced tool call (tool_choice \"required\" or a "
+                          "named function): its output ends with EOS", field_name)
     one = call_schema(names, schemas)
     # A named function is one call; "required" may be several unless parallel_tool_calls is false.
     parallel = request.tool_choice == "required" and request.parallel_tool_calls is not False

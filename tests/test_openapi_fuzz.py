@@ -243,7 +243,8 @@ def test_a_forced_tool_call_excludes_min_tokens_and_ignore_eos_in_the_document_a
     assert validator.is_valid(body)
     assert not validator.is_valid({**body, **extra})
     refused = httpx.post(open_server.url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == param and "forced tool call" in error["message"]
     # the rule is the forced call's: with tool_choice "none", or a user turn the template renders, it is allowed
     assert validator.is_valid({**body, **extra, "tool_choice": "none"})
     user_turn = {**body, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
