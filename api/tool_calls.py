@@ -174,11 +174,15 @@ class ScannedCall:
     complete: bool
 
 
-def _object_end(text: str, start: int) -> Optional[int]:
+def _object_end(text: str, start: int, memo: Optional[dict] = None) -> Optional[int]:
     """Index just past the JSON object starting at text[start] ("{"), or None if the text ends first. Only
-    braces outside strings count."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
+    braces outside strings count. memo: where an earlier call on a prefix of the same text stopped, by `start`
+    (the scan resumes there, so a streamed object costs time linear in its length)."""
+    memo = memo if memo is not None else {}
+    if ("end", start) in memo:
+        return memo["end", start]
+    pos, depth, in_string, escaped = memo.get(start, (start, 0, False, False))
+    for i in range(pos, len(text)):
         ch = text[i]
         if in_string:
             if escaped:
@@ -194,7 +198,9 @@ def _object_end(text: str, start: int) -> Optional[int]:
         elif ch in "}]":
             depth -= 1
             if depth == 0:
+                memo["end", start] = i + 1
                 return i + 1
+    memo[start] = (len(text), depth, in_string, escaped)
     return None
 
 
@@ -233,11 +239,12 @@ class CallFormat:
                 return None, 0, size
         return None, 0, 0
 
-    def scan_run(self, text: str, body: int) -> tuple[list[ScannedCall], Optional[int]]:
+    def scan_run(self, text: str, body: int, memo: Optional[dict] = None) -> tuple[list[ScannedCall], Optional[int]]:
         """The calls read so far of the run whose body starts at text[body] (names whole, arguments so far), and
         where the run ends (None: not decided yet; more text may continue it). On a longer text the result only
         grows: the same calls, arguments longer, names unchanged. Partial regex matches tell "not yet" (the text
-        ends inside a match) from "no" (it cannot match)."""
+        ends inside a match) from "no" (it cannot match). memo: kept by the caller across growing prefixes of
+        one text, so that objects are not rescanned from their start (see _object_end)."""
         calls: list[ScannedCall] = []
         opener = self._opener.match(text, body, partial=True)
         if opener is None or opener.partial:
@@ -259,9 +266,9 @@ class CallFormat:
             if not self.trusted:
                 calls.append(call)
             start = arguments.end() - 1  # the arguments' "{"
-            end = _object_end(text, start)
+            end = _object_end(text, start, memo)
             call.arguments, call.complete = text[start:end], end is not None
-            call_end = _object_end(text, text.index("{", pos)) if end is not None else None
+            call_end = _object_end(text, text.index("{", pos), memo) if end is not None else None
             if call_end is None:
                 return calls, None
             after = self._after.match(text, call_end, partial=True) if self._after is not None else None
@@ -305,14 +312,15 @@ def calls_of_fragments(fragments: list[DeltaToolCall]) -> list[ToolCall]:
 class ToolCallStream:
     """One choice's calls, read as its text comes: fed text deltas, returns (content, new `delta.tool_calls`
     fragments). Content goes out as soon as it is known not to start a run; a call's first fragment carries its
-    id, type and name, the next ones pieces of its arguments. Only a run's text is rescanned on each delta (a
-    run is a few calls: short)."""
+    id, type and name, the next ones pieces of its arguments. On each delta only the open run is scanned again,
+    its call heads by regex and its objects from where the last scan stopped (memo): linear in the output."""
 
     format: CallFormat
     parallel: bool = True
     text: str = ""
     pos: int = 0  # everything before it is decided (sent as content, or a finished run)
     run: Optional[tuple[int, int, int]] = None  # the open run: (start, body start, calls before it)
+    memo: dict = field(default_factory=dict)  # the open run's scan state (scan_run's memo)
     ids: list[str] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)  # characters of each call's arguments already sent
 
@@ -341,11 +349,11 @@ class ToolCallStream:
                     return "".join(content), fragments
                 self.run = (start, body, len(self.ids))
             start, body, before = self.run
-            calls, end = self.format.scan_run(self.text, body)
+            calls, end = self.format.scan_run(self.text, body, self.memo)
             fragments += self._fragments(calls, before)
             if end is None and not final:
                 return "".join(content), fragments
-            self.run = None
+            self.run, self.memo = None, {}
             if calls:
                 self.pos = len(self.text) if end is None else end
             else:  # not a run: its marker is content, and runs are looked for after it
