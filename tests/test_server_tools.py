@@ -19,11 +19,12 @@ from conftest import THINK_IDS
 from test_server_errors import assert_error
 from test_server_harness import ServerThread
 
-from asyncengine import default_model_path
+from asyncengine import ThinkingTokens, default_model_path
 from asyncengine.api.app import create_app
 from asyncengine.api.cli import build_parser
 from asyncengine.api.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from asyncengine.api.tool_calls import TOOL_PARSERS, AutoToolCalls, calls_of_fragments, scan_calls
+from asyncengine.tokenizer import load_tokenizer
 
 WEATHER = {
     "type": "object",
@@ -509,6 +510,10 @@ def test_a_constraint_applies_to_the_answer_after_the_thinking_streamed_and_not(
     assert think_server.engine_idle()
 
 
-def test_reasoning_parser_needs_the_think_markers_as_single_tokens(server):
+def test_reasoning_parser_needs_the_think_markers_as_single_tokens(server, think_dir):
     with pytest.raises(ValueError, match="reasoning_parser qwen3 needs '<think>' to be one token"):
         create_app(server.engine, reasoning_parser="qwen3")  # the default model does not think
+    tokenizer = load_tokenizer(str(think_dir))
+    start, end = THINK_IDS
+    assert REASONING_PARSERS["qwen3"].thinking_tokens(tokenizer, "qwen3") == ThinkingTokens(end=end, start=start)
+    assert REASONING_PARSERS["deepseek_r1"].thinking_tokens(tokenizer, "deepseek_r1") == ThinkingTokens(end=end)
