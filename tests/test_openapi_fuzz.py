@@ -114,13 +114,14 @@ def test_ten_thousand_fuzzed_cases_leave_no_error_no_leak_and_flat_memory(open_s
     """The long run: 10,000+ fuzzed cases (the coverage phase does not depend on the case count: the fast tests
     run it), in two halves with different seeds; the second half must not grow the server's memory."""
     cases = int(os.environ.get("OPENAPI_FUZZ_CASES_PER_OPERATION", "1300"))
+    rss_before = _rss_mib()
     first = assert_clean_run(run_schemathesis(open_server, cases, timeout=5400, phases="fuzzing"), open_server)
     rss_after_first = _rss_mib()
     second = assert_clean_run(run_schemathesis(open_server, cases, timeout=5400, phases="fuzzing", seed=SEED + 1),
                               open_server)
     rss_after_second = _rss_mib()
-    print(f"cases: {first} + {second}; server RSS after the first half {rss_after_first:.0f} MiB, after the second "
-          f"{rss_after_second:.0f} MiB")
+    print(f"cases: {first} + {second}; server RSS before {rss_before:.0f} MiB, after the first half "
+          f"{rss_after_first:.0f} MiB, after the second {rss_after_second:.0f} MiB")
     assert first + second >= 10_000 or "OPENAPI_FUZZ_CASES_PER_OPERATION" in os.environ
     assert rss_after_second - rss_after_first < 64, (rss_after_first, rss_after_second)
 
