@@ -268,7 +268,12 @@ _TOOL_CHOICE = {
     "then": {"required": ["tool_choice"], "properties": {"tool_choice": {
         "anyOf": [{"enum": ["none", "required"]}, {"type": "object"}]}}},
     "else": {"properties": {"tool_choice": {"anyOf": [{"const": "none"}, {"type": "null"}]}}}}
-_EOS_FREE = {"if": _CONSTRAINED, "then": {"properties": {"min_tokens": {"const": 0}, "ignore_eos": {"const": False}}}}
+_NO_EOS_SUPPRESSION = {"properties": {"min_tokens": {"const": 0}, "ignore_eos": {"const": False}}}
+_EOS_FREE = {"if": _CONSTRAINED, "then": _NO_EOS_SUPPRESSION}
+# tool_call_mode(): a forced call ("required" or a named function, with tools) is constrained output too.
+_FORCED_CALL = {"required": ["tools", "tool_choice"], "properties": {
+    "tools": {"type": "array", "minItems": 1}, "tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}}
+_CHAT_EOS_FREE = {"if": {"anyOf": [*_CONSTRAINED["anyOf"], _FORCED_CALL]}, "then": _NO_EOS_SUPPRESSION}
 BODY_RULES: dict[type, dict] = {
     # completion_params(): prompt logprobs are not computed
     CompletionRequest: {"not": {"required": ["echo", "logprobs"],
@@ -281,11 +286,12 @@ BODY_RULES: dict[type, dict] = {
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
         "properties": {"structured_outputs": _ONE_CONSTRAINT, "response_format": _FORMAT},
-        "allOf": [_EOS_FREE, _ONE_WAY, _TOOL_CHOICE],
+        "allOf": [_CHAT_EOS_FREE, _ONE_WAY, _TOOL_CHOICE],
         "description": "top_logprobs needs logprobs: true; tool_choice needs tools, and with tools it must be given "
                        "(\"auto\", its default, needs a server started with --enable-auto-tool-choice), a named "
                        "function must be one of the tools, and a forced call excludes a structured-output "
-                       "constraint"},
+                       "constraint; a constrained output (a structured-output constraint or a forced call) ends "
+                       "with EOS, so it excludes min_tokens and ignore_eos"},
     # Routes.tokenize()
     TokenizeRequest: {"oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
                                 {"required": ["messages"], "properties": {"messages": {"type": "array"}}}],

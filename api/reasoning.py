@@ -3,14 +3,22 @@
 
 One state machine reads both the whole text and a stream of deltas, so the streamed reasoning and content
 concatenate to exactly the non-streamed ones. A delta's trailing characters that may begin a marker are held back
-until the next delta (or the end) decides. Not done yet: a constraint (response_format, tools) applies to the
-whole output, thinking included; applying it only after `</think>` needs the engine's help.
+until the next delta (or the end) decides.
+
+A constraint (response_format, structured_outputs, a forced tool call) applies to the answer after `</think>`
+only: the engine's grammar starts after the end-of-thinking token (StructuredOutputsParams.after_thinking, from
+`ReasoningParser.thinking_tokens`), so the markers must be single tokens of the model's tokenizer, as they are in
+Qwen3's and DeepSeek-R1's. The engine's rule for where the thinking is matches this parser's, token for text: a
+`<think>` token starts a thinking only as the output's first token (qwen3), or the output starts inside it
+(deepseek_r1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from asyncengine.sampling_params import ThinkingTokens
 
 START, END = "<think>", "</think>"
 
@@ -21,6 +29,19 @@ class ReasoningParser:
     `<think>`); else it thinks only when it begins with `<think>` (Qwen3, where thinking can be switched off)."""
 
     starts_thinking: bool
+
+    def thinking_tokens(self, tokenizer, name: str) -> ThinkingTokens:
+        """The token ids of the markers, for constraining only the answer; ValueError naming reasoning_parser
+        when the tokenizer does not hold each marker as one token."""
+        ids = {}
+        for marker in (START, END):
+            encoded = tokenizer.encode(marker, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise ValueError(f"reasoning_parser {name} needs {marker!r} to be one token of the model's "
+                                 f"tokenizer (it encodes to {len(encoded)} tokens), so that a constraint can start "
+                                 "after the thinking")
+            ids[marker] = encoded[0]
+        return ThinkingTokens(end=ids[END], start=None if self.starts_thinking else ids[START])
 
 
 REASONING_PARSERS = {

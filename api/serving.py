@@ -162,6 +162,7 @@ class OpenAIServing:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
                              f"{reasoning_parser!r}")
         self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self.thinking = self.reasoning.thinking_tokens(engine.tokenizer, reasoning_parser) if self.reasoning else None
 
     @property
     def model_name(self) -> str:
@@ -196,6 +197,9 @@ class OpenAIServing:
         forced = isinstance(tools, ForcedToolCalls)
         tool_renames = TOOL_RENAMES if forced else {}
         params = chat_params(request, self.options.policy, tools.constraint if forced else None, tool_renames)
+        if self.thinking is not None and params.structured_outputs is not None:  # constrain the answer only
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                params.structured_outputs, after_thinking=self.thinking))
         prompt = await self.chat_prompt(request.messages, request.add_generation_prompt,
                                         request.chat_template_kwargs, tools=request.tools)
         params = self._default_max_tokens(params, [prompt])

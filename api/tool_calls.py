@@ -8,8 +8,15 @@ structured outputs, compiled by xgrammar) whose instances are exactly the valid 
     parallel calls:  [<one call>, ...]   (at least one; `parallel_tool_calls` true, the default, and "required")
 
 Keys come out in that order (xgrammar follows the schema's property order) and the JSON is compact by default, but
-the reader below accepts any whitespace. A call's `arguments` string is the raw text the model produced for it,
-both when streamed and not, so the streamed fragments reassemble to exactly the non-streamed call.
+the reader below accepts any whitespace.
+
+Reading calls back, forced or parsed from free text under tool_choice "auto" (Hermes, Llama 3 JSON, Mistral), is
+one incremental reader (ToolCallStream) over a CallFormat: content streams as it comes, a call's id and name go
+out as soon as they are read, then its arguments as the model writes them. A call's `arguments` string is the
+raw text the model produced for it, and the non-streamed answer is the same reader fed the whole text at once, so
+the streamed fragments reassemble to exactly the non-streamed calls. Nothing is lost when max_tokens cuts a call
+short: its arguments so far are returned (finish_reason "length"), and an output cut before any call could be
+read is returned as content.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
+
+import regex
 
 from asyncengine.api.errors import bad_request
 from asyncengine.api.protocol import (
@@ -96,18 +105,36 @@ def call_schema(names: list[str], schemas: dict[str, dict]) -> dict:
 
 
 @dataclass
-class ForcedToolCalls:
-    """What a request with forced calls needs: the constraint on its output, and whether it is an array. The
-    output is all calls: content null, finish_reason "tool_calls" when it ended normally."""
+class ToolCallReader:
+    """Reads a choice's calls (and any content) out of its text: whole (`message`) or streamed (`stream`)."""
 
-    constraint: StructuredOutputsParams
-    parallel: bool
+    format: "CallFormat"
+    parallel: bool  # false: only the first call is returned
 
     def message(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
-        return None, tool_calls_of(text, self.parallel)
+        """(content, None when empty; the calls)."""
+        stream = self.stream()
+        content, fragments = stream.feed(text)
+        more_content, more_fragments = stream.finish()
+        return (content + more_content) or None, calls_of_fragments(fragments + more_fragments)
 
-    def stream(self) -> ToolCallStream:
-        return ToolCallStream(self.parallel)
+    def stream(self) -> "ToolCallStream":
+        return ToolCallStream(self.format, self.parallel)
+
+
+@dataclass
+class ForcedToolCalls(ToolCallReader):
+    """A request with forced calls: the constraint on its output, whose text is all calls (content null,
+    finish_reason "tool_calls" when it ended normally; content only when max_tokens cut it before a call's name
+    was complete)."""
+
+    constraint: Optional[StructuredOutputsParams] = None
+
+
+@dataclass
+class AutoToolCalls(ToolCallReader):
+    """tool_choice "auto" with a parser: content and calls are read from free text. With parallel_tool_calls
+    false only the first call is returned (the model cannot be held to one without a constraint)."""
 
 
 def tool_call_mode(request: ChatCompletionRequest, auto_parser: Optional[str] = None
@@ -125,16 +152,19 @@ def tool_call_mode(request: ChatCompletionRequest, auto_parser: Optional[str] = 
             or request.structured_outputs is not None:
         raise bad_request("a forced tool call (tool_choice) and response_format / structured_outputs exclude "
                           "each other", "tool_choice")
+    if request.min_tokens or request.ignore_eos:  # SamplingParams would say "structured_outputs", not sent here
+        field_name = "min_tokens" if request.min_tokens else "ignore_eos"
+        raise bad_request(f"{field_name} cannot be combined with a forced tool call (tool_choice \"required\" or a "
+                          "named function): its output ends with EOS", field_name)
     one = call_schema(names, schemas)
     # A named function is one call; "required" may be several unless parallel_tool_calls is false.
     parallel = request.tool_choice == "required" and request.parallel_tool_calls is not False
     schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
-    return ForcedToolCalls(StructuredOutputsParams(json=schema), parallel)
+    return ForcedToolCalls(ForcedCallFormat(parallel), parallel, StructuredOutputsParams(json=schema))
 
 
 # -- reading the output ---------------------------------------------------------------------------------------
-_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
-_SEPARATOR = re.compile(r"\s*,")
+_NAME = r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")'  # a call object's start, up to its name (group 1)
 
 
 @dataclass
@@ -144,11 +174,15 @@ class ScannedCall:
     complete: bool
 
 
-def _object_end(text: str, start: int) -> Optional[int]:
+def _object_end(text: str, start: int, memo: Optional[dict] = None) -> Optional[int]:
     """Index just past the JSON object starting at text[start] ("{"), or None if the text ends first. Only
-    braces outside strings count (the text is valid JSON so far: the grammar guarantees it)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
+    braces outside strings count. memo: where an earlier call on a prefix of the same text stopped, by `start`
+    (the scan resumes there, so a streamed object costs time linear in its length)."""
+    memo = memo if memo is not None else {}
+    if ("end", start) in memo:
+        return memo["end", start]
+    pos, depth, in_string, escaped = memo.get(start, (start, 0, False, False))
+    for i in range(pos, len(text)):
         ch = text[i]
         if in_string:
             if escaped:
@@ -164,63 +198,174 @@ def _object_end(text: str, start: int) -> Optional[int]:
         elif ch in "}]":
             depth -= 1
             if depth == 0:
+                memo["end", start] = i + 1
                 return i + 1
+    memo[start] = (len(text), depth, in_string, escaped)
     return None
 
 
+class CallFormat:
+    """Where calls lie in a text: in runs, each starting at a start marker, then `opener`, then call objects
+    `{"name": ..., <arguments_key>: {...}}` (any whitespace) separated by `separator`, then `closer`. Text
+    outside runs is content. A run in which no call can be read (its first call object does not start as one)
+    is content too, and so is its marker. Subclasses name their format in their docstring.
+
+    trusted: the text was constrained to valid calls, so a call counts as soon as its name is read (a call cut
+    right after its name keeps it, with empty arguments); otherwise only once its arguments' "{" has come."""
+
+    start_marker = ""
+    opener = ""
+    separator: Optional[str] = None  # None: one call per run
+    closer: Optional[str] = None  # None: the run ends after its last call
+    arguments_key = "arguments"
+    trusted = False
+
+    def __init__(self):
+        self._name = regex.compile(_NAME)
+        self._arguments = regex.compile(r'\s*,\s*"' + re.escape(self.arguments_key) + r'"\s*:\s*\{')
+        self._opener = regex.compile(r"\s*" + re.escape(self.opener))
+        after = [re.escape(m) for m in (self.separator, self.closer) if m]
+        self._after = regex.compile(r"\s*(?:(" + "|".join(after) + "))") if after else None
+
+    def find_start(self, text: str, pos: int) -> tuple[Optional[int], int, int]:
+        """(where the next run at or after `pos` starts, or None; where its body starts (after the marker); how
+        many trailing characters to hold back while there is none, because they may still begin one)."""
+        index = text.find(self.start_marker, pos)
+        if index >= 0:
+            return index, index + len(self.start_marker), 0
+        marker = self.start_marker
+        for size in range(min(len(marker) - 1, len(text) - pos), 0, -1):
+            if marker.startswith(text[len(text) - size:]):
+                return None, 0, size
+        return None, 0, 0
+
+    def scan_run(self, text: str, body: int, memo: Optional[dict] = None) -> tuple[list[ScannedCall], Optional[int]]:
+        """The calls read so far of the run whose body starts at text[body] (names whole, arguments so far), and
+        where the run ends (None: not decided yet; more text may continue it). On a longer text the result only
+        grows: the same calls, arguments longer, names unchanged. Partial regex matches tell "not yet" (the text
+        ends inside a match) from "no" (it cannot match). memo: kept by the caller across growing prefixes of
+        one text, so that objects are not rescanned from their start (see _object_end)."""
+        calls: list[ScannedCall] = []
+        opener = self._opener.match(text, body, partial=True)
+        if opener is None or opener.partial:
+            return calls, None if opener is not None else body
+        pos = opener.end()
+        while True:
+            name = self._name.match(text, pos, partial=True)
+            if name is None or name.partial:
+                return calls, None if name is not None else pos
+            try:
+                call = ScannedCall(json.loads(name.group(1)), "", False)
+            except ValueError:
+                return calls, pos
+            if self.trusted:
+                calls.append(call)
+            arguments = self._arguments.match(text, name.end(), partial=True)
+            if arguments is None or arguments.partial:
+                return calls, None if arguments is not None else pos
+            if not self.trusted:
+                calls.append(call)
+            start = arguments.end() - 1  # the arguments' "{"
+            end = _object_end(text, start, memo)
+            call.arguments, call.complete = text[start:end], end is not None
+            call_end = _object_end(text, text.index("{", pos), memo) if end is not None else None
+            if call_end is None:
+                return calls, None
+            after = self._after.match(text, call_end, partial=True) if self._after is not None else None
+            if after is None or after.partial:
+                return calls, None if after is not None else call_end
+            if self.separator is None or after.group(1) != self.separator:
+                return calls, after.end()  # the closer
+            pos = after.end()
+
+
+class ForcedCallFormat(CallFormat):
+    """A forced output: one call object, or (parallel) a JSON array of them; the whole text is the run."""
+
+    trusted = True
+
+    def __init__(self, parallel: bool):
+        if parallel:
+            self.opener, self.separator, self.closer = "[", ",", "]"
+        super().__init__()
+
+    def find_start(self, text, pos):
+        return (0, 0, 0) if pos == 0 else (None, 0, 0)
+
+
 def scan_calls(text: str, parallel: bool) -> list[ScannedCall]:
-    """The calls in (a prefix of) a forced output: each call whose name is complete, with its arguments so far.
-    On a prefix, the result only grows: names appear whole, arguments only get longer."""
-    calls: list[ScannedCall] = []
-    pos = 0
-    if parallel:
-        stripped = len(text) - len(text.lstrip())
-        if not text[stripped:stripped + 1] == "[":
-            return calls
-        pos = stripped + 1
-    while True:
-        head = _CALL_HEAD.match(text, pos)
-        if head is None:
-            return calls
-        name = json.loads(head.group(1))
-        start = head.end()
-        end = _object_end(text, start) if text[start:start + 1] == "{" else None
-        calls.append(ScannedCall(name, text[start:end] if end is not None else text[start:], end is not None))
-        if end is None or not parallel:
-            return calls
-        close = text.find("}", end)  # the call object's own closing brace
-        if close < 0:
-            return calls
-        separator = _SEPARATOR.match(text, close + 1)
-        if separator is None:
-            return calls
-        pos = separator.end()
+    """The calls in (a prefix of) a forced output: each call whose name is complete, with its arguments so far."""
+    return ForcedCallFormat(parallel).scan_run(text, 0)[0]
 
 
-def tool_calls_of(text: str, parallel: bool) -> list[ToolCall]:
-    """The non-streamed answer's tool calls (a call cut short by max_tokens keeps its partial arguments, as its
-    streamed fragments would)."""
-    return [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-            for c in scan_calls(text, parallel)]
+def calls_of_fragments(fragments: list[DeltaToolCall]) -> list[ToolCall]:
+    """The calls that streamed fragments reassemble to."""
+    calls: list[ToolCall] = []
+    for fragment in fragments:
+        if fragment.id is not None:
+            calls.append(ToolCall(id=fragment.id, function=FunctionCall(name=fragment.function.name, arguments="")))
+        calls[fragment.index].function.arguments += fragment.function.arguments or ""
+    return calls
 
 
 @dataclass
 class ToolCallStream:
-    """One streamed choice's forced calls: fed the text deltas, returns the `delta.tool_calls` fragments that are
-    new (a call's id, type and name once, then pieces of its arguments)."""
+    """One choice's calls, read as its text comes: fed text deltas, returns (content, new `delta.tool_calls`
+    fragments). Content goes out as soon as it is known not to start a run; a call's first fragment carries its
+    id, type and name, the next ones pieces of its arguments. On each delta only the open run is scanned again,
+    its call heads by regex and its objects from where the last scan stopped (memo): linear in the output."""
 
-    parallel: bool
+    format: CallFormat
+    parallel: bool = True
     text: str = ""
+    pos: int = 0  # everything before it is decided (sent as content, or a finished run)
+    run: Optional[tuple[int, int, int]] = None  # the open run: (start, body start, calls before it)
+    memo: dict = field(default_factory=dict)  # the open run's scan state (scan_run's memo)
     ids: list[str] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)  # characters of each call's arguments already sent
 
-    called: bool = True  # a forced output is all calls
+    @property
+    def called(self) -> bool:
+        return bool(self.ids)
 
     def feed(self, delta: str) -> tuple[str, list[DeltaToolCall]]:
-        """(content: always empty here, new fragments)."""
-        self.text += delta  # outputs of forced calls are short (a few hundred tokens); rescanning is cheap
+        self.text += delta
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        """What is left at the end of the output (an open run ends there, with what it holds)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, list[DeltaToolCall]]:
+        content: list[str] = []
+        fragments: list[DeltaToolCall] = []
+        while True:
+            if self.run is None:
+                start, body, hold = self.format.find_start(self.text, self.pos)
+                end = start if start is not None else len(self.text) - (0 if final else hold)
+                content.append(self.text[self.pos:max(end, self.pos)])
+                self.pos = max(end, self.pos)
+                if start is None:
+                    return "".join(content), fragments
+                self.run = (start, body, len(self.ids))
+            start, body, before = self.run
+            calls, end = self.format.scan_run(self.text, body, self.memo)
+            fragments += self._fragments(calls, before)
+            if end is None and not final:
+                return "".join(content), fragments
+            self.run, self.memo = None, {}
+            if calls:
+                self.pos = len(self.text) if end is None else end
+            else:  # not a run: its marker is content, and runs are looked for after it
+                self.pos = max(body, start + 1)
+                content.append(self.text[start:self.pos])
+
+    def _fragments(self, calls: list[ScannedCall], before: int) -> list[DeltaToolCall]:
         fragments = []
-        for index, call in enumerate(scan_calls(self.text, self.parallel)):
+        for offset, call in enumerate(calls):
+            index = before + offset
+            if index > 0 and not self.parallel:
+                break
             if index == len(self.ids):
                 self.ids.append(new_call_id())
                 self.sent.append(0)
@@ -230,167 +375,52 @@ class ToolCallStream:
             if piece:
                 self.sent[index] = len(call.arguments)
                 fragments.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=piece)))
-        return "", fragments
-
-    def finish(self) -> tuple[str, list[DeltaToolCall]]:
-        return "", []  # every fragment went out as it came
+        return fragments
 
 
-# -- tool_choice "auto": calls parsed from free text ----------------------------------------------------------
-class ToolParser:
-    """Reads one model family's tool-call format out of free text. Subclasses give the format in their docstring.
-
-    extract(text) -> (content, calls): `content` is the text outside the calls (exactly, unstripped), `calls`
-    (name, arguments as a JSON string). Text that starts a call but does not parse is all content (no calls),
-    as vLLM does. tool_start(text) -> where the first call starts, or None; hold(text) -> how many trailing
-    characters may still become a start marker (streaming holds them back)."""
-
-    start_marker = ""
-
-    def extract(self, text: str) -> tuple[str, list[tuple[str, str]]]:
-        raise NotImplementedError
-
-    def tool_start(self, text: str) -> Optional[int]:
-        index = text.find(self.start_marker)
-        return index if index >= 0 else None
-
-    def hold(self, text: str) -> int:
-        for size in range(min(len(self.start_marker) - 1, len(text)), 0, -1):
-            if self.start_marker.startswith(text[-size:]):
-                return size
-        return 0
-
-
-def _call(obj, arguments_key: str = "arguments") -> tuple[str, str]:
-    """(name, arguments JSON) of a parsed call object; ValueError when it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise ValueError("a call must be an object with a string name")
-    arguments = obj.get(arguments_key, {})
-    if not isinstance(arguments, dict):
-        raise ValueError("a call's arguments must be an object")
-    return obj["name"], json.dumps(arguments, ensure_ascii=False)
-
-
-class HermesToolParser(ToolParser):
+# -- tool_choice "auto": the models' formats ------------------------------------------------------------------
+class HermesToolParser(CallFormat):
     """Hermes / Qwen2.5 / Qwen3: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (JSON
     between the tags, whitespace around it allowed); content may come before, between and after the calls. The
     last call may lack its closing tag (the model stopped on EOS right after the JSON)."""
 
     start_marker = "<tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-
-    def extract(self, text):
-        if self.tool_start(text) is None:
-            return text, []
-        try:
-            calls = [_call(json.loads(m.group(1))) for m in self._BLOCK.finditer(text)]
-        except ValueError:
-            return text, []
-        return self._BLOCK.sub("", text), calls
+    closer = "</tool_call>"
 
 
-class Llama3JsonToolParser(ToolParser):
-    """Llama 3.1 / 3.2 JSON tool calling: the whole output is one JSON object `{"name": ..., "parameters":
-    {...}}` (optionally after `<|python_tag|>`), or several separated by `;`. Anything else is content."""
+class Llama3JsonToolParser(CallFormat):
+    """Llama 3.1 / 3.2 JSON tool calling: the output starts (after blanks, and optionally `<|python_tag|>`) with
+    a call `{"name": ..., "parameters": {...}}`, or several separated by `;`. Any other output is content, and
+    so is text after the calls."""
 
+    separator = ";"
+    arguments_key = "parameters"
     _PREFIX = "<|python_tag|>"
 
-    def tool_start(self, text):
+    def find_start(self, text, pos):
+        if pos > 0:
+            return None, 0, 0
         stripped = text.lstrip()
-        body = stripped[len(self._PREFIX):] if stripped.startswith(self._PREFIX) else stripped
-        return 0 if body.lstrip().startswith("{") else None
-
-    def hold(self, text):
-        stripped = text.lstrip()
-        # all of it while it is blank or may still become the prefix / a leading "{"
-        return len(text) if not stripped or self._PREFIX.startswith(stripped) or \
-            (stripped.startswith(self._PREFIX) and not stripped[len(self._PREFIX):].strip()) else 0
-
-    def extract(self, text):
-        if self.tool_start(text) is None:
-            return text, []
-        body = text.strip()
-        body = body[len(self._PREFIX):] if body.startswith(self._PREFIX) else body
-        try:
-            calls = [_call(json.loads(part), "parameters") for part in body.split(";") if part.strip()]
-        except ValueError:
-            return text, []
-        return "", calls
+        lead = len(text) - len(stripped)
+        if stripped.startswith(self._PREFIX):  # the leading blanks belong to the run
+            return 0, lead + len(self._PREFIX), 0
+        if stripped.startswith("{"):
+            return 0, 0, 0
+        undecided = not stripped or self._PREFIX.startswith(stripped)
+        return None, 0, len(text) if undecided else 0
 
 
-class MistralToolParser(ToolParser):
-    """Mistral: content, then `[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments": {...}}` as the rest
-    of the output. (Mistral's tokenizer makes [TOOL_CALLS] a special token: such a model needs
-    skip_special_tokens false for the marker to reach the text.)"""
+class MistralToolParser(CallFormat):
+    """Mistral: content, then `[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments": {...}}`. (Mistral's
+    tokenizer makes [TOOL_CALLS] a special token: such a model needs skip_special_tokens false for the marker to
+    reach the text.)"""
 
     start_marker = "[TOOL_CALLS]"
-
-    def extract(self, text):
-        start = self.tool_start(text)
-        if start is None:
-            return text, []
-        try:
-            array = json.loads(text[start + len(self.start_marker):])
-            calls = [_call(obj) for obj in (array if isinstance(array, list) else [array])]
-        except ValueError:
-            return text, []
-        return text[:start], calls
+    opener, separator, closer = "[", ",", "]"
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
+TOOL_PARSERS: dict[str, type[CallFormat]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
 }
-
-
-@dataclass
-class AutoToolCalls:
-    """tool_choice "auto" with a parser: content and calls are read from free text. With parallel_tool_calls
-    false only the first call is returned (the model cannot be held to one without a constraint)."""
-
-    parser: ToolParser
-    parallel: bool
-
-    def message(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
-        content, calls = self.parser.extract(text)
-        calls = calls if self.parallel else calls[:1]
-        return content or None, [ToolCall(id=new_call_id(), function=FunctionCall(name=n, arguments=a))
-                                 for n, a in calls]
-
-    def stream(self) -> AutoToolCallStream:
-        return AutoToolCallStream(self)
-
-
-@dataclass
-class AutoToolCallStream:
-    """One streamed choice under tool_choice "auto": content streams as it comes, except trailing characters
-    that may begin a start marker; from the first start marker on, the text is buffered and read at the end
-    (`finish`), which sends the rest of the content and each call whole (id, type, name and all its arguments).
-    The streamed content and calls are exactly the non-streamed ones."""
-
-    mode: AutoToolCalls
-    text: str = ""
-    sent: int = 0  # characters of content sent
-    in_call: bool = False
-    called: bool = False
-
-    def feed(self, delta: str) -> tuple[str, list[DeltaToolCall]]:
-        self.text += delta
-        if not self.in_call:
-            start = self.mode.parser.tool_start(self.text)
-            self.in_call = start is not None
-            end = start if start is not None else len(self.text) - self.mode.parser.hold(self.text)
-            if end > self.sent:
-                piece, self.sent = self.text[self.sent:end], end
-                return piece, []
-        return "", []
-
-    def finish(self) -> tuple[str, list[DeltaToolCall]]:
-        content, calls = self.mode.message(self.text)
-        content = content or ""
-        self.called = bool(calls)
-        fragments = [DeltaToolCall(index=i, id=c.id, type="function",
-                                   function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
-                     for i, c in enumerate(calls)]
-        return content[self.sent:], fragments

@@ -19,7 +19,12 @@ from asyncengine.engine import LLMEngine  # noqa: E402
 from asyncengine.llm import LLM  # noqa: E402
 from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from asyncengine.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams  # noqa: E402
-from asyncengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams  # noqa: E402
+from asyncengine.sampling_params import (  # noqa: E402
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    ThinkingTokens,
+)
 
 __version__ = "0.1.0"
 
@@ -29,6 +34,7 @@ __all__ = [
     "EngineConfig",
     "SamplingParams",
     "StructuredOutputsParams",
+    "ThinkingTokens",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",

@@ -231,7 +231,7 @@ class LLMEngine:
         children = [self._make_child(request_id, i, params, prompt_token_ids, max_tokens, arrival)
                     for i in range(params.n)]
         for child in children if compiled is not None else ():
-            child.grammar = RequestGrammar(compiled)  # one matcher per child, one compiled grammar
+            child.grammar = RequestGrammar(compiled, params.structured_outputs.after_thinking)  # a matcher per child
         self.output_processor.add(UserRequest(request_id, prompt, prompt_token_ids, params.output_kind, children))
         for child in children:
             if child.grammar is not None and not child.grammar.ready:

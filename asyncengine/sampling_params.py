@@ -9,7 +9,8 @@ must lie in. The semantics follow vLLM (and through it the OpenAI API):
 - max_tokens None means "the rest of max_model_len"; min_tokens suppresses EOS and stop_token_ids until reached.
 - stop strings are cut from the text unless include_stop_str_in_output.
 - structured_outputs (StructuredOutputsParams, vLLM's shape) constrains the output to a JSON schema, any JSON
-  object, a regular expression, a choice among strings or an EBNF grammar (asyncengine.structured_output).
+  object, a regular expression, a choice among strings or an EBNF grammar (asyncengine.structured_output); with
+  after_thinking (ThinkingTokens) it constrains only the answer that follows a reasoning model's thinking.
 """
 
 from __future__ import annotations
@@ -30,6 +31,29 @@ class RequestOutputKind(enum.Enum):
 _MAX_SEED = 2**63 - 1
 
 
+@dataclass(frozen=True)
+class ThinkingTokens:
+    """Where a reasoning model's thinking ends, for a constraint that applies only to the answer after it (the
+    server sets it from --reasoning-parser; api/reasoning.py). The thinking itself is free.
+
+    end: the token that closes the thinking (`</think>`); the constraint starts with the token after it.
+    start: None when the output begins inside the thinking (DeepSeek-R1: the prompt opened it); else the token that
+    opens it, which starts a thinking only as the output's first token (Qwen3: a first token other than it begins
+    the answer, so that first token may be `start` or anything the constraint allows)."""
+
+    end: int
+    start: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("end", "start"):
+            value = getattr(self, name)
+            _check(value is None and name == "start" or isinstance(value, int) and not isinstance(value, bool)
+                   and value >= 0, f"structured_outputs.after_thinking.{name}", f"must be a token id, got {value!r}")
+
+    def token_ids(self) -> list[int]:
+        return [self.end] if self.start is None else [self.start, self.end]
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the output, in vLLM's shape: exactly one of json (a JSON schema, as a dict or a JSON
@@ -37,7 +61,10 @@ class StructuredOutputsParams:
 
     disable_any_whitespace: whether JSON may hold free whitespace between its tokens. Unlike vLLM, the default
     (None) is compact JSON (separators ", " and ": "): free whitespace lets a weak model spend all of max_tokens
-    on blanks (the default model does, at temperature 1, in every sample). False asks for free whitespace."""
+    on blanks (the default model does, at temperature 1, in every sample). False asks for free whitespace.
+
+    after_thinking: None constrains the whole output; ThinkingTokens constrain only the answer after the thinking
+    (not part of vLLM's request shape: vLLM takes the reasoning parser as an engine option)."""
 
     json: Optional[dict | str] = None
     regex: Optional[str] = None
@@ -45,6 +72,7 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
     disable_any_whitespace: Optional[bool] = None
+    after_thinking: Optional[ThinkingTokens] = None
 
     _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -74,6 +102,8 @@ class StructuredOutputsParams:
         _check(self.json_object in (None, True, False), "structured_outputs.json_object", "must be a boolean")
         _check(self.disable_any_whitespace in (None, True, False), "structured_outputs.disable_any_whitespace",
                "must be a boolean")
+        _check(self.after_thinking is None or isinstance(self.after_thinking, ThinkingTokens),
+               "structured_outputs.after_thinking", "must be ThinkingTokens or None")
 
     @property
     def any_whitespace(self) -> bool:
@@ -88,7 +118,7 @@ class StructuredOutputsParams:
         return getattr(self, self.kind)
 
     def key(self) -> tuple:
-        """What identifies the compiled grammar (the compile cache's key)."""
+        """What identifies the compiled grammar (the compile cache's key; after_thinking does not change it)."""
         import json
 
         value = self.value
@@ -243,7 +273,9 @@ class SamplingParams:
 
     def validate_for_model(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist in the vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+        thinking = self.structured_outputs.after_thinking if self.structured_outputs is not None else None
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
+                          ("structured_outputs.after_thinking", thinking.token_ids() if thinking else [])):
             bad = [t for t in ids if t >= vocab_size]
             _check(not bad, name, f"holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
 

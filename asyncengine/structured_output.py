@@ -26,6 +26,11 @@ a request's sampled tokens through preemption (recompute rebuilds only the KV), 
 output token accepted, in order) stays valid; a token sampled for a request that has finished meanwhile (EOS or a
 stop string, discarded by the scheduler) reaches no later mask.
 
+Thinking (StructuredOutputsParams.after_thinking): a reasoning model's thinking is free and the grammar
+constrains only the answer after it. The thinking's rows stay in the batch (whether the token in flight closes
+the thinking is known only once it is read back, like any constrained row's token) with a mask that allows
+everything; the matcher first sees the token after the `end` token (RequestGrammar.phase).
+
 Stopping: the matchers' stop tokens are the model's EOS ids. When the grammar is complete, the mask allows only
 EOS, and the scheduler stops the request on it as on any EOS (ignore_eos and min_tokens, which would forbid it,
 are refused in SamplingParams).
@@ -44,7 +49,7 @@ from typing import Optional
 
 import torch
 
-from asyncengine.sampling_params import StructuredOutputsParams
+from asyncengine.sampling_params import StructuredOutputsParams, ThinkingTokens
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +152,22 @@ class StructuredOutputManager:
 
 
 class RequestGrammar:
-    """One request's constraint: its compiled grammar (a Future until compiled) and its matcher. The matcher and
-    `_pending` are touched only by the device thread (GrammarBatch); the engine reads `ready` and `failure`."""
+    """One request's constraint: its compiled grammar (a Future until compiled), its matcher, and where its
+    output stands against a reasoning model's thinking. The matcher, `phase` and `_pending` are touched only by
+    the device thread (GrammarBatch); the engine reads `ready` and `failure`.
 
-    def __init__(self, compiled: Future):
+    phase (after_thinking, ThinkingTokens): "answer" (constrained: every token goes to the matcher) is where a
+    request without after_thinking starts. With it, "think" (free: the mask allows everything, and the matcher
+    sees nothing until the `end` token has been sampled) or, when the thinking may be off, "first" (the first
+    token may be `start`, which opens the thinking, or any token the grammar allows, which begins the answer)."""
+
+    def __init__(self, compiled: Future, after_thinking: Optional[ThinkingTokens] = None):
         self.compiled = compiled
+        self.thinking = after_thinking
+        if after_thinking is None:
+            self.phase = "answer"
+        else:
+            self.phase = "think" if after_thinking.start is None else "first"
         self._matcher = None
         # where this request's last sampled token lands: (host tensor [S] of that step's tokens, row, event or None)
         self._pending: Optional[tuple[torch.Tensor, int, Optional[torch.cuda.Event]]] = None
@@ -166,7 +182,8 @@ class RequestGrammar:
         return self.compiled.exception() if self.compiled.done() else None
 
     def _catch_up(self) -> None:
-        """Feed the matcher the last sampled token, waiting for its step's copy to the host if need be."""
+        """Feed the last sampled token (waiting for its step's copy to the host if need be) to the thinking
+        phases, then to the matcher once the answer has begun."""
         if self._pending is None:
             return
         tokens, row, event = self._pending
@@ -174,6 +191,14 @@ class RequestGrammar:
         if event is not None:
             event.synchronize()
         token = int(tokens[row])
+        if self.phase == "think":
+            if token == self.thinking.end:
+                self.phase = "answer"  # the constraint starts with the next token
+            return
+        if self.phase == "first":
+            self.phase = "think" if token == self.thinking.start else "answer"
+            if self.phase == "think":
+                return
         if self._matcher.is_terminated():
             return  # the request ended on this grammar's EOS; its extra lookahead token is discarded
         if not self._matcher.accept_token(token):
@@ -181,14 +206,16 @@ class RequestGrammar:
             logger.error("constrained request sampled token %d, which its grammar refuses", token)
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
-        """Bring the matcher up to date and write its allowed tokens into bitmask[index]."""
+        """Bring the matcher up to date and write the tokens allowed next into bitmask[index]."""
         if self._matcher is None:
             self._matcher = _xgrammar().GrammarMatcher(self.compiled.result())
         self._catch_up()
-        if self._matcher.is_terminated() or self.rejected is not None:
-            bitmask[index].fill_(-1)  # finished (its token will be discarded) or broken: allow everything
+        if self.phase == "think" or self._matcher.is_terminated() or self.rejected is not None:
+            bitmask[index].fill_(-1)  # thinking (free), finished (its token will be discarded) or broken
             return
         self._matcher.fill_next_token_bitmask(bitmask, index)
+        if self.phase == "first":
+            _allow(bitmask, index, self.thinking.start)
 
     def record_sampled(self, tokens: torch.Tensor, row: int, event: Optional[torch.cuda.Event]) -> None:
         self._pending = (tokens, row, event)
@@ -196,6 +223,13 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         return self._matcher is not None and self._matcher.is_terminated()
+
+
+def _allow(bitmask: torch.Tensor, index: int, token: int) -> None:
+    """Set token's bit in bitmask[index] (int32 words, 32 tokens each, bit j of word w: token 32 * w + j)."""
+    word, bit = divmod(token, 32)
+    value = (int(bitmask[index, word]) & 0xFFFFFFFF) | (1 << bit)
+    bitmask[index, word] = value - (1 << 32) if value >= 1 << 31 else value  # back to a signed int32
 
 
 @dataclass

@@ -27,8 +27,9 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(folder: Path, vocab_size: int = 384):
-    """A byte-level BPE tokenizer trained on a few sentences, wrapped as a transformers fast tokenizer."""
+def build_tokenizer(folder: Path, vocab_size: int = 384, added_tokens: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer trained on a few sentences, wrapped as a transformers fast tokenizer.
+    added_tokens: appended as non-special added tokens (as Qwen3 adds `<think>` and `</think>`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -43,6 +44,7 @@ def build_tokenizer(folder: Path, vocab_size: int = 384):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
+    fast.add_tokens(list(added_tokens))
     fast.save_pretrained(str(folder))
     return fast
 
@@ -127,14 +129,15 @@ def _config(arch: str, vocab_size: int, **overrides):
 
 def build_checkpoint(
     folder: Path, arch: str = "LlamaForCausalLM", seed: int = 0, dtype=torch.float32, lm_head_std: float = 0.08,
-    **overrides,
+    added_tokens: tuple[str, ...] = (), **overrides,
 ) -> Path:
     """Save a random model of `arch` and its tokenizer to folder; returns folder. A larger lm_head_std makes the
-    logits peaked like a trained model's (so top-1 comparisons are not decided by rounding noise)."""
+    logits peaked like a trained model's (so top-1 comparisons are not decided by rounding noise). added_tokens:
+    see build_tokenizer (the model's vocabulary includes them)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(folder)
+    tokenizer = build_tokenizer(folder, added_tokens=added_tokens)
     config = _config(arch, overrides.pop("vocab_size", len(tokenizer)), **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -39,6 +40,20 @@ def checkpoint_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(checkpoint_dir) -> Path:
     return checkpoint_dir("LlamaForCausalLM")
+
+
+THINK_TOKENS = ("<think>", "</think>")
+THINK_IDS = (384, 385)  # their ids in think_dir's tokenizer (after build_tokenizer's 384 trained tokens)
+
+
+@pytest.fixture(scope="session")
+def think_dir(tmp_path_factory) -> Path:
+    """The tiny random Llama with `<think>` and `</think>` as added tokens (THINK_IDS), as a reasoning model's
+    tokenizer has them."""
+    folder = build_checkpoint(tmp_path_factory.mktemp("think") / "model", added_tokens=THINK_TOKENS)
+    added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    assert [t["id"] for t in added if t["content"] in THINK_TOKENS] == list(THINK_IDS)
+    return folder
 
 
 def assert_no_leaks(engine) -> None:
@@ -81,4 +96,4 @@ def assert_same_completions(mine, theirs, atol: float = LOGPROB_ATOL) -> None:
             assert all(abs(x[k] - y[k]) <= atol for k in x), f"position {position}: {x} vs {y}"
 
 
-__all__ = ["ARCHITECTURES", "LOGPROB_ATOL", "assert_no_leaks", "assert_same_completions"]
+__all__ = ["ARCHITECTURES", "LOGPROB_ATOL", "THINK_IDS", "THINK_TOKENS", "assert_no_leaks", "assert_same_completions"]

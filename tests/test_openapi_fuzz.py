@@ -114,13 +114,14 @@ def test_ten_thousand_fuzzed_cases_leave_no_error_no_leak_and_flat_memory(open_s
     """The long run: 10,000+ fuzzed cases (the coverage phase does not depend on the case count: the fast tests
     run it), in two halves with different seeds; the second half must not grow the server's memory."""
     cases = int(os.environ.get("OPENAPI_FUZZ_CASES_PER_OPERATION", "1300"))
+    rss_before = _rss_mib()
     first = assert_clean_run(run_schemathesis(open_server, cases, timeout=5400, phases="fuzzing"), open_server)
     rss_after_first = _rss_mib()
     second = assert_clean_run(run_schemathesis(open_server, cases, timeout=5400, phases="fuzzing", seed=SEED + 1),
                               open_server)
     rss_after_second = _rss_mib()
-    print(f"cases: {first} + {second}; server RSS after the first half {rss_after_first:.0f} MiB, after the second "
-          f"{rss_after_second:.0f} MiB")
+    print(f"cases: {first} + {second}; server RSS before {rss_before:.0f} MiB, after the first half "
+          f"{rss_after_first:.0f} MiB, after the second {rss_after_second:.0f} MiB")
     assert first + second >= 10_000 or "OPENAPI_FUZZ_CASES_PER_OPERATION" in os.environ
     assert rss_after_second - rss_after_first < 64, (rss_after_first, rss_after_second)
 
@@ -212,6 +213,45 @@ def test_the_server_enforces_the_documented_bounds_at_their_edges(open_server):
                                                      "max_tokens": 1}, timeout=60).status_code == 200
     assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "logit_bias": {"01": 1}}).status_code == 400
     assert httpx.get(url + "/v1/ws").status_code == 426
+
+
+def request_validator(doc: dict, path: str):
+    """A JSON Schema (2020-12) validator of the request body of POST `path`, as the document states it."""
+    import jsonschema
+
+    body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return jsonschema.Draft202012Validator({**body, "components": doc["components"]})
+
+
+# What the long fuzz run found (ST202): a forced tool call with min_tokens or ignore_eos was schema-valid, but a
+# forced call is constrained output that must end with EOS, which those forbid: the server was right to refuse it
+# (a grammar that completes before min_tokens would leave no token to sample), the document wrong not to say so.
+FORCED_CALL = {
+    "messages": [{"role": "system", "content": "s"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "c", "content": "r"}],
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "logprobs": True,
+}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "f"}}])
+@pytest.mark.parametrize("extra, param", [({"min_tokens": 1}, "min_tokens"), ({"ignore_eos": True}, "ignore_eos")])
+def test_a_forced_tool_call_excludes_min_tokens_and_ignore_eos_in_the_document_and_the_server(
+        open_server, tool_choice, extra, param):
+    validator = request_validator(document(open_server), "/v1/chat/completions")
+    body = {**FORCED_CALL, "tool_choice": tool_choice}
+    assert validator.is_valid(body)
+    assert not validator.is_valid({**body, **extra})
+    refused = httpx.post(open_server.url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == param and "forced tool call" in error["message"]
+    # the rule is the forced call's: with tool_choice "none", or a user turn the template renders, it is allowed
+    assert validator.is_valid({**body, **extra, "tool_choice": "none"})
+    user_turn = {**body, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(open_server.url + "/v1/chat/completions", json=user_turn, timeout=60).status_code == 200
+    assert httpx.post(open_server.url + "/v1/chat/completions", timeout=60,
+                      json={**user_turn, **extra, "tool_choice": "none"}).status_code == 200
 
 
 @pytest.mark.parametrize("limit", [1, 2, 9, 10, 11, 99, 100, 101, 384, 1000, 8192, 32000, 151936])

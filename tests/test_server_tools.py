@@ -1,25 +1,30 @@
 """Tool calling over the OpenAI API on a real server with the default model: forced calls (tool_choice "required"
 and a named function) are constrained to valid calls of the tools' schemas, returned as `message.tool_calls` and
-streamed as `delta.tool_calls` fragments that reassemble to exactly the non-streamed calls; bad tools and
-tool_choice are a 400 naming the field. The output reader (tool_calls.scan_calls) is tested on texts too."""
+streamed as `delta.tool_calls` fragments that reassemble to exactly the non-streamed calls, also when max_tokens
+cuts them; tool_choice "auto" calls of each parser stream piece by piece; bad tools and tool_choice are a 400
+naming the field. With --reasoning-parser a constraint applies to the answer after the thinking. The output
+readers (tool_calls.scan_calls, the parsers, the reasoning split) are tested on texts too."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import THINK_IDS
 from test_server_errors import assert_error
 from test_server_harness import ServerThread
 
-from asyncengine import default_model_path
+from asyncengine import ThinkingTokens, default_model_path
 from asyncengine.api.app import create_app
 from asyncengine.api.cli import build_parser
 from asyncengine.api.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
-from asyncengine.api.tool_calls import TOOL_PARSERS, AutoToolCalls, scan_calls
+from asyncengine.api.tool_calls import TOOL_PARSERS, AutoToolCalls, calls_of_fragments, scan_calls
+from asyncengine.tokenizer import load_tokenizer
 
 WEATHER = {
     "type": "object",
@@ -151,6 +156,32 @@ def test_sampled_required_calls_all_validate(client):
         assert choice.finish_reason == "tool_calls", choice
         assert_valid(calls_of(choice.message))
     assert len({tuple(calls_of(c.message)) for c in response.choices}) > 1
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_calls_cut_by_max_tokens_return_what_was_generated_streamed_and_not(client, tool_choice):
+    """finish_reason "length": a call whose name was read keeps its arguments so far (a prefix of the uncut
+    call's); an output cut before any name is complete comes back as content. Streamed the same."""
+    kwargs = dict(model="default", messages=CHAT, tools=TOOLS, tool_choice=tool_choice, temperature=0.0)
+    whole = client.chat.completions.create(max_tokens=200, **kwargs)
+    [(name, arguments)] = calls_of(whole.choices[0].message)
+    cut = client.chat.completions.create(max_tokens=whole.usage.completion_tokens - 6, **kwargs).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None
+    [(cut_name, cut_arguments)] = calls_of(cut.message)
+    assert cut_name == name and arguments.startswith(cut_arguments) and 0 < len(cut_arguments) < len(arguments)
+    streamed, finish_reasons, _ = streamed_calls(client, max_tokens=whole.usage.completion_tokens - 6, **kwargs)
+    assert streamed == [(cut_name, cut_arguments)] and finish_reasons == {"length"}
+
+    early = client.chat.completions.create(max_tokens=4, **kwargs).choices[0]
+    assert early.finish_reason == "length" and early.message.tool_calls is None
+    opening = ("[" if tool_choice == "required" else "") + '{"name": "' + name  # the uncut output's start
+    assert early.message.content and opening.startswith(early.message.content)
+    content = ""
+    for chunk in client.chat.completions.create(stream=True, max_tokens=4, **kwargs):
+        for choice in chunk.choices:
+            assert not choice.delta.tool_calls
+            content += choice.delta.content or ""
+    assert content == early.message.content
 
 
 def test_tool_choice_none_answers_with_content(client):
@@ -287,19 +318,39 @@ def test_parsers_read_content_and_calls(parser, text, content, calls):
 
 @pytest.mark.parametrize("parser, text, content, calls", PARSED)
 @pytest.mark.parametrize("piece", [1, 3, 1000])
-def test_parsers_streamed_reassemble_to_the_non_streamed_answer(parser, text, content, calls, piece):
+def test_parsers_stream_calls_piece_by_piece_and_reassemble_to_the_non_streamed_answer(parser, text, content, calls,
+                                                                                      piece):
+    """Fed `piece` characters at a time: a call's first fragment (id, type, name, no arguments) comes as soon as
+    its name is read, then its arguments in pieces as they come; content and calls reassemble to exactly the
+    non-streamed message."""
     stream = _auto(parser).stream()
-    streamed_content, fragments = "", []
+    streamed_content, fragments, arrivals = "", [], []
     for start in range(0, len(text), piece):
         got, new = stream.feed(text[start:start + piece])
         streamed_content += got
         fragments += new
+        arrivals += [start] * len(new)
     got, new = stream.finish()
     streamed_content += got
     fragments += new
-    assert (streamed_content or None) == content
-    assert [(f.function.name, json.loads(f.function.arguments)) for f in fragments] == calls
+    arrivals += [len(text)] * len(new)
+    message_content, message_calls = _auto(parser).message(text)
+    assert (streamed_content or None) == message_content == content
+    streamed_calls_ = calls_of_fragments(fragments)
+    assert [(c.function.name, c.function.arguments) for c in streamed_calls_] == \
+        [(c.function.name, c.function.arguments) for c in message_calls]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed_calls_] == calls
     assert stream.called == bool(calls)
+    for index in range(len(calls)):
+        mine = [f for f in fragments if f.index == index]
+        assert mine[0].id is not None and mine[0].function.name and mine[0].function.arguments == ""
+        assert all(f.id is None and f.function.name is None for f in mine[1:])
+    if piece == 1:
+        for index, (_, arguments) in enumerate(calls):  # the arguments came a character at a time
+            pieces = [f.function.arguments for f in fragments if f.index == index and f.id is None]
+            assert len(pieces) == len(message_calls[index].function.arguments)
+        firsts = [arrivals[fragments.index(f)] for f in fragments if f.id is not None]
+        assert all(arrival < len(text) for arrival in firsts)  # each call's name went out before the end
 
 
 def test_parallel_tool_calls_false_keeps_the_first_parsed_call():
@@ -308,38 +359,75 @@ def test_parallel_tool_calls_false_keeps_the_first_parsed_call():
 
 
 @pytest.fixture(scope="module")
-def auto_server():
-    with ServerThread(default_model_path(), app_kwargs={"served_model_name": ["default"], "tool_call_parser": "hermes",
-                                                        "enable_auto_tool_choice": True}) as srv:
-        yield srv
+def auto_servers():
+    """auto_servers(parser) -> a server with --enable-auto-tool-choice --tool-call-parser parser (started once)."""
+    servers: dict[str, ServerThread] = {}
+
+    def get(parser: str) -> ServerThread:
+        if parser not in servers:
+            servers[parser] = ServerThread(default_model_path(), app_kwargs={
+                "served_model_name": ["default"], "tool_call_parser": parser, "enable_auto_tool_choice": True}).start()
+        return servers[parser]
+
+    yield get
+    for server in servers.values():
+        server.stop()
 
 
-# The default model knows nothing of tools: a regex makes it write the Hermes format (free text, not a forced call).
-HERMES_REGEX = r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"days": [1-7]\}\}</tool_call>'
+# The default model knows nothing of tools: a regex makes it write each parser's format (free text, not a forced
+# call; this vocabulary spends about a token per character, so the arguments come in several deltas).
+AUTO_CASES = [
+    ("hermes", r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"days": [1-7]\}\}</tool_call>', "Sure. "),
+    ("llama3_json", r'\{"name": "get_time", "parameters": \{"zone": "[A-Z]{3}"\}\}', None),
+    ("mistral", r'Sure\. \[TOOL_CALLS\] \[\{"name": "get_weather", "arguments": \{"days": [1-7]\}\}\]', "Sure. "),
+]
 
 
-@pytest.mark.parametrize("regex, called", [(HERMES_REGEX, True), (r"Romeo( and Juliet)?\.", False)])
-def test_auto_tool_choice_reads_hermes_calls_streamed_and_not(auto_server, regex, called):
-    client = openai.OpenAI(base_url=auto_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    kwargs = dict(model="default", messages=CHAT, tools=TOOLS, tool_choice="auto", temperature=0.0, max_tokens=80,
-                  extra_body={"structured_outputs": {"regex": regex}})
-    choice = client.chat.completions.create(**kwargs).choices[0]
-    if called:
-        assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure. ", choice
-        assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
-        assert json.loads(choice.message.tool_calls[0].function.arguments)["days"] in range(1, 8)
-    else:
-        assert choice.finish_reason == "stop" and choice.message.tool_calls is None
-    content, names, arguments, finish_reasons = "", {}, {}, set()
+def streamed_auto(client, **kwargs) -> tuple[str, list, set, list[int]]:
+    """(content, the reassembled calls, finish reasons, the number of argument fragments per call) of a stream;
+    checks that each call's first fragment carries its id and name and comes before its arguments."""
+    content, fragments, finish_reasons = "", [], set()
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
             content += c.delta.content or ""
             finish_reasons.add(c.finish_reason)
-            for fragment in c.delta.tool_calls or []:
-                names.setdefault(fragment.index, fragment.function.name)
-                arguments[fragment.index] = arguments.get(fragment.index, "") + (fragment.function.arguments or "")
-    assert content == choice.message.content and finish_reasons == {None, choice.finish_reason}
-    assert [(names[i], arguments[i]) for i in sorted(names)] == calls_of(choice.message) if called else not names
+            fragments += c.delta.tool_calls or []
+    calls, pieces = [], []
+    for fragment in fragments:
+        if fragment.id is not None:
+            assert fragment.index == len(calls) and fragment.function.name and not fragment.function.arguments
+            calls.append((fragment.function.name, ""))
+            pieces.append(0)
+        else:
+            assert fragment.function.name is None and fragment.function.arguments
+            name, arguments = calls[fragment.index]
+            calls[fragment.index] = (name, arguments + fragment.function.arguments)
+            pieces[fragment.index] += 1
+    return content, calls, finish_reasons, pieces
+
+
+@pytest.mark.parametrize("parser, regex, content", AUTO_CASES)
+def test_auto_tool_calls_stream_piece_by_piece_to_the_non_streamed_call(auto_servers, parser, regex, content):
+    client = openai.OpenAI(base_url=auto_servers(parser).url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kwargs = dict(model="default", messages=CHAT, tools=TOOLS, tool_choice="auto", temperature=0.0, max_tokens=80,
+                  extra_body={"structured_outputs": {"regex": regex}})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content, choice
+    [(name, arguments)] = calls_of(choice.message)
+    assert name == re.search(r'"name": "(\w+)"', regex).group(1) and json.loads(arguments)
+    streamed_content, calls, finish_reasons, pieces = streamed_auto(client, **kwargs)
+    assert (streamed_content or None) == content and calls == calls_of(choice.message)
+    assert finish_reasons == {None, "tool_calls"} and all(count > 1 for count in pieces), pieces
+
+
+def test_auto_tool_choice_without_a_call_is_content(auto_servers):
+    client = openai.OpenAI(base_url=auto_servers("hermes").url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kwargs = dict(model="default", messages=CHAT, tools=TOOLS, tool_choice="auto", temperature=0.0, max_tokens=80,
+                  extra_body={"structured_outputs": {"regex": r"Romeo( and Juliet)?\."}})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    content, calls, finish_reasons, _ = streamed_auto(client, **kwargs)
+    assert content == choice.message.content and not calls and finish_reasons == {None, "stop"}
 
 
 def test_auto_needs_a_parser_and_unknown_parsers_are_refused():
@@ -369,19 +457,63 @@ def test_reasoning_split_streamed_and_not(parser, text, reasoning, content, piec
     assert ("".join(r for r, _ in pieces) or None, "".join(c for _, c in pieces)) == (reasoning, content)
 
 
-def test_reasoning_content_over_the_api_streamed_and_not():
-    with ServerThread(default_model_path(), app_kwargs={"served_model_name": ["default"],
-                                                        "reasoning_parser": "qwen3"}) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        # the default model does not think: a regex makes it write a <think> block
-        kwargs = dict(model="default", messages=CHAT, temperature=1.0, seed=4, max_tokens=60,
-                      extra_body={"structured_outputs": {"regex": r"<think>[a-z ]{3,12}</think>(Romeo|Juliet)\."}})
-        message = client.chat.completions.create(**kwargs).choices[0].message
-        reasoning = message.model_extra["reasoning_content"]
-        assert 3 <= len(reasoning) <= 12 and message.content in ("Romeo.", "Juliet.")
-        streamed_reasoning, streamed_content = "", ""
-        for chunk in client.chat.completions.create(stream=True, **kwargs):
-            for choice in chunk.choices:
-                streamed_reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
-                streamed_content += choice.delta.content or ""
-        assert (streamed_reasoning, streamed_content) == (reasoning, message.content)
+def streamed_reasoning_and_content(client, **kwargs) -> tuple[str, str]:
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            content += choice.delta.content or ""
+    return reasoning, content
+
+
+ANSWER = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "b": {"enum": ["x", "y"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def think_server(think_dir):
+    """The tiny checkpoint with think tokens, --reasoning-parser deepseek_r1 (the output starts in the thinking)."""
+    with ServerThread(think_dir, app_kwargs={"served_model_name": ["tiny"], "reasoning_parser": "deepseek_r1"},
+                      max_model_len=512) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}},
+    {"tools": [{"type": "function", "function": {"name": "answer", "parameters": ANSWER}}],
+     "tool_choice": "required", "parallel_tool_calls": False},
+])
+def test_a_constraint_applies_to_the_answer_after_the_thinking_streamed_and_not(think_server, constraint):
+    """The thinking is free (the same reasoning_content as without the constraint, same seed) and the answer
+    after </think> obeys the constraint; streamed reasoning and answer are the non-streamed ones."""
+    client = openai.OpenAI(base_url=think_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    end = THINK_IDS[1]
+    for seed in range(2):
+        # a bias on </think> makes the random model close its thinking within a few tokens
+        kwargs = dict(model="tiny", messages=CHAT, temperature=1.0, seed=seed, max_tokens=100, logit_bias={end: 3.5})
+        free = client.chat.completions.create(**kwargs).choices[0].message
+        choice = client.chat.completions.create(**kwargs, **constraint).choices[0]
+        reasoning = choice.message.model_extra["reasoning_content"]
+        assert reasoning == free.model_extra["reasoning_content"]
+        if "tools" in constraint:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            arguments = choice.message.tool_calls[0].function.arguments
+            jsonschema.validate(json.loads(arguments), ANSWER)
+            streamed, finish_reasons, _ = streamed_calls(client, **kwargs, **constraint)
+            assert streamed == [("answer", arguments)] and finish_reasons == {"tool_calls"}
+        else:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), ANSWER)
+            assert streamed_reasoning_and_content(client, **kwargs, **constraint) == (reasoning or "",
+                                                                                   choice.message.content)
+    assert think_server.engine_idle()
+
+
+def test_reasoning_parser_needs_the_think_markers_as_single_tokens(server, think_dir):
+    with pytest.raises(ValueError, match="reasoning_parser qwen3 needs '<think>' to be one token"):
+        create_app(server.engine, reasoning_parser="qwen3")  # the default model does not think
+    tokenizer = load_tokenizer(str(think_dir))
+    start, end = THINK_IDS
+    assert REASONING_PARSERS["qwen3"].thinking_tokens(tokenizer, "qwen3") == ThinkingTokens(end=end, start=start)
+    assert REASONING_PARSERS["deepseek_r1"].thinking_tokens(tokenizer, "deepseek_r1") == ThinkingTokens(end=end)

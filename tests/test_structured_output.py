@@ -13,10 +13,10 @@ from concurrent.futures import Future
 import jsonschema
 import pytest
 
-from asyncengine import LLM, SamplingParams, StructuredOutputsParams
+from asyncengine import LLM, SamplingParams, StructuredOutputsParams, ThinkingTokens
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.config import EngineConfig
-from conftest import assert_no_leaks
+from conftest import THINK_IDS, assert_no_leaks
 
 PROMPTS = ["KING HENRY:\nOnce more unto the breach", "And God said, Let there be", "To be, or not to be", "O Romeo"]
 
@@ -221,3 +221,68 @@ def test_async_engine_constrains_in_process_and_in_the_engine_process(engine_pro
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+# -- a constraint on the answer after a reasoning model's thinking ----------------------------------------------
+ANSWER_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                  "b": {"enum": ["x", "y"]}},
+                 "required": ["a", "b"], "additionalProperties": False}
+START, END = THINK_IDS  # think_dir's <think> and </think>
+
+
+@pytest.fixture(scope="module")
+def think_llms(think_dir):
+    """The think-token checkpoint without and with lookahead."""
+    return {lookahead: LLM(model=str(think_dir), max_model_len=256, async_scheduling=lookahead)
+            for lookahead in (False, True)}
+
+
+def thinking_runs(llm, thinking: ThinkingTokens, logit_bias: dict, seeds=range(4)):
+    """(free, constrained) completions per seed: the same sampling without and with the answer's constraint."""
+    runs = []
+    for seed in seeds:
+        base = dict(temperature=1.0, seed=seed, max_tokens=80, logit_bias=logit_bias)
+        so = StructuredOutputsParams(json=ANSWER_SCHEMA, after_thinking=thinking)
+        free, constrained = (llm.generate(["Hello world"], SamplingParams(**base, **extra), use_tqdm=False)[0]
+                             .outputs[0] for extra in ({}, {"structured_outputs": so}))
+        runs.append((free, constrained))
+    assert_no_leaks(llm.engine)
+    return runs
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_thinking_is_free_and_the_answer_after_it_obeys_the_schema(think_llms, lookahead):
+    """The output begins inside the thinking (DeepSeek-R1 style): up to and including </think>, the constrained
+    run samples exactly the free run's tokens; after it, valid JSON. (A bias on </think> makes the random model
+    close its thinking within a few tokens.)"""
+    runs = thinking_runs(think_llms[lookahead], ThinkingTokens(end=END), {END: 3.5})
+    for free, constrained in runs:
+        end = constrained.token_ids.index(END)
+        assert constrained.token_ids[:end + 1] == free.token_ids[:end + 1]
+        answer = constrained.text.split("</think>", 1)[1]
+        jsonschema.validate(json.loads(answer), ANSWER_SCHEMA)
+        assert constrained.finish_reason == "stop"
+    thoughts = [c.text.split("</think>", 1)[0] for _, c in runs]
+    assert any(t and t[0] != "{" for t in thoughts), thoughts  # the thinking is text the schema would forbid
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_first_think_token_opens_the_thinking_and_any_other_first_token_begins_the_answer(think_llms, lookahead):
+    """Qwen3 style (thinking may be off): the first token may be <think> or what the schema allows."""
+    llm, thinking = think_llms[lookahead], ThinkingTokens(end=END, start=START)
+    for free, constrained in thinking_runs(llm, thinking, {START: 8.0, END: 6.0}, seeds=(1, 3)):
+        assert constrained.token_ids[0] == START == free.token_ids[0]
+        end = constrained.token_ids.index(END)
+        assert constrained.token_ids[:end + 1] == free.token_ids[:end + 1]
+        jsonschema.validate(json.loads(constrained.text.split("</think>", 1)[1]), ANSWER_SCHEMA)
+    for _, constrained in thinking_runs(llm, thinking, {}, seeds=(0, 1)):  # no thinking: all of it is the answer
+        assert START not in constrained.token_ids
+        jsonschema.validate(json.loads(constrained.text), ANSWER_SCHEMA)
+
+
+def test_thinking_token_ids_are_checked_against_the_vocabulary(llm):
+    so = StructuredOutputsParams(json=ANSWER_SCHEMA, after_thinking=ThinkingTokens(end=10**6))
+    with pytest.raises(ValueError, match=r"structured_outputs\.after_thinking holds token ids \[1000000\]"):
+        llm.generate("O", SamplingParams(structured_outputs=so), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"structured_outputs\.after_thinking\.end must be a token id"):
+        ThinkingTokens(end=-1)
