@@ -82,8 +82,8 @@ def cpu_decode_ms(llm, vocab: int, context: int = 200, new_tokens: int = 32) -> 
     return {"ms_per_token": float(np.median(np.diff(stamps[2:])) * 1e3), "graph_replay_gpu_ms": float("nan")}
 
 
-def _free(llm) -> None:
-    del llm
+def _free_gpu_memory() -> None:
+    """After the caller dropped its last reference to an engine: collect it and give its memory back."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -111,7 +111,9 @@ def run_quant(folders: dict[str, tuple[Path, dict]], engine_kwargs: dict, w1, vo
             res["W1"] = run_engine(llm, *w1)
         results.setdefault("quant", {})[fmt] = res
         save()
-        _free(llm)
+        llm.close()
+        del llm  # the caller's reference: a helper's `del` of its argument freed nothing (the FP8 engine ran OOM)
+        _free_gpu_memory()
     print_quant(results)
 
 
