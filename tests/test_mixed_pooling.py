@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-import openai
 import pytest
 import torch
 import torch.nn.functional as F
@@ -182,6 +181,7 @@ def test_aborting_an_embedding_mid_prompt_frees_its_blocks(folder):
 
 
 def test_openai_client_embeddings_and_chat_concurrently_through_the_engine_process(folder):
+    import openai  # here, not at the top: the GPU machine runs this file's GPU test without it
     pooling_only = LLM(str(folder), runner="pooling", max_model_len=256)
     texts = sentences(12, seed=8, max_words=25)  # up to ~100 tokens: chunked by BUDGET
     reference = torch.tensor([o.outputs.embedding for o in pooling_only.embed(texts, use_tqdm=False)])
