@@ -56,10 +56,16 @@ PREFILL_TILES = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, nu
 DENSE_TILES = TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
-def tile_config(num_assignments: int, num_experts: int) -> TileConfig:
+# float32 tiles take twice the shared memory: the large bf16 ones do not fit (OutOfResources on an H100)
+FLOAT32_PREFILL_TILES = TileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def tile_config(num_assignments: int, num_experts: int, element_size: int = 2) -> TileConfig:
     """Tiles for N assignments over E experts (host ints only, so the choice never syncs)."""
     if num_assignments <= 2 * num_experts:
         return SPARSE_TILES
+    if element_size > 2:
+        return FLOAT32_PREFILL_TILES
     return DENSE_TILES if num_assignments >= 512 * num_experts else PREFILL_TILES
 
 
@@ -352,7 +358,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     weights = topk_weights.reshape(-1).float().contiguous()  # [N]
     if tokens <= DECODE_MAX_TOKENS:
         return _fused_moe_decode(hidden, w13, w2, weights, topk_ids.reshape(-1).contiguous(), top_k)
-    tiles = tile_config(num, num_experts)
+    tiles = tile_config(num, num_experts, hidden.element_size())
     sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tiles.block_m)
     gate_up = torch.empty((num, 2 * inter), dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, gate_up, None, sorted_ids, block_expert, top_k, tiles)

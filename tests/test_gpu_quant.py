@@ -45,14 +45,21 @@ def test_gpu_fp8_linear_at_llama_8b_sizes(m, static, per_channel, k, n):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_fp8_per_token_quantization_matches_reference_bit_for_bit():
+def test_gpu_fp8_per_token_quantization_matches_reference_within_one_step():
+    """The scales equal the reference's; the e4m3 values too, but for the rare value on a rounding boundary that
+    the kernel's float32 division puts one e4m3 step away (1 in 3.7M on an H100 with Triton's division; 3,764
+    with tl.div_rn, so torch's own division is not the IEEE one either): at most 1e-5 of them, one step each."""
     from asyncengine.kernels import quant_fp8, quant_reference
 
     x = torch.randn(256, 14336, device="cuda", dtype=torch.bfloat16) * 3
     q, scale = quant_fp8.quantize_per_token(x)
     ref_q, ref_scale = quant_reference.quantize_fp8(x, dim=-1)
     torch.testing.assert_close(scale, ref_scale, atol=0, rtol=1e-6)
-    torch.testing.assert_close(q.float(), ref_q.float(), atol=0, rtol=0)
+    ours, ref = q.float(), ref_q.float()
+    differ = ours != ref
+    assert differ.float().mean().item() <= 1e-5
+    one_step = ref.abs().clamp(min=2.0**-6) / 8  # e4m3: 3 mantissa bits, so a step is at most 1/8 of the value
+    assert ((ours - ref).abs() <= one_step)[differ].all()
 
 
 @pytest.mark.gpu
