@@ -169,14 +169,19 @@ def test_silu_and_mul_matches_reference():
     torch.testing.assert_close(cpu.silu_and_mul(x), expected, atol=1e-6, rtol=1e-6)
 
 
+def rotary_cache(head_dim: int, max_positions: int = 128) -> torch.Tensor:
+    """[max_positions, head_dim] float32 = [cos | sin] at rope base 10000."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(max_positions).float()[:, None] * inv_freq
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
 def test_rotary_in_place_on_strided_views_of_one_qkv_tensor():
     tokens, heads, kv_heads, head_dim = 11, 4, 2, 32
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     positions = torch.randint(0, 100, (tokens,))
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.arange(128).float()[:, None] * inv_freq
-    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cache = rotary_cache(head_dim)
     exp_q, exp_k = reference.rotary_embedding(positions, q.clone(), k.clone(), cache, head_dim)
     out_q, out_k = cpu.rotary_embedding(positions, q, k, cache, head_dim)
     torch.testing.assert_close(out_q, exp_q, atol=1e-6, rtol=1e-6)
@@ -184,15 +189,12 @@ def test_rotary_in_place_on_strided_views_of_one_qkv_tensor():
     torch.testing.assert_close(q, exp_q, atol=1e-6, rtol=1e-6)  # in place, in the qkv tensor
 
 
-
 def test_rotary_on_separate_q_and_k_tensors():
     # Qwen3's per-head norms hand rotary new tensors, not views of one qkv row: each rotates on its own
     tokens, heads, kv_heads, head_dim = 9, 4, 2, 32
     q, k = torch.randn(tokens, heads * head_dim), torch.randn(tokens, kv_heads * head_dim)
     positions = torch.randint(0, 100, (tokens,))
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.arange(128).float()[:, None] * inv_freq
-    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cache = rotary_cache(head_dim)
     exp_q, exp_k = reference.rotary_embedding(positions, q.clone(), k.clone(), cache, head_dim)
     out_q, out_k = cpu.rotary_embedding(positions, q, k, cache, head_dim)
     torch.testing.assert_close(out_q, exp_q, atol=1e-6, rtol=1e-6)

@@ -85,6 +85,21 @@ def generate_alone(folder, gen_prompts: list[list[int]]) -> list[list[int]]:
     return [finished[f"gen-{i}"].outputs[0].token_ids for i in range(len(gen_prompts))]
 
 
+
+def run_pipelined_to_completion(engine: LLMEngine, gen_prompts, embed_ids, **run_options) -> dict:
+    """Add greedy requests gen-i and embedding requests emb-i, step the engine's pipelined loop until every one
+    has finished; request id -> final output."""
+    for i, ids in enumerate(gen_prompts):
+        engine.add_request(f"gen-{i}", ids, GREEDY)
+    for i, ids in enumerate(embed_ids):
+        engine.add_request(f"emb-{i}", ids, PoolingParams())
+    outputs = {}
+    with ThreadPoolExecutor(1) as device:
+        for step_outputs in engine.run_pipelined(device, **run_options):
+            outputs.update((o.request_id, o) for o in step_outputs if o.finished)
+    return outputs
+
+
 def test_mixed_batches_equal_pooling_engine_transformers_and_generation_alone(folder):
     engine = engine_for(folder)
     tok = engine.tokenizer
@@ -115,14 +130,7 @@ def test_lookahead_and_preemption_keep_embeddings_and_tokens(folder):
     tok = tight.tokenizer
     gen_prompts = [tok(t).input_ids[:40] for t in sentences(6, seed=5, max_words=30)]
     embed_ids = embed_inputs(tok, 10, seed=10)
-    for i, ids in enumerate(gen_prompts):
-        tight.add_request(f"gen-{i}", ids, GREEDY)
-    for i, ids in enumerate(embed_ids):
-        tight.add_request(f"emb-{i}", ids, PoolingParams())
-    outputs = {}
-    with ThreadPoolExecutor(1) as device:
-        for step_outputs in tight.run_pipelined(device, lookahead=True):
-            outputs.update((o.request_id, o) for o in step_outputs if o.finished)
+    outputs = run_pipelined_to_completion(tight, gen_prompts, embed_ids, lookahead=True)
     assert tight.scheduler.num_preemptions > 0
     assert_no_leaks(tight)
     ours = torch.tensor([outputs[f"emb-{i}"].outputs.embedding for i in range(len(embed_ids))])
@@ -229,14 +237,7 @@ def test_gpu_mixed_batches_with_lookahead_and_decode_graphs(folder):
                                       max_num_batched_tokens=BUDGET, num_kv_blocks=128))
 
     def run(eng, gen_prompts, embed_ids):
-        for i, ids in enumerate(gen_prompts):
-            eng.add_request(f"gen-{i}", ids, GREEDY)
-        for i, ids in enumerate(embed_ids):
-            eng.add_request(f"emb-{i}", ids, PoolingParams())
-        outputs = {}
-        with ThreadPoolExecutor(1) as device:
-            for step_outputs in eng.run_pipelined(device):
-                outputs.update((o.request_id, o) for o in step_outputs if o.finished)
+        outputs = run_pipelined_to_completion(eng, gen_prompts, embed_ids)
         assert_no_leaks(eng)
         return outputs
 
