@@ -23,12 +23,13 @@ parameters one token activates plus its KV, at the measured copy bandwidth) and 
 transformers on the same checkpoint in the same run (generate at batch 1 for W3, its continuous batching with each
 request's own max_new_tokens for W1). --tiny: the same mode at a tiny shape on the CPU (a smoke run).
 
-    python -m loadtest.bench_offline --tensor-parallel-size N [--quick] [--tiny]
+    python -m loadtest.bench_offline --tensor-parallel-size N [--tp-model 8b|70b] [--quick] [--tiny]
 
-Tensor parallelism: a Llama-3-70B-shape model (80 layers, hidden 8192, 64 heads / 8 KV heads, intermediate
-28672, vocab 128256) over N GPUs, its random bf16 weights drawn by each rank on its own GPU (load_format
-"dummy": only config.json and a tokenizer are written); W1 and W3 as above. --tiny: a CPU smoke run of the mode
-(a 2-layer model of the same proportions, scaled down, over N CPU processes).
+Tensor parallelism (loadtest/bench_tp.py says more): --tp-model 70b, a Llama-3-70B-shape model (80 layers, hidden
+8192, 64 heads / 8 KV heads, intermediate 28672, vocab 128256) over N GPUs, its random bf16 weights drawn by each
+rank on its own GPU (load_format "dummy"); --tp-model 8b, the Llama-3-8B checkpoint at TP=1 and TP=N in one run,
+and their float32 greedy tokens compared. W1 and W3 as above, W3 against each rank's roofline, and one
+all-reduce's latency in a CUDA graph. --tiny: a CPU smoke run of the mode (tiny shapes over N CPU processes).
 """
 
 from __future__ import annotations
@@ -144,44 +145,6 @@ def build_shape_only_checkpoint(folder: Path, shape: dict) -> Path:
         LlamaConfig(**shape, torch_dtype="bfloat16").save_pretrained(str(folder))
         build_tokenizer(folder, shape["vocab_size"])
     return folder
-
-
-def run_tensor_parallel(args) -> int:
-    """W1 and W3 on a 70B-shape model over args.tensor_parallel_size ranks (weights drawn on each rank's GPU)."""
-    from asyncengine import LLM
-
-    tiny = args.tiny
-    shape = TINY_70B_LIKE if tiny else LLAMA3_70B
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tp = args.tensor_parallel_size
-    folder = build_shape_only_checkpoint(Path(args.checkpoint if args.checkpoint_given else
-                                              f"/tmp/llama3-70b-shape{'-tiny' if tiny else ''}"), shape)
-    results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                     "date": time.strftime("%Y-%m-%d"), "args": vars(args), "tensor_parallel_size": tp}
-    t0 = time.perf_counter()
-    llm = LLM(str(folder), load_format="dummy", dtype="float32" if tiny else "bfloat16",
-              tensor_parallel_size=tp, distributed_executor_backend=args.distributed_executor_backend,
-              max_model_len=512 if tiny else 4096, max_num_seqs=16 if tiny else args.max_num_seqs,
-              max_num_batched_tokens=256 if tiny else args.max_num_batched_tokens, gpu_memory_utilization=0.90)
-    try:
-        results["engine_init_s"] = time.perf_counter() - t0
-        results["kv_blocks"] = llm.engine.runner.num_blocks
-        vocab = shape["vocab_size"]
-        n = 16 if tiny else (200 if args.quick else 1000)
-        mean_in, mean_out = (20, 20) if tiny else (200, 180)
-        run_engine(llm, *sharegpt_like(min(n, 64), mean_in, 16, seed=8, vocab=vocab))  # warm-up
-        results["W1"] = run_engine(llm, *sharegpt_like(n, mean_in, mean_out, seed=1, vocab=vocab))
-        context, new = (100, 20) if tiny else (1000, 200)
-        results["W3_ms_per_token"] = batch1_decode_ms(llm, vocab, context, new)["ms_per_token"]
-    finally:
-        llm.close()
-    (out_dir / f"bench_offline_tp{tp}{'_tiny' if tiny else ''}.json").write_text(json.dumps(results, indent=2))
-    w1 = results["W1"]
-    print(f"{'model':<28}{'TP':>4}{'W1 out tok/s':>14}{'W1 req/s':>10}{'W3 ms/token':>13}")
-    print(f"{'Llama-3-70B shape' + (' (tiny)' if tiny else ''):<28}{tp:>4}{w1['output_tok_per_s']:>14.0f}"
-          f"{w1['req_per_s']:>10.2f}{results['W3_ms_per_token']:>13.2f}")
-    return 0
 
 
 # -- workloads -------------------------------------------------------------------------------------------------
@@ -799,11 +762,16 @@ def main(argv=None) -> int:
                              "or with --family qwen3-30b-a3b the MoE mode at a tiny shape, or with "
                              "--tensor-parallel-size the tensor-parallel mode at a tiny shape")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                        help="the tensor-parallel mode: a Llama-3-70B-shape model over N GPUs (W1, W3)")
+                        help="the tensor-parallel mode (--tp-model): W1, W3 over N GPUs")
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
+    parser.add_argument("--tp-model", choices=["8b", "70b"], default="70b",
+                        help="the tensor-parallel mode's model: 8b (TP=1 against TP=N, same weights, greedy check) "
+                             "or 70b (TP=N alone)")
     args = parser.parse_args(argv)
     args.checkpoint_given = "--checkpoint" in (argv if argv is not None else sys.argv)
     if args.tensor_parallel_size is not None:
+        from .bench_tp import main as run_tensor_parallel
+
         return run_tensor_parallel(args)
     if args.quant and args.family != "llama3-8b":
         parser.error("--quant runs on the llama3-8b family (AWQ and FP8 of its dense layers)")

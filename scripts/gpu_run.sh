@@ -7,7 +7,8 @@
 # before-after: W1 and W3 of an older revision unpacked in .old/ (`bash scripts/prepare_old.sh REV`, then carry
 # .old), then of this tree, in one lease; extra args go to both bench_offline calls.
 # tp N: on a machine of N >= 2 GPUs, the tensor-parallel GPU tests (NCCL, graphs on every rank), then
-# bench_offline's TP mode (a Llama-3-70B shape over N GPUs, weights drawn on each GPU); extra args go to it.
+# bench_offline's TP mode (--tp-model 8b: TP=1 vs TP=N on the 8B shape; 70b: the 70B shape at TP=N); extra args
+# go to it. tp-bench N: the benchmark alone (TP_BENCH_TIMEOUT seconds, default 400).
 # The served benchmark needs the server's wheels: run ../shared/tools/device-wheels.sh first and carry .whl.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -50,12 +51,17 @@ if [[ $what == before-after ]]; then
   python3 -m loadtest.bench_offline --only W1 W3 --skip-peers --out "$OUT/after" "$@" 2>&1 \
     | grep -v "rope_parameters\|Loading weights" | tee "$OUT/after.log" | tail -6
 fi
+if [[ $what == tp || $what == tp-bench ]]; then
+  tp=${1:?usage: gpu_run.sh tp|tp-bench N [bench_offline args]}; shift
+  nvidia-smi topo -m > "$OUT/topology.txt" 2>&1; head -4 "$OUT/topology.txt"
+fi
 if [[ $what == tp ]]; then
-  tp=${1:?usage: gpu_run.sh tp N [bench_offline args]}; shift
-  timeout 400 python3 -m pytest -q -s -m gpu tests/test_tensor_parallel.py -p no:cacheprovider 2>&1 \
+  timeout 200 python3 -m pytest -q -s -m gpu tests/test_tensor_parallel.py -p no:cacheprovider 2>&1 \
     | grep -v "rope_parameters\|Loading weights\|Writing model" | tee "$OUT/tp_tests.log" | tail -12
   rc=${PIPESTATUS[0]}
-  python3 -m loadtest.bench_offline --tensor-parallel-size "$tp" --out "$OUT" "$@" 2>&1 \
+fi
+if [[ $what == tp || $what == tp-bench ]]; then
+  timeout "${TP_BENCH_TIMEOUT:-400}" python3 -m loadtest.bench_offline --tensor-parallel-size "$tp" --out "$OUT" "$@" 2>&1 \
     | grep -v "rope_parameters\|Loading weights\|Writing model" | tee "$OUT/tp_bench.log" | tail -12
 fi
 if [[ $what == profile ]]; then
