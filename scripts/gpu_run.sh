@@ -64,6 +64,19 @@ if [[ $what == tp || $what == tp-bench ]]; then
   timeout "${TP_BENCH_TIMEOUT:-400}" python3 -m loadtest.bench_offline --tensor-parallel-size "$tp" --out "$OUT" "$@" 2>&1 \
     | grep -v "rope_parameters\|Loading weights\|Writing model" | tee "$OUT/tp_bench.log" | tail -12
 fi
+if [[ $what == tp-smoke ]]; then
+  # scripts/tp_smoke.py N; if it is still running after TP_SMOKE_TIMEOUT seconds (default 150), every Python
+  # process of ours dumps its stacks (faulthandler on SIGABRT) and is ended.
+  PYTHONFAULTHANDLER=1 python3 scripts/tp_smoke.py "${1:-2}" "${@:2}" > "$OUT/tp_smoke.log" 2>&1 &
+  pid=$!
+  for _ in $(seq "${TP_SMOKE_TIMEOUT:-150}"); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  if kill -0 $pid 2>/dev/null; then
+    echo "tp-smoke: still running after ${TP_SMOKE_TIMEOUT:-150} s, dumping stacks" | tee -a "$OUT/tp_smoke.log"
+    pkill -ABRT -f asyncengine.distributed.worker; sleep 2; kill -ABRT $pid; sleep 2; pkill -9 -f tp_smoke.py
+  fi
+  wait $pid; rc=$?
+  grep -v "decode GEMV" "$OUT/tp_smoke.log" | tail -60
+fi
 if [[ $what == profile ]]; then
   python3 -m loadtest.profile_steps --out "$OUT" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" \
     | tee "$OUT/profile.log" | tail -60
