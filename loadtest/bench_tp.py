@@ -57,8 +57,9 @@ def w3_bytes_per_rank(llm, context: int) -> int:
     return linear_params(llm) * 2 + context * mc.kv_bytes_per_token(torch.bfloat16)
 
 
-def measure_engine(folder: Path, tp: int, args, tiny: bool, copy_gbps: float, load_format: str = "auto") -> dict:
-    """W1 and W3 of one engine at TP=tp (bf16 on CUDA, float32 on CPU)."""
+def measure_engine(folder: Path, tp: int, args, tiny: bool, copy_gbps: float, out: dict, save,
+                   load_format: str = "auto") -> None:
+    """W1 and W3 of one engine at TP=tp (bf16 on CUDA, float32 on CPU) into `out`, saved after each."""
     from asyncengine import LLM
 
     release_gpu_memory()
@@ -66,12 +67,12 @@ def measure_engine(folder: Path, tp: int, args, tiny: bool, copy_gbps: float, lo
     t0 = time.perf_counter()
     llm = LLM(str(folder), load_format=load_format, **engine_kwargs(tp, tiny, args, "float32" if tiny else "bfloat16"))
     try:
-        out = {"tensor_parallel_size": tp, "engine_init_s": time.perf_counter() - t0,
-               "kv_blocks": llm.engine.runner.num_blocks}
+        out.update(tensor_parallel_size=tp, engine_init_s=time.perf_counter() - t0, kv_blocks=llm.engine.runner.num_blocks)
         n = 16 if tiny else (200 if args.quick else 1000)
         mean_in, mean_out = (20, 20) if tiny else (200, 180)
         run_engine(llm, *sharegpt_like(min(n, 64), mean_in, 16, seed=8, vocab=vocab))  # warm-up: Triton's compiles
         out["W1"] = run_engine(llm, *sharegpt_like(n, mean_in, mean_out, seed=1, vocab=vocab))
+        save()
         context, new = (100, 20) if tiny else (W3_CONTEXT, W3_NEW_TOKENS)
         w3 = batch1_decode_ms(llm, vocab, context, new)
         out["W3_ms_per_token"], out["W3_graph_replay_gpu_ms"] = w3["ms_per_token"], w3["graph_replay_gpu_ms"]
@@ -79,7 +80,7 @@ def measure_engine(folder: Path, tp: int, args, tiny: bool, copy_gbps: float, lo
         if copy_gbps:
             out["W3_roofline_ms"] = out["W3_bytes_per_rank"] / (copy_gbps * 1e9) * 1e3
             out["W3_of_roofline"] = out["W3_roofline_ms"] / out["W3_ms_per_token"]
-        return out
+        save()
     finally:
         llm.close()
 
@@ -217,8 +218,7 @@ def run_8b(args, tp: int, tiny: bool, results: dict, save) -> None:
     results["build_checkpoint_s"] = time.perf_counter() - t0
     copy = results.get("copy_bandwidth_GBps", 0.0)
     for size in (1, tp):
-        results[f"8b_tp{size}"] = measure_engine(folder, size, args, tiny, copy)
-        save()
+        measure_engine(folder, size, args, tiny, copy, results.setdefault(f"8b_tp{size}", {}), save)
     one, many = results["8b_tp1"], results[f"8b_tp{tp}"]
     results["8b_W3_ratio"] = many["W3_ms_per_token"] / one["W3_ms_per_token"]
     results["8b_W1_ratio"] = many["W1"]["req_per_s"] / one["W1"]["req_per_s"]
@@ -231,9 +231,8 @@ def run_8b(args, tp: int, tiny: bool, results: dict, save) -> None:
 def run_70b(args, tp: int, tiny: bool, results: dict, save) -> None:
     folder = build_shape_only_checkpoint(Path(f"/tmp/llama3-70b-shape{'-tiny' if tiny else ''}"),
                                          TINY_70B_LIKE if tiny else LLAMA3_70B)
-    results[f"70b_tp{tp}"] = measure_engine(folder, tp, args, tiny, results.get("copy_bandwidth_GBps", 0.0),
-                                            load_format="dummy")
-    save()
+    measure_engine(folder, tp, args, tiny, results.get("copy_bandwidth_GBps", 0.0),
+                   results.setdefault(f"70b_tp{tp}", {}), save, load_format="dummy")
 
 
 def main(args) -> int:
@@ -244,7 +243,7 @@ def main(args) -> int:
     results: dict = {"device": (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}" if on_gpu else "cpu"),
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args),
                      "tensor_parallel_size": tp, "nccl_env": {k: v for k, v in os.environ.items() if "NCCL" in k}}
-    path = out_dir / f"bench_tp{tp}_{args.tp_model}{'_tiny' if tiny else ''}.json"
+    path = out_dir / f"bench_tp{tp}_{'_'.join(args.tp_model)}{'_tiny' if tiny else ''}.json"
 
     def save():
         path.write_text(json.dumps(results, indent=2))
@@ -255,7 +254,8 @@ def main(args) -> int:
             hidden = [LLAMA3_8B["hidden_size"], LLAMA3_70B["hidden_size"]]
             results["allreduce_us"] = allreduce_microseconds(tp, hidden)
         save()
-    (run_8b if args.tp_model == "8b" else run_70b)(args, tp, tiny, results, save)
+    for model in args.tp_model:
+        (run_8b if model == "8b" else run_70b)(args, tp, tiny, results, save)
     print_table(results, tp)
     return 0
 
@@ -269,6 +269,9 @@ def print_table(r: dict, tp: int) -> None:
           f"{'of roofline':>13}{'KV blocks':>11}")
     for key in [k for k in r if k.startswith(("8b_tp", "70b_tp"))]:
         e = r[key]
+        if "W3_ms_per_token" not in e:
+            print(f"{key:<12} incomplete: {sorted(e)}")
+            continue
         roof, share = e.get("W3_roofline_ms"), e.get("W3_of_roofline")
         print(f"{key:<12}{e['tensor_parallel_size']:>4}{e['W1']['req_per_s']:>10.2f}{e['W1']['output_tok_per_s']:>14.0f}"
               f"{e['W3_ms_per_token']:>11.2f}{(f'{roof:.2f}' if roof else '-'):>13}"
@@ -276,6 +279,6 @@ def print_table(r: dict, tp: int) -> None:
     if "8b_W3_ratio" in r:
         print(f"8B TP={tp} / TP=1: W3 {r['8b_W3_ratio']:.2f}x ms (target <= 0.6), "
               f"W1 {r['8b_W1_ratio']:.2f}x req/s (target >= 1.7)")
-    if "8b_greedy_float32_equal" in r:
+    if r.get("8b_greedy_float32_equal"):
         eq = r["8b_greedy_float32_equal"]
         print(f"8B greedy float32 TP={tp} == TP=1: {sum(eq)}/{len(eq)} prompts")

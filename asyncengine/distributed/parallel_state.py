@@ -7,18 +7,65 @@ collective returns its input unchanged, so `tensor_parallel_size=1` runs with no
 With more ranks the world is torch.distributed's default process group: NCCL on CUDA (collectives run on the
 current stream, so CUDA graphs capture them), gloo on CPU. Gloo reduces CPU tensors of half precision poorly (or
 not at all), so on CPU the collectives run in float32 and cast back.
+
+On CUDA, `all_reduce` of up to SYMMETRIC_BYTES goes through torch's symmetric memory instead of NCCL: every rank
+registers one buffer that the others can read and write over NVLink, and `two_shot_all_reduce_` sums in it (a
+barrier at its start and end, so one buffer serves every all-reduce in order). Measured on two H200s in a CUDA
+graph (issue 13): 6.3 us for a decode step's [1, 4096] bf16 against NCCL's 20.6, 19.7 against 51.7 at
+[256, 8192]; a Llama-3-8B decode step has 64 of them. Larger inputs (prefill) stay with NCCL. Every rank checks
+the path at start-up and all take the same decision (a rank that cannot use it turns it off for all, logged);
+ASYNCENGINE_SYMMETRIC_ALLREDUCE=0 turns it off.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 _RANK, _SIZE = 0, 1
 _DEVICE: Optional[torch.device] = None
+SYMMETRIC_BYTES = 8 * 2**20  # the symmetric buffer: [256, 8192] bf16 is 4 MiB
+
+
+class _SymmetricAllReduce:
+    """Sum over the ranks through one symmetric-memory buffer (CUDA, NVLink peers)."""
+
+    def __init__(self, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = dist.group.WORLD.group_name
+        self.buffer = symm_mem.empty(SYMMETRIC_BYTES, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return (x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.is_contiguous()
+                and nbytes <= SYMMETRIC_BYTES and nbytes % 16 == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (x contiguous, `takes(x)`)."""
+        staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype)
+        staged.copy_(x.view(-1))
+        torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group)
+        return x.copy_(staged.view(x.shape))
+
+    def works(self, device: torch.device) -> bool:
+        """A sum of every rank's (rank + 1) in each dtype comes out right here."""
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.full((4096,), float(_RANK + 1), dtype=dtype, device=device)
+            if not bool((self(x) == _SIZE * (_SIZE + 1) / 2).all()):
+                return False
+        return True
+
+
+_SYMMETRIC: Optional[_SymmetricAllReduce] = None
 
 
 def tp_rank() -> int:
@@ -43,13 +90,40 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     _RANK, _SIZE, _DEVICE = rank, size, device
+    if size > 1 and device.type == "cuda" and os.environ.get("ASYNCENGINE_SYMMETRIC_ALLREDUCE", "1") != "0":
+        _init_symmetric_all_reduce(device)
+
+
+def _init_symmetric_all_reduce(device: torch.device) -> None:
+    """Use symmetric memory for small all-reduces if it works on every rank (all ranks decide alike)."""
+    global _SYMMETRIC
+    candidate, why = None, ""
+    try:
+        candidate = _SymmetricAllReduce(device)
+        ok = candidate.works(device)
+        why = "a test sum came out wrong" if not ok else ""
+    except Exception as e:  # noqa: BLE001 - reported below; every rank still joins the vote
+        ok, why = False, repr(e)[:300]
+    if all_reduce_min(int(ok)) == 1:
+        _SYMMETRIC = candidate
+        if _RANK == 0:
+            logger.info("all-reduce: symmetric memory up to %d MiB, NCCL above", SYMMETRIC_BYTES // 2**20)
+    else:
+        logger.warning("all-reduce: NCCL for every size (symmetric memory is not usable%s)",
+                       f" on rank {_RANK}: {why}" if why else " on another rank")
 
 
 def destroy_tensor_parallel() -> None:
-    """Leave the world (idempotent); the process is back to one rank."""
-    global _RANK, _SIZE, _DEVICE
+    """Leave the world (idempotent, never waits for another rank); the process is back to one rank.
+    NCCL's orderly destroy waits for every peer to destroy too, so a rank whose peer was already stopped (or is
+    killed while it waits) would hang: on CUDA the communicators are aborted instead, which is local."""
+    global _RANK, _SIZE, _DEVICE, _SYMMETRIC
+    _SYMMETRIC = None
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if _DEVICE is not None and _DEVICE.type == "cuda":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _RANK, _SIZE, _DEVICE = 0, 1, None
 
 
@@ -64,6 +138,8 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of x over the ranks (x itself with one rank). May reduce in place."""
     if _SIZE == 1:
         return x
+    if _SYMMETRIC is not None and _SYMMETRIC.takes(x):
+        return _SYMMETRIC(x)
     wire = _wire(x)
     dist.all_reduce(wire)
     return wire if wire is x else wire.to(x.dtype)
