@@ -282,3 +282,47 @@ def test_two_gpus_give_the_greedy_tokens_of_one(checkpoints, arch):
             llm.close()
 
     assert_same_tokens(run(2), run(1))
+
+
+def _all_reduce_rank(rank: int, port: int, queue) -> None:
+    """Rank `rank` of two: the symmetric-memory path and NCCL sum the same random tensors (each rank draws its
+    own, seeded by rank), decode- and prefill-sized, bf16 and float32; rank 0 reports the largest difference."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    parallel_state.init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", device)
+    try:
+        assert parallel_state._SYMMETRIC is not None, "the symmetric-memory path was not taken up"
+        worst = 0.0
+        for shape in [(1, 4096), (3, 8192), (256, 4096), (2048, 4096)]:  # the last is over the buffer: NCCL
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(shape, generator=torch.Generator(device).manual_seed(rank), device=device).to(dtype)
+                want = x.float().clone()
+                torch.distributed.all_reduce(want)  # NCCL, float32
+                got = parallel_state.all_reduce(x.clone()).float()
+                worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        if rank == 0:
+            queue.put(worst)
+    finally:
+        parallel_state.destroy_tensor_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpus_symmetric_memory_all_reduce_equals_nccl():
+    """Relative error of the sum at most 1/128 (bf16's rounding of the summed values; float32 is exact up to
+    summation order), and leaving the world (an NCCL abort) returns at once on both ranks."""
+    import torch.multiprocessing as mp
+
+    from asyncengine.distributed.executor import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_all_reduce_rank, args=(rank, port, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    worst = queue.get(timeout=120)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0, "a rank failed or did not leave the world"
+    assert worst <= 1 / 128
