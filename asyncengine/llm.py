@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -89,13 +89,16 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (a string or a list of token ids), in the order of `prompts`; each output's
         `.outputs.embedding` is a list of floats. With the pooling runner, or on a decoder loaded to generate (last
-        token, in its scheduler; LLMEngine.check_prompt). Bad input raises ValueError before anything runs."""
+        token, in its scheduler; LLMEngine.check_prompt). Bad input raises ValueError (see _pool: the prompts are
+        tokenized a chunk at a time while earlier chunks run)."""
         self._check_pooling("embed")
         params = pooling_params or PoolingParams()
         prompt_list = self._as_list(prompts)
-        token_lists = self.engine.tokenize(prompt_list, params)
-        return self._pool([(p, ids, params) for p, ids in zip(prompt_list, token_lists)], "Embedded prompts",
-                          use_tqdm)
+
+        def tokenized(chunk: list[PromptType]) -> list[tuple[Optional[PromptType], list[int], PoolingParams]]:
+            return [(p, ids, params) for p, ids in zip(chunk, self.engine.tokenize(chunk, params))]
+
+        return self._pool(prompt_list, tokenized, "Embedded prompts", use_tqdm)
 
     def score(
         self,
@@ -113,9 +116,12 @@ class LLM:
         if truncate_prompt_tokens is not None:
             params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         pairs = pair_texts(data_1, data_2, names=("data_1", "data_2"))
-        encoded = self.engine.tokenize_pairs(pairs, params)
-        return self._pool([(None, ids, replace(params, second_text_start=start)) for ids, start in encoded],
-                          "Scored pairs", use_tqdm)
+
+        def tokenized(chunk: list[tuple[str, str]]) -> list[tuple[Optional[PromptType], list[int], PoolingParams]]:
+            return [(None, ids, replace(params, second_text_start=start))
+                    for ids, start in self.engine.tokenize_pairs(chunk, params)]
+
+        return self._pool(pairs, tokenized, "Scored pairs", use_tqdm)
 
     def _check_pooling(self, what: str) -> None:
         if what == "embed" and isinstance(self.engine, LLMEngine):
@@ -124,22 +130,54 @@ class LLM:
             raise ValueError(f"{what} needs the pooling runner: this model was loaded to generate "
                              f"(pass runner='pooling' to LLM(...) for an embedding model or a cross-encoder)")
 
-    def _pool(self, requests: list[tuple[Optional[PromptType], list[int], PoolingParams]], desc: str,
-              use_tqdm: bool) -> list[PoolingRequestOutput]:
-        """Add (prompt, token ids, params) pooling requests, all or none, and run them; outputs in that order."""
-        ids = []
-        try:
+    def _tokenizes_while_passes_run(self) -> bool:
+        """True on an accelerator; False on CPU, where the passes use the host's cores, so tokenizing meanwhile
+        would only contend with them (measured: slower)."""
+        return self.engine.runner.device.type != "cpu"
+
+    def _pool(self, inputs: list, tokenized: Callable[[list], list[tuple[Optional[PromptType], list[int],
+                                                                           PoolingParams]]],
+              desc: str, use_tqdm: bool) -> list[PoolingRequestOutput]:
+        """Run pooling requests over `inputs` (prompts or text pairs); outputs in their order. `tokenized` turns a
+        chunk of inputs into (prompt, token ids, params) requests.
+
+        Where the passes leave the host's cores free (_tokenizes_while_passes_run), the inputs are tokenized and
+        added a chunk (max_num_seqs inputs: at most one step's worth) at a time: the first before the loop starts,
+        each next one while the device runs the step just launched, so that the tokenizer's time overlaps the
+        passes instead of preceding them all; elsewhere all in one chunk. A chunk is checked whole before any of
+        it is queued; a bad input (ValueError) stops the admission: the chunks already queued run to completion,
+        then the error is raised and nothing is returned. So bad input among the first max_num_seqs inputs (and
+        bad params) raises before anything runs."""
+        chunk = max(1, self.engine.config.max_num_seqs) if self._tokenizes_while_passes_run() else len(inputs)
+        chunks = (inputs[i: i + chunk] for i in range(0, len(inputs), chunk))
+        ids: list[str] = []
+        error: Optional[ValueError] = None
+
+        def admit_next_chunk() -> None:
+            nonlocal error
+            batch = next(chunks, None) if error is None else None
+            if batch is None:
+                return
+            try:
+                requests = tokenized(batch)
+                for _, token_ids, params in requests:
+                    self.engine.check_prompt(token_ids, params)
+            except ValueError as exc:
+                error = exc
+                return
             for prompt, token_ids, params in requests:
                 ids.append(self._next_id())
-                self.engine.add_request(ids[-1], prompt, params, prompt_token_ids=token_ids)
-        except Exception:
-            self.engine.abort_request(ids)
-            raise
+                self.engine.enqueue(ids[-1], prompt if isinstance(prompt, str) else None, token_ids, params)
+
+        admit_next_chunk()
         results: dict[str, PoolingRequestOutput] = {}
-        with tqdm(total=len(ids), desc=desc, disable=not use_tqdm, dynamic_ncols=True) as bar:
+        with tqdm(total=len(inputs), desc=desc, disable=not use_tqdm, dynamic_ncols=True) as bar:
             for outputs in self.engine.run_pipelined(self._device_thread):
                 results.update((o.request_id, o) for o in outputs)
                 bar.update(len(outputs))
+                admit_next_chunk()  # the step just launched runs meanwhile
+        if error is not None:
+            raise error
         return [results[i] for i in ids]
 
     def _next_id(self) -> str:

@@ -15,10 +15,11 @@ The tokens counted are the engine's (both truncate at the same max_seq_length). 
 (lowest cosine) so a fast wrong answer cannot pass. Prints one table and writes JSON.
 
 --profile adds where the engine's time goes in its timed run (PhaseProfile): per 1,000 inputs, the host phases of
-the driver's thread (tokenize, add_request = validate + queue, prepare_step = schedule + input tensors, book,
-emit, and "driver wait+loop": the wall time left, i.e. the driver waiting for the device thread, plus the loop's
-own work), the device thread's launch (queueing the pass) and collect (waiting for it), and
-the pass itself on the device (CUDA events around each launch; on CPU the launch is the pass). The phases are
+the driver's thread (tokenize, check_prompt = validate, enqueue = queue, prepare_step = schedule + input
+tensors, book, emit, and "driver wait+loop": the wall time left, i.e. the driver waiting for the device thread, plus
+the loop's own work), the device thread's launch (queueing the pass) and collect (waiting for it), and on CUDA the
+device's own time (events): the passes, their model forward, the attention inside it, pooling + copy, and the time
+the device had no pass queued (wall minus passes). On CPU the launch is the pass. The phases are
 wrapped around the engine's own methods after the warm-up, so they time exactly what the timed run does.
 """
 
@@ -140,19 +141,30 @@ def qwen3_texts(n: int, vocab: int, seed: int) -> list[str]:
 # -- where the engine's time goes (--profile) ------------------------------------------------------------------
 class PhaseProfile:
     """Wall time of each engine phase over one run (see the module docstring), by wrapping the engine instance's
-    methods; `forward` is the device time of the passes (CUDA events; on CPU the launches themselves)."""
+    methods. On CUDA, device time from events: each pass (launch to launch end), its model forward, the
+    attention calls inside it (ops.encoder_attention / ops.cache_and_attend), and the rest of the pass (pooling
+    and the copy to the host); on CPU the launches are the passes."""
 
-    DRIVER = ("tokenize", "add_request", "prepare_step", "book", "emit")  # the caller's thread
+    DRIVER = ("tokenize", "check_prompt", "enqueue", "prepare_step", "book", "emit")  # the caller's thread
     DEVICE_THREAD = ("launch", "collect")
+    ATTENTION_OPS = ("encoder_attention", "cache_and_attend")
 
     def __init__(self, engine, device: str):
         self.seconds = {name: 0.0 for name in self.DRIVER + self.DEVICE_THREAD}
         self.cuda = device.startswith("cuda")
-        self.events: list = []  # (start, end) CUDA events around each runner.launch
+        self.events: dict[str, list] = {"pass": [], "model forward": [], "attention": []}  # (start, end) pairs
+        self._restore: list = []
         for name in self.DRIVER + self.DEVICE_THREAD:
             setattr(engine, name, self._timed(name, getattr(engine, name)))
         if self.cuda:
-            engine.runner.launch = self._with_events(engine.runner.launch)
+            from asyncengine import ops
+
+            runner = engine.runner
+            runner.launch = self._between_events("pass", runner.launch)
+            runner.model.forward = self._between_events("model forward", runner.model.forward)
+            for name in self.ATTENTION_OPS:
+                self._restore.append((ops, name, getattr(ops, name)))
+                setattr(ops, name, self._between_events("attention", getattr(ops, name)))
 
     def _timed(self, name: str, method):
         def timed(*args, **kwargs):
@@ -163,30 +175,36 @@ class PhaseProfile:
                 self.seconds[name] += time.perf_counter() - start
         return timed
 
-    def _with_events(self, launch):
-        def launch_between_events(*args, **kwargs):
+    def _between_events(self, what: str, function):
+        def between_events(*args, **kwargs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            launched = launch(*args, **kwargs)
+            result = function(*args, **kwargs)
             end.record()
-            self.events.append((start, end))
-            return launched
-        return launch_between_events
+            self.events[what].append((start, end))
+            return result
+        return between_events
 
     def report(self, wall: float, inputs: int, tokens: int) -> dict:
-        """{phase: ms per 1,000 inputs}, with `forward` (device), `driver wait+loop` (wall minus the driver phases:
-        waiting for the device thread, and the loop's own work) and `wall`; plus per-token ns of the whole run."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            forward = sum(s.elapsed_time(e) for s, e in self.events) / 1e3
-        else:
-            forward = self.seconds["launch"]
+        """{phase: ms per 1,000 inputs}: the wrapped methods, `driver wait+loop` (wall minus the driver phases:
+        waiting for the device thread, and the loop's own work), the device times and `wall`."""
+        for module, name, original in self._restore:  # the ops are module globals: unwrap them
+            setattr(module, name, original)
         per_k = 1e6 / inputs  # seconds -> ms per 1,000 inputs
         phases = {name: s * per_k for name, s in self.seconds.items()}
         phases["driver wait+loop"] = (wall - sum(self.seconds[n] for n in self.DRIVER)) * per_k
-        phases["forward (device)"] = forward * per_k
+        if self.cuda:
+            torch.cuda.synchronize()
+            device = {what: sum(s.elapsed_time(e) for s, e in pairs) / 1e3 for what, pairs in self.events.items()}
+            phases["pass (device)"] = device["pass"] * per_k
+            phases["  model forward"] = device["model forward"] * per_k
+            phases["    attention"] = device["attention"] * per_k
+            phases["  pool + copy"] = (device["pass"] - device["model forward"]) * per_k
+            phases["device idle"] = (wall - device["pass"]) * per_k
+        else:
+            phases["pass (device)"] = self.seconds["launch"] * per_k
         phases["wall"] = wall * per_k
-        return {"ms_per_1000_inputs": phases, "ns_per_token_wall": wall / tokens * 1e9, "passes": len(self.events)}
+        return {"ms_per_1000_inputs": phases, "passes": len(self.events["pass"]) or None}
 
 
 def print_profile(rows: list[dict]) -> None:
