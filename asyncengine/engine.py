@@ -25,16 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
-import torch
-
 from asyncengine.block_manager import BlockManager
 from asyncengine.config import EngineConfig, load_model_config, resolve_max_model_len
 from asyncengine.model_runner import LaunchedStep, ModelRunner, StepInputs, StepResult
 from asyncengine.output_processor import OutputProcessor, UserRequest
 from asyncengine.outputs import RequestOutput
-from asyncengine.pooler import PoolerConfig, load_pooler_config
-from asyncengine.pooling_params import (EmbeddingOutput, EmbeddingRequestOutput, PoolingLimits, PoolingParams,
-                                        PromptType, finish_embedding, pooling_token_ids)
+from asyncengine.pooling_params import PoolingLimits, PoolingParams, PromptType
+from asyncengine.pooling_requests import PoolingRequests
 from asyncengine.request import Request, RequestStatus, validate_request
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduler import Scheduler, SchedulerOutput
@@ -103,9 +100,10 @@ class LLMEngine:
         self.stats_listeners: list[Callable[[StepStats], None]] = []
         self._stats = StepStats()  # observations since the last emit
         self._ids = itertools.count()
-        self.pooler, self._pooler_error = self._load_pooler()
-        self.pooling_requests: dict[str, tuple[Request, Optional[str]]] = {}  # live: (request, its prompt text)
-        self._pooled: list[tuple[EmbeddingRequestOutput, float]] = []  # booked, not emitted: (output, arrival)
+        # embedding requests served alongside generation (last-token pooling in this scheduler)
+        self.pooling = PoolingRequests.for_checkpoint(Path(config.model), self.model_config.hf_config, self.tokenizer,
+                                                      self.scheduler, self.model_config.hidden_size, self.vocab_size,
+                                                      self.max_model_len)
         logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
 
     def _check_cache_fits(self, config: EngineConfig) -> None:
@@ -128,67 +126,19 @@ class LLMEngine:
     def _max_model_len(self) -> int:
         return resolve_max_model_len(self.config, self.model_config)
 
-    def _load_pooler(self) -> tuple[Optional[PoolerConfig], Optional[str]]:
-        """The pooling this decoder's embeddings follow (the checkpoint's sentence-transformers config, else last
-        token, normalised), or why it cannot embed (the config asks for what we cannot do)."""
-        try:
-            return load_pooler_config(Path(self.config.model), False, self.model_config.hf_config), None
-        except ValueError as exc:
-            return None, str(exc)
-
-    # -- pooling requests (embeddings), served next to generation ---------------------------------------------
+    # -- pooling requests (embeddings), served next to generation: see PoolingRequests ----------------------
     @property
     def limits(self) -> Optional[PoolingLimits]:
-        """What validating an embedding request needs (generates=True: generation requests are valid too); None
-        when the checkpoint's pooling config cannot be served (check_prompt says why)."""
-        if self.pooler is None:
-            return None
-        return PoolingLimits(self.pooler, self.model_config.hidden_size, self.vocab_size, self._max_embed_len,
-                             generates=True)
-
-    @property
-    def _max_embed_len(self) -> int:
-        """The longest input an embedding takes: max_model_len, lowered to sentence-transformers' max_seq_length
-        when the checkpoint has one (as the pooling runner does unless max_model_len is given)."""
-        limit = self.pooler.max_seq_length if self.pooler is not None else None
-        return min(self.max_model_len, limit) if limit else self.max_model_len
+        """What validating an embedding request needs (PoolingRequests.limits)."""
+        return self.pooling.limits
 
     def tokenize(self, prompts: list[PromptType], params: PoolingParams) -> list[list[int]]:
         """Token ids of pooling prompts (see pooling_params.pooling_token_ids)."""
-        return pooling_token_ids(self.tokenizer, prompts, params, self._max_embed_len)
+        return self.pooling.tokenize(prompts, params)
 
     def check_prompt(self, prompt_ids: list[int], params: PoolingParams) -> None:
         """ValueError (naming the field) when this pooling request cannot run here: PoolingLimits.check."""
-        if self.pooler is None:
-            raise ValueError(f"this model cannot embed: {self._pooler_error}")
-        self.limits.check(prompt_ids, params)
-
-    def _enqueue_pooling(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                         params: PoolingParams, arrival_time: Optional[float]) -> None:
-        """Queue an embedding request (passed check_prompt): a prefill-only Request in the same scheduler as
-        generation; the step computing its last token pools it (ScheduledRequest.pools)."""
-        if request_id in self.pooling_requests or request_id in self.output_processor.user_requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, list(prompt_token_ids), SamplingParams(), max_tokens=1,
-                          arrival_time=arrival_time if arrival_time is not None else time.monotonic())
-        request.pooling_params = params
-        self.pooling_requests[request_id] = (request, prompt)
-        self.scheduler.add(request)
-
-    def _book_pooled(self, requests: tuple[Request, ...], pooled) -> None:
-        """Turn a step's pooled states (pooled: [P, hidden] float32 on the host, one row per request) into final
-        outputs; requests aborted meanwhile are skipped. Their blocks were freed by Scheduler.update."""
-        if self.pooler.normalize:
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
-        for request, vector in zip(requests, pooled):
-            entry = self.pooling_requests.pop(request.request_id, None)
-            if entry is None or entry[0] is not request or request.status != RequestStatus.FINISHED_STOPPED:
-                continue
-            embedding = finish_embedding(vector, self.pooler, request.pooling_params)
-            output = EmbeddingRequestOutput(request.request_id, EmbeddingOutput(embedding), request.prompt_token_ids,
-                                            True, entry[1])
-            self._pooled.append((output, request.arrival_time))
-            self._stats.prompt_tokens += request.num_prompt_tokens
+        self.pooling.check(prompt_ids, params)
 
     # -- requests ---------------------------------------------------------------------------------------------
     def add_request(
@@ -215,12 +165,12 @@ class LLMEngine:
     def enqueue(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int], params: SamplingParams,
                 arrival_time: Optional[float] = None) -> None:
         """Queue a request that has passed validate_request (PoolingParams: check_prompt): fan it out into
-        params.n children and hand them to the scheduler. ValueError for a request id that is in use. `params`
-        is not modified."""
-        if isinstance(params, PoolingParams):
-            return self._enqueue_pooling(request_id, prompt, prompt_token_ids, params, arrival_time)
-        if request_id in self.output_processor.user_requests or request_id in self.pooling_requests:
+        params.n children and hand them to the scheduler (a pooling request: PoolingRequests.add). ValueError
+        for a request id that is in use. `params` is not modified."""
+        if request_id in self.output_processor.user_requests or self.pooling.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            return self.pooling.add(request_id, prompt, prompt_token_ids, params, arrival_time)
         compiled = None
         if params.structured_outputs is not None:  # compiles in the background; a failure known now is raised now
             compiled = self.structured.submit(params.structured_outputs)
@@ -285,12 +235,9 @@ class LLMEngine:
             request_ids = [request_ids]
         outputs = []
         for request_id in request_ids:
-            pooling = self.pooling_requests.pop(request_id, None)
-            if pooling is not None:
-                request, prompt = pooling
-                self.scheduler.abort([request])
-                outputs.append(EmbeddingRequestOutput(request_id, None, request.prompt_token_ids, True, prompt,
-                                                      "abort"))
+            pooled = self.pooling.abort(request_id)
+            if pooled is not None:
+                outputs.append(pooled)
                 continue
             user = self.output_processor.user_requests.get(request_id)
             if user is None:
@@ -305,7 +252,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.user_requests or self.pooling_requests or self._pooled)
+        return bool(self.output_processor.user_requests or self.pooling.unfinished)
 
     # -- the step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -348,7 +295,7 @@ class LLMEngine:
             self.output_processor.record_token(request, result.logprobs.get(request.request_id), now, self._stats)
         self._stats.generation_tokens += len(got_token)
         if step.inputs.pooling_requests:
-            self._book_pooled(step.inputs.pooling_requests, result.pooled)
+            self.pooling.book(step.inputs.pooling_requests, result.pooled, self._stats)
         return got_token
 
     def emit(self, got_token: list[Request]) -> list[RequestOutput]:
@@ -359,20 +306,10 @@ class LLMEngine:
             self.output_processor.detokenize(request)
         stats, self._stats = self._stats, StepStats()
         now = time.monotonic()
-        outputs = self.output_processor.make_outputs(stats, now)
-        if self._pooled:
-            outputs += self._emit_pooled(stats, now)
+        outputs = self.output_processor.make_outputs(stats, now) + self.pooling.emit(stats, now)
         for listener in self.stats_listeners:
             listener(stats)
         return outputs
-
-    def _emit_pooled(self, stats: StepStats, now: float) -> list[EmbeddingRequestOutput]:
-        pooled, self._pooled = self._pooled, []
-        for _, arrival in pooled:
-            stats.e2e_latency.append(now - arrival)
-            stats.time_to_first_token.append(now - arrival)
-            stats.finished_reasons.append("stop")
-        return [output for output, _ in pooled]
 
     def run_pipelined(self, executor, lookahead: Optional[bool] = None) -> Iterator[list[RequestOutput]]:
         """Steps until no request is left, with the device work in `executor` (a single-thread
