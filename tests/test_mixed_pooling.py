@@ -110,7 +110,7 @@ def test_mixed_batches_equal_pooling_engine_transformers_and_generation_alone(fo
     assert facts["mixed_steps"] > 0, "no step held both a pooling pass and sampling rows"
     assert facts["chunks_not_pooling"] > 0, "no embedding input was split into chunks"
     assert_no_leaks(engine)
-    assert not engine.pooling_requests
+    assert not engine.pooling.unfinished  # no live pooling request, no output left unemitted
 
     pooling_only = LLM(str(folder), runner="pooling", max_model_len=256)
     theirs = torch.tensor([o.outputs.embedding for o in pooling_only.embed(embed_ids, use_tqdm=False)])

@@ -83,7 +83,8 @@ def test_token_types_matter(llm, reference):
     query, document = "a query", "a document about engines"
     ids = llm.get_tokenizer()(query, document).input_ids
     [as_pair] = llm.score(query, document, use_tqdm=False)
-    [all_type_0] = llm._pool([(None, ids, PoolingParams(task="score"))], "", use_tqdm=False)
+    [all_type_0] = llm._pool([ids], lambda chunk: [(None, i, PoolingParams(task="score")) for i in chunk], "",
+                             use_tqdm=False)
     assert abs(as_pair.outputs.score - float(reference([(query, document)])[0])) <= SCORE_ATOL
     assert abs(as_pair.outputs.score - all_type_0.outputs.score) > 1e-3
 
