@@ -14,6 +14,7 @@ row), allocated for the pass and dropped after it: pooling needs no KV once the 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -70,7 +71,8 @@ class PoolingRunner:
         lens = np.fromiter((len(t) for t in token_lists), np.int64, len(token_lists))
         qsl = np.zeros(len(lens) + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
-        ids = np.fromiter((t for tokens in token_lists for t in tokens), np.int64, int(qsl[-1]))
+        # chain.from_iterable flattens in C: half the time of a nested generator (the host's cost per token)
+        ids = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, int(qsl[-1]))
         positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1].astype(np.int64), lens)
         token_types = None
         if second_text_starts is not None and any(s is not None for s in second_text_starts):
