@@ -19,7 +19,8 @@ the driver's thread (tokenize, check_prompt = validate, enqueue = queue, prepare
 tensors, book, emit, and "driver wait+loop": the wall time left, i.e. the driver waiting for the device thread, plus
 the loop's own work), the device thread's launch (queueing the pass) and collect (waiting for it), and on CUDA the
 device's own time (events): the passes, their model forward, the attention inside it, pooling + copy, and the time
-the device had no pass queued (wall minus passes). On CPU the launch is the pass. The phases are
+the device had no pass queued (wall minus passes). On CPU the launch is the pass. Then torch.profiler's top ops
+over one more step's worth of inputs (device self time on CUDA). The phases are
 wrapped around the engine's own methods after the warm-up, so they time exactly what the timed run does.
 """
 
@@ -207,6 +208,25 @@ class PhaseProfile:
         return {"ms_per_1000_inputs": phases, "passes": len(self.events["pass"]) or None}
 
 
+def top_ops(llm, texts: list[str], params, device: str, rows: int = 20) -> str:
+    """torch.profiler's table of the ops that took the most device time (self time; CPU time on CPU) while
+    embedding `texts` (about one step's worth) once more, after the timed run, with the engine stepped serially on
+    this thread (engine.step), so that the profiler sees every op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    engine = llm.engine
+    for i, ids in enumerate(engine.tokenize(texts, params)):
+        engine.add_request(f"top-ops-{i}", None, params, prompt_token_ids=ids)
+    with profile(activities=activities) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+        _sync(device)
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+
+
 def print_profile(rows: list[dict]) -> None:
     for r in rows:
         if "profile" not in r:
@@ -216,6 +236,8 @@ def print_profile(rows: list[dict]) -> None:
               f"driver thread: tokenize .. driver wait+loop; device thread: launch, collect)")
         for name, ms in phases.items():
             print(f"  {name:18} {ms:9.2f}  ({ms / r['tokens'] * r['inputs'] * 1e3:8.0f} ns/token)")
+        print(f"\n{r['model']}: top ops of one more step's worth of inputs (torch.profiler, after the timed run)")
+        print(r["profile"]["top_ops"])
 
 
 # -- the two sides -----------------------------------------------------------------------------------------------
@@ -236,6 +258,8 @@ def run_engine(folder: Path, texts: list[str], args) -> tuple[float, int, torch.
     seconds = time.perf_counter() - start
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
     report = profile.report(seconds, len(texts), tokens) if profile is not None else None
+    if report is not None:
+        report["top_ops"] = top_ops(llm, texts[: args.max_num_seqs], params, args.device)
     vectors = torch.tensor([o.outputs.embedding for o in outputs])
     del llm
     gc.collect()
