@@ -115,6 +115,37 @@ def test_too_long_input_is_refused_unless_truncated(minilm):
     assert cut_ids.prompt_token_ids == ids[-256:]
 
 
+@pytest.fixture
+def minilm_in_chunks(minilm_dir, monkeypatch):
+    """MiniLM with LLM.embed tokenizing in chunks of 4 inputs while the passes run, as on an accelerator."""
+    llm = LLM(str(minilm_dir), dtype="float32", max_num_seqs=4)
+    monkeypatch.setattr(llm, "_tokenizes_while_passes_run", lambda: True)
+    return llm
+
+
+def test_embedding_in_chunks_equals_sentence_transformers_in_order(minilm_in_chunks, st_reference, monkeypatch):
+    engine = minilm_in_chunks.engine
+    chunk_sizes = []
+    tokenize = engine.tokenize
+    monkeypatch.setattr(engine, "tokenize", lambda prompts, params: chunk_sizes.append(len(prompts)) or
+                        tokenize(prompts, params))
+    texts = sentences(100)[:14]
+    outputs = minilm_in_chunks.embed(texts, use_tqdm=False)
+    assert chunk_sizes == [4, 4, 4, 2]
+    assert [o.prompt for o in outputs] == texts
+    assert cosines([o.outputs.embedding for o in outputs], torch.stack([st_reference[t] for t in texts])).min() \
+        >= COSINE_MIN
+
+
+def test_bad_input_in_a_later_chunk_raises_and_leaves_the_engine_clean(minilm_in_chunks):
+    texts = sentences(10, seed=3)
+    texts[6] = " ".join(["word"] * 400)  # in the second chunk; too long without truncate_prompt_tokens
+    with pytest.raises(ValueError, match="input is .* tokens but this model takes at most 256"):
+        minilm_in_chunks.embed(texts, use_tqdm=False)
+    assert not minilm_in_chunks.engine.has_unfinished_requests()
+    assert len(minilm_in_chunks.embed(texts[:6], use_tqdm=False)) == 6  # still serves
+
+
 def test_dimensions_refused_for_a_model_not_trained_for_it(minilm):
     with pytest.raises(ValueError, match="^dimensions is not supported"):
         minilm.embed("hello", PoolingParams(dimensions=64), use_tqdm=False)
