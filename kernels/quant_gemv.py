@@ -1,13 +1,30 @@
-"""Decode GEMV for small batches (M <= 16): y = x @ (W * scale)^T (+ bias) with W [N, K] stored densely, in bf16 /
-fp16 / fp32, or in FP8 e4m3 with one scale per output channel (weight-only: x stays in its dtype).
+"""Decode GEMV for small batches (M <= 16): y = x @ W^T (+ bias), one kernel for every weight format of a decode
+step, each read once from memory in its stored form:
 
-Each program owns BLOCK_N outputs of all M rows and one of SPLIT_K slices of K, streaming its [BLOCK_N, K_slice]
-strip of W once. With enough output tiles to fill the GPU there is no split and the program writes y directly
-(no workspace, no extra launch: at batch 1 every launch counts); otherwise float32 partial sums are reduced.
+    dense  weight [N, K] in bf16 / fp16 / fp32, or FP8 e4m3 with one float32 scale per output channel ([N, 1] or
+           []; weight-only: x stays in its dtype)
+    int4   the engine's packed layout (quant_reference.py): qweight [K / 8, N] int32, eight 4-bit inputs per
+           word along K; scales / zeros [G, N], group g covering inputs g * group_size ... AWQ and GPTQ
+           checkpoints (each with its own packing order) are converted to this layout at load time, so one
+           kernel reads both.
+
+Each program owns BLOCK_N outputs of all M rows and one of SPLIT_K slices of K, streaming its [BLOCK_K, BLOCK_N]
+tiles of W once. An int4 tile never crosses a group (BLOCK_K divides group_size), so a tile reads its group's
+scales and zeros once ([BLOCK_N] each) and each packed word once.
+  M == 1 (config.dot false): products accumulated elementwise in a [BLOCK_K, BLOCK_N] float32 tile and reduced
+      over K once at the end (no 16-row MMA tile of which 15 rows are padding).
+  M > 1 (or config.dot): tl.dot on a 16-row tile of x.
+Split-K without an extra launch: each slice stores its float32 partial sums, then bumps a per-N-tile counter; the
+slice that arrives last sums the partials, applies the scale and bias, writes y and resets the counter to zero
+(so the next call, or a CUDA-graph replay, finds it zeroed). Calls must not overlap on two streams.
+
+Tile sizes per shape come from quant_gemv_configs.TUNED (filled from `python -m loadtest.bench_kernels
+--gemv-sweep` on the GPU), else from `default_config`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -16,97 +33,285 @@ import triton.language as tl
 
 from . import interpreting, sm_count
 
+MAX_M = 16
+_COUNTER_SLOTS = 1 << 16  # one int32 counter per N tile: N / BLOCK_N <= 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration. split_k: K slices (1: y written directly). dot: at M == 1, multiply through a
+    16-row tl.dot anyway (M > 1 always does)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    dot: bool = False
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
+        if self.split_k < 1:
+            raise ValueError(f"GemvConfig.split_k must be >= 1, got {self.split_k}")
+
+
+# -- the kernel ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
+               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dequantized [BLOCK_K // 8, 8, BLOCK_N] float32 tile of W (input k0 + 8 * r + j at [r, j, :])."""
+    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8] rows of qweight
+    words = tl.load(w_ptr + words_k[:, None].to(tl.int64) * N + cols[None, :],
+                    mask=(words_k < K // 8)[:, None] & col_mask[None, :], other=0)  # [BK / 8, BN] int32
+    shifts = tl.arange(0, 8) * 4
+    q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK / 8, 8, BN]; the mask undoes the sign extension
+    group = k0 // group_size  # the whole tile lies in this group
+    scale = tl.load(scale_ptr + group * N + cols, mask=col_mask, other=0.0).to(tl.float32)  # [BN]
+    zero = tl.load(zero_ptr + group * N + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return q.to(tl.float32) * scale[None, None, :] - (zero * scale)[None, None, :]
+
+
+@triton.jit
+def _store_output(out_ptr, acc, scale_ptr, bias_ptr, rows, cols, row_mask, col_mask, N,
+                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc [BM, BN] float32 (* per-channel scale, + bias) -> y[rows, cols] in y's dtype."""
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
 
 @triton.jit
 def _gemv_kernel(
-    out_ptr,  # [M, N] in x's dtype (SPLIT_K == 1) or [SPLIT_K, M, N] float32 partial sums
-    x_ptr,  # [M, K]
-    w_ptr,  # [N, K]
-    scale_ptr,  # [N] float32 (HAS_SCALE)
-    bias_ptr,  # [N] (HAS_BIAS, SPLIT_K == 1 only)
+    out_ptr,  # [M, N] in x's dtype
+    partial_ptr,  # [SPLIT_K, M, N] float32 (PARTIAL)
+    counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero between calls (PARTIAL)
+    x_ptr,  # [M, K], unit stride along K
+    w_ptr,  # dense: [N, K] (row stride stride_wn); INT4: [K // 8, N] int32
+    scale_ptr,  # dense: [N] float32 (HAS_SCALE); INT4: [G, N]
+    zero_ptr,  # INT4: [G, N]
+    bias_ptr,  # [N] (HAS_BIAS)
     M,
     N,
     K,
     stride_xm,
     stride_wn,
-    k_per_split,
+    group_size,
+    k_per_split,  # a multiple of BLOCK_K
+    split_k,
+    INT4: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    PARTIAL: tl.constexpr,  # split_k > 1
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # tl.dot in float32 (float32 x, or Triton's interpreter), else in x's dtype
+    BLOCK_M: tl.constexpr,  # 16 with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # multiply in float32 (float32 inputs, or Triton's interpreter), else in x's dtype
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    elif INT4:  # products per (k, n), reduced over k after the loop
+        acc = tl.zeros((BLOCK_K // 8, 8, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)  # [BM, BK]
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)  # [BK, BN]: W^T's tile
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        if INT4:
+            w = _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K, BLOCK_N)
+        else:  # W^T's tile, contiguous along K
+            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                        mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)  # [BK, BN]
+        if USE_DOT:
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                        mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)  # [BM, BK]
+            if INT4:
+                w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+            if DOT_FP32:
+                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)
+        elif INT4:
+            kx = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]  # as W's tile
+            x = tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)  # row 0: [BK / 8, 8]
+            acc += w * x[:, :, None]
         else:
-            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)  # row 0: [BK]
+            acc += w.to(tl.float32) * x[:, None]
+    if not USE_DOT:
+        if INT4:
+            acc = tl.sum(tl.sum(acc, axis=0), axis=0)[None, :]  # [1, BN]
+        else:
+            acc = tl.sum(acc, axis=0)[None, :]
     if PARTIAL:
-        tl.store(out_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :], acc, mask=mask)
+        offsets = rows[:, None] * N + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        tl.store(partial_ptr + pid_k * M * N + offsets, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial sums stored before the (release) atomic below
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == split_k - 1:  # the last slice of this N tile: reduce, finish, reset the counter
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, split_k):
+                total += tl.load(partial_ptr + s * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_output(out_ptr, total, scale_ptr, bias_ptr, rows, cols, row_mask, col_mask, N,
+                          HAS_SCALE and not INT4, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
     else:
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_output(out_ptr, acc, scale_ptr, bias_ptr, rows, cols, row_mask, col_mask, N,
+                      HAS_SCALE and not INT4, HAS_BIAS)
 
 
-MAX_M = 16
-BLOCK_N = 16
+# -- configuration ------------------------------------------------------------------------------------------
+
+def weight_format(weight: torch.Tensor) -> str:
+    """The config table's name for a dense weight's dtype: bf16, fp16, fp32 or fp8."""
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}
+    if weight.dtype not in names:
+        raise ValueError(f"dense_gemv: weight dtype {weight.dtype} is not supported (supported: {list(names)})")
+    return names[weight.dtype]
 
 
-def split_k_for(n: int, k: int, num_sms: int, block_k: int = 128) -> int:
-    """No split when the output tiles alone give every SM a program; else enough slices for about two waves."""
-    tiles = triton.cdiv(n, BLOCK_N)
-    if tiles >= num_sms:
+def m_bucket(m: int) -> int:
+    """The config table's batch key: 1 (the FMA path) or 16 (the tl.dot path, any M of 2..16)."""
+    return 1 if m == 1 else MAX_M
+
+
+def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """No split when the N tiles alone give every SM two programs; else enough K slices for about two waves, each
+    slice at least two K tiles long."""
+    tiles = triton.cdiv(n, block_n)
+    if tiles >= 2 * num_sms:
         return 1
-    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(2 * num_sms, tiles)))
+    return max(1, min(triton.cdiv(2 * num_sms, tiles), k // (2 * block_k)))
 
+
+def default_config(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """Untuned tiles: wide K strips for dense weights (contiguous along K), wide N rows for int4 (contiguous
+    along N), and the split from `split_k_for`."""
+    dot = m > 1
+    if fmt == "int4":
+        block_n, block_k = (64, 128) if not dot else (64, 64)
+    else:
+        block_n, block_k = (32, 256 if fmt == "fp8" else 128) if not dot else (32, 128)
+    return GemvConfig(block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), num_warps=4, num_stages=3,
+                      dot=dot)
+
+
+def config_for(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """The tuned config of this shape (quant_gemv_configs.TUNED) or the default one."""
+    from .quant_gemv_configs import TUNED
+
+    return TUNED.get((fmt, n, k, m_bucket(m))) or default_config(fmt, m, n, k, num_sms)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """A config fitted to one call: the K slice length and the number of slices it really gives."""
+
+    config: GemvConfig
+    block_k: int
+    k_per_split: int
+    split_k: int
+
+
+def _fit(config: GemvConfig, k: int, group_size: Optional[int]) -> _Launch:
+    block_k = config.block_k
+    if group_size is not None:  # an int4 tile stays in one group
+        if group_size % 16:
+            raise ValueError(f"int4 GEMV: group size {group_size} is not a multiple of 16")
+        while group_size % block_k:
+            block_k //= 2
+    block_k = max(block_k, 16)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), block_k) * block_k
+    return _Launch(config, block_k, k_per_split, triton.cdiv(k, k_per_split))
+
+
+_counters: dict = {}
+
+
+def _counter_buffer(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counters of a device: zeroed once, left zeroed by every call (kernel docstring)."""
+    key = (device.type, device.index)
+    if key not in _counters:
+        _counters[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, group_size: Optional[int],
+            config: GemvConfig) -> torch.Tensor:
+    m, k = x2.shape
+    if m > MAX_M:
+        raise ValueError(f"the decode GEMV takes at most {MAX_M} rows, got {m}")
+    fit = _fit(config, k, group_size)
+    use_dot = config.dot or m > 1
+    tiles = triton.cdiv(n, config.block_n)
+    if tiles > _COUNTER_SLOTS:
+        raise ValueError(f"decode GEMV: {tiles} N tiles exceed {_COUNTER_SLOTS} (raise block_n)")
+    partial = fit.split_k > 1
+    out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
+    counters = _counter_buffer(x2.device) if partial else out
+    int4 = group_size is not None
+    _gemv_kernel[(tiles, fit.split_k)](
+        out, workspace, counters, x2, weight, scale if scale is not None else out,
+        zeros if zeros is not None else out, bias if bias is not None else out, m, n, k, x2.stride(0),
+        0 if int4 else weight.stride(0), group_size or 1, fit.k_per_split, fit.split_k,
+        INT4=int4, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PARTIAL=partial, USE_DOT=use_dot,
+        DOT_FP32=x2.dtype == torch.float32 or interpreting(), BLOCK_M=MAX_M if use_dot else 1,
+        BLOCK_N=config.block_n, BLOCK_K=fit.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _num_sms(x: torch.Tensor, num_sms: Optional[int]) -> int:
+    if num_sms is not None:
+        return num_sms
+    return sm_count(x.device.index) if x.is_cuda else 4
+
+
+# -- entry points -------------------------------------------------------------------------------------------
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               w_scale: Optional[torch.Tensor] = None, num_sms: Optional[int] = None) -> torch.Tensor:
+               w_scale: Optional[torch.Tensor] = None, num_sms: Optional[int] = None,
+               config: Optional[GemvConfig] = None) -> torch.Tensor:
     """x [M, K] (M <= 16) @ (weight [N, K] * w_scale [N, 1] or [])^T (+ bias) -> [M, N] in x's dtype.
-    Same contract as quant_reference.dense_gemv."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, k = x2.shape
-    n = weight.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"dense_gemv takes at most {MAX_M} rows, got {m}")
-    if num_sms is None:
-        num_sms = sm_count(x.device.index) if x.is_cuda else 4
-    block_k = 128 if k >= 128 else 32
-    split_k = split_k_for(n, k, num_sms, block_k)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    partial = split_k > 1
-    out = torch.empty((split_k, m, n) if partial else (m, n), device=x.device,
-                      dtype=torch.float32 if partial else x.dtype)
+    Same contract as quant_reference.dense_gemv. config: tiles for this call (default: `config_for`)."""
+    x2 = _rows(x)
+    n, k = weight.shape
+    if weight.stride(1) != 1:
+        raise ValueError("dense_gemv: the weight must have unit stride along K")
+    if config is None:
+        config = config_for(weight_format(weight), x2.shape[0], n, k, _num_sms(x, num_sms))
     scale = None if w_scale is None else w_scale.float().reshape(-1).expand(n).contiguous()
-    _gemv_kernel[(triton.cdiv(n, BLOCK_N), split_k)](
-        out, x2, weight, scale if scale is not None else out, bias if bias is not None else out, m, n, k,
-        x2.stride(0), weight.stride(0), k_per_split, HAS_SCALE=scale is not None,
-        HAS_BIAS=bias is not None and not partial, PARTIAL=partial, BLOCK_M=MAX_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        DOT_FP32=x.dtype == torch.float32 or interpreting())
-    if partial:
-        out = out.sum(0)
-        if bias is not None:
-            out = out + bias.float()
-        out = out.to(x.dtype)
+    out = _launch(x2, weight, n, scale, None, bias, None, config)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              bias: Optional[torch.Tensor] = None, num_sms: Optional[int] = None,
+              config: Optional[GemvConfig] = None) -> torch.Tensor:
+    """x [M, K] (M <= 16) @ W (+ bias) -> [M, N] in x's dtype, W in the engine's packed int4 layout (module
+    docstring). Same contract as quant_reference.int_weight_matmul with bits=4."""
+    x2 = _rows(x)
+    k, n = x2.shape[1], qweight.shape[1]
+    if qweight.shape[0] * 8 != k:
+        raise ValueError(f"int4 GEMV: qweight has {qweight.shape[0]} rows of 8 inputs, x has {k} inputs")
+    if config is None:
+        config = config_for("int4", x2.shape[0], n, k, _num_sms(x, num_sms))
+    out = _launch(x2, qweight, n, scales.contiguous(), zeros.contiguous(), bias, group_size, config)
     return out.reshape(*x.shape[:-1], n)

@@ -1,11 +1,8 @@
 """int4 weight-only matrix product on the engine's packed layout (see quant_reference.py): y = x @ W.
 
-One kernel serves both shapes: each program owns a [BLOCK_M, BLOCK_N] tile of y and one of SPLIT_K slices of the
-input dimension. Prefill-sized batches run it as a dequantizing GEMM (SPLIT_K = 1, tall M tiles); decode-sized
-ones (M <= 16) as a split-K GEMV: a 16-row M tile, narrow N tiles, and the K dimension split only when the N
-tiles alone cannot fill the GPU (partial sums in float32 reduced afterwards; without a split y is written
-directly). A K tile never crosses a group, so each tile reads its
-group's scales and zeros once ([BLOCK_N] each) and each packed word once per nibble row it holds.
+Decode-sized batches (M <= 16) run the split-K GEMV of quant_gemv.py (`int4_gemv`); larger ones the
+dequantizing GEMM here: each program owns a [BLOCK_M, BLOCK_N] tile of y and walks all of K in tiles that never
+cross a group, so each tile reads its group's scales and zeros once ([BLOCK_N] each).
 """
 
 from __future__ import annotations
@@ -16,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting, sm_count
+from . import interpreting
+from .quant_gemv import MAX_M, int4_gemv
 
 
 @triton.jit
@@ -72,16 +70,8 @@ def _block_k(group_size: int) -> int:
 
 
 def plan(m: int, n: int, k: int, group_size: int, num_sms: int = 132) -> dict:
-    """Tile sizes for one shape: the split-K GEMV for M <= 16, the GEMM above."""
-    block_k = _block_k(group_size)
-    if m <= 16:
-        block_n = 16
-        tiles = triton.cdiv(n, block_n)
-        # No split when the output tiles fill every SM (then y is written directly: no extra launch); else
-        # enough K slices for about two waves, each a whole number of K tiles.
-        split_k = 1 if tiles >= num_sms else max(1, min(k // block_k, triton.cdiv(2 * num_sms, tiles)))
-        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, split_k=split_k)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, split_k=1)
+    """Tile sizes of the dequantizing GEMM (M > 16; smaller batches take quant_gemv.int4_gemv)."""
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=_block_k(group_size), split_k=1)
 
 
 def int_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -91,24 +81,29 @@ def int_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     if bits != 4:
         raise ValueError(f"the int4 kernel got {bits}-bit weights (only 4-bit has a kernel)")
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= MAX_M:
+        return int4_gemv(x, qweight, scales, zeros, group_size, bias, num_sms)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    out = dequantizing_gemm(x2, qweight, scales, zeros, group_size, plan(*x2.shape, qweight.shape[1], group_size))
+    if bias is not None:
+        out = (out.float() + bias.float()).to(x.dtype)
+    return out.reshape(*x.shape[:-1], qweight.shape[1])
+
+
+def dequantizing_gemm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int, cfg: dict) -> torch.Tensor:
+    """x2 [M, K] (unit stride along K) @ W -> [M, N] in x2's dtype with the tiles of `cfg` (as `plan` gives; the
+    benchmark also runs it at decode sizes, the path M <= 16 took before the GEMV)."""
     m, k = x2.shape
     n = qweight.shape[1]
-    if num_sms is None:
-        num_sms = sm_count(x.device.index) if x.is_cuda else 4
-    cfg = plan(m, n, k, group_size, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg["split_k"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = triton.cdiv(k, k_per_split)
     partial = split_k > 1
-    out = torch.empty((split_k, m, n) if partial else (m, n), device=x.device,
-                      dtype=torch.float32 if partial else x.dtype)
+    out = torch.empty((split_k, m, n) if partial else (m, n), device=x2.device,
+                      dtype=torch.float32 if partial else x2.dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split_k)
     _int4_matmul_kernel[grid](out, x2, qweight, scales, zeros, m, n, k, x2.stride(0), group_size, k_per_split,
                               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                              DOT_FP32=x.dtype == torch.float32 or interpreting(), PARTIAL=partial)
-    if partial:
-        out = out.sum(0)
-    if bias is not None:
-        out = out.float() + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+                              DOT_FP32=x2.dtype == torch.float32 or interpreting(), PARTIAL=partial)
+    return out.sum(0).to(x2.dtype) if partial else out
