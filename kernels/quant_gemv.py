@@ -188,12 +188,12 @@ def m_bucket(m: int) -> int:
 
 
 def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
-    """No split when the N tiles alone give every SM two programs; else enough K slices for about two waves, each
-    slice at least two K tiles long."""
+    """No split when the N tiles alone give every SM two programs; else enough K slices (of whole K tiles) for
+    about two programs per SM."""
     tiles = triton.cdiv(n, block_n)
     if tiles >= 2 * num_sms:
         return 1
-    return max(1, min(triton.cdiv(2 * num_sms, tiles), k // (2 * block_k)))
+    return max(1, min(triton.cdiv(2 * num_sms, tiles), triton.cdiv(k, block_k)))
 
 
 def default_config(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:

@@ -11,6 +11,7 @@ from test_quant_kernels import check_int4
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N): qkv, o, gate_up, down
+LM_HEAD = (4096, 128256)
 FP8_REL_ERROR = 1e-2  # bf16 output rounding over sums of 4096 products
 
 
@@ -114,3 +115,49 @@ def test_gpu_engine_online_fp8_generates_and_chose_its_decode_kernels(llama_dir)
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase) and m.weight.dtype ==
               torch.float8_e4m3fn]
     assert layers and all(0 <= m.gemv_max_m <= 16 for m in layers)
+
+
+def _gemv_case(fmt: str, m: int, k: int, n: int):
+    """(run(x) -> y with the shape's chosen config, reference(x) -> y in float32 sums) for one format."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    if fmt == "int4":
+        qweight, scales, zeros = quant_reference.quantize_int_weight(torch.randn(k, n, device="cuda"), 128)
+        scales, zeros = scales.bfloat16(), zeros.bfloat16()
+        return (lambda x: quant_gemv.int4_gemv(x, qweight, scales, zeros, 128),
+                lambda x: quant_reference.int_weight_matmul(x, qweight, scales, zeros, 128))
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    scale = None
+    if fmt == "fp8":
+        w, scale = quant_reference.quantize_fp8(w, dim=-1)
+    return lambda x: quant_gemv.dense_gemv(x, w, None, scale), lambda x: quant_reference.dense_gemv(x, w, None, scale)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_gemv_chosen_configs_match_reference_in_cuda_graph_replays(fmt, m):
+    """At every 8B shape (and the bf16 LM head), the config the table (quant_gemv_configs.TUNED) or the default
+    picks: eager against the reference, then captured in a CUDA graph and replayed twice on new inputs, so the
+    split-K arrival counters must have been left at zero by each run."""
+    if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    for k, n in SHAPES + ([LM_HEAD] if fmt == "bf16" else []):
+        run, reference = _gemv_case(fmt, m, k, n)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = run(x)
+        assert not out.isnan().any() and rel_error(out, reference(x)) < 1e-2, (k, n, rel_error(out, reference(x)))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run(x)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert rel_error(captured, reference(x)) < 1e-2, (k, n, "graph replay", rel_error(captured, reference(x)))

@@ -1,4 +1,4 @@
-"""Quantized Triton kernels (kernels/quant_int4.py, quant_fp8.py) against their torch references
+"""Quantized Triton kernels (kernels/quant_gemv.py, quant_int4.py, quant_fp8.py) against their torch references
 (kernels/quant_reference.py), in Triton's interpreter at small sizes without CUDA, natively with it. Outputs and
 workspaces are NaN-poisoned (torch.empty patched, as in test_kernels.py), inputs drawn fresh each run.
 Real sizes: tests/test_gpu_quant.py.
@@ -50,20 +50,74 @@ def check_int4(m, k, n, group_size, dtype, bias=False, num_sms=None, **kw):
 
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("group_size", [32, 64])
-def test_int4_split_k_gemv_matches_reference(m, group_size):
-    from asyncengine.kernels.quant_int4 import plan
+def test_int4_decode_batches_take_the_split_k_gemv_by_default(m, group_size):
+    """int_weight_matmul at M <= 16 runs quant_gemv.int4_gemv with its default config: split over K when the N
+    tiles cannot fill the (pretended) SMs, direct stores otherwise."""
+    from asyncengine.kernels import quant_gemv
 
-    assert plan(m, 96, 128, group_size, num_sms=8)["split_k"] > 1, "too few N tiles: the split-K path"
-    assert plan(m, 96, 128, group_size, num_sms=4)["split_k"] == 1, "enough N tiles: direct stores"
-    for num_sms in (8, 4):
-        check_int4(m, 128, 96, group_size, torch.float32, bias=m == 3, num_sms=num_sms)
+    assert quant_gemv.config_for("int4", m, 96, 512, num_sms=8).split_k > 1, "too few N tiles: the split-K path"
+    assert quant_gemv.config_for("int4", m, 96, 512, num_sms=1).split_k == 1, "enough N tiles: direct stores"
+    for num_sms in (8, 1):
+        check_int4(m, 512, 96, group_size, torch.float32, bias=m == 3, num_sms=num_sms)
+
+
+# (block_n, block_k, split_k, dot): ragged N tiles, K tiles cut to the group (block_k 128 > group 32), one slice
+# per K tile, and the 16-row tl.dot tile at M = 1
+GEMV_CONFIGS = [(16, 32, 1, False), (32, 128, 3, False), (16, 16, 8, False), (16, 32, 2, True)]
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("tiles", GEMV_CONFIGS)
+def test_int4_gemv_matches_reference_under_every_tile_shape(m, tiles):
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    block_n, block_k, split_k, dot = tiles
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, dot=dot)
+    x, qweight, scales, zeros = int4_case(m, 128, 40, 32, torch.float32)
+    bias = torch.randn(40, device=x.device)
+    out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 32, bias, config=config)
+    assert_matches(out, quant_reference.int_weight_matmul(x, qweight, scales, zeros, 32, 4, bias), INT4_TOLERANCE)
+
+
+def test_int4_gemv_in_bf16_and_with_one_group_over_all_inputs():
+    """bf16 activations (the tl.dot and FMA paths both round the weight like the GEMM), and group size -1 as
+    GPTQ writes it (the loader turns it into group_size = K)."""
+    check_int4(1, 192, 64, 64, torch.bfloat16)
+    check_int4(4, 192, 64, 64, torch.bfloat16)
+    check_int4(1, 96, 32, 96, torch.float32)
+
+
+def test_split_k_counters_are_left_zero_for_the_next_call_and_graph_replays():
+    """The last K slice of each N tile resets its arrival counter: the same call twice gives the same y."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    config = quant_gemv.GemvConfig(16, 32, 4)
+    x, w = torch.randn(1, 128, device=DEVICE), torch.randn(48, 128, device=DEVICE)
+    first = quant_gemv.dense_gemv(x, w, config=config)
+    assert int(quant_gemv._counter_buffer(x.device).abs().sum()) == 0
+    second = quant_gemv.dense_gemv(x, w, config=config)
+    assert torch.equal(first, second)
+    assert_matches(second, quant_reference.dense_gemv(x, w), {torch.float32: (1e-4, 1e-4)})
+
+
+def test_gemv_rejects_bad_configs_and_batches():
+    from asyncengine.kernels import quant_gemv
+
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        quant_gemv.GemvConfig(24, 64)
+    with pytest.raises(ValueError, match="split_k"):
+        quant_gemv.GemvConfig(16, 64, 0)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        quant_gemv.dense_gemv(torch.randn(17, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE))
+    x, qweight, scales, zeros = int4_case(1, 64, 32, 32, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quant_gemv.int4_gemv(x, qweight, scales, zeros, 8)
+    with pytest.raises(ValueError, match="8 inputs"):
+        quant_gemv.int4_gemv(x[:, :32], qweight, scales, zeros, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_dequantizing_gemm_matches_reference_with_ragged_tiles(dtype):
-    from asyncengine.kernels.quant_int4 import plan
-
-    assert plan(37, 80, 192, 64)["split_k"] == 1
     check_int4(37, 192, 80, 64, dtype, symmetric=True)
 
 
@@ -93,7 +147,7 @@ def test_fp8_per_token_scales_match_reference():
 
 @pytest.mark.parametrize("m", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, num_sms", [(48, 8), (80, 2)])  # split-K with partial sums / direct store
+@pytest.mark.parametrize("n, num_sms", [(48, 8), (80, 1)])  # split-K with partial sums / direct store
 def test_dense_gemv_matches_reference(m, dtype, n, num_sms):
     from asyncengine.kernels import quant_gemv, quant_reference
 
@@ -101,20 +155,21 @@ def test_dense_gemv_matches_reference(m, dtype, n, num_sms):
     x = torch.randn(m, k, dtype=dtype, device=DEVICE)
     w = torch.randn(n, k, dtype=dtype, device=DEVICE)
     bias = torch.randn(n, dtype=dtype, device=DEVICE)
-    split = quant_gemv.split_k_for(n, k, num_sms, 32)
-    assert (split > 1) == (n == 48)
+    config = quant_gemv.config_for(quant_gemv.weight_format(w), m, n, k, num_sms)
+    assert (config.split_k > 1) == (n == 48)
     out = quant_gemv.dense_gemv(x, w, bias, num_sms=num_sms)
     ref = quant_reference.dense_gemv(x, w, bias)
     assert_matches(out, ref, {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
 
 
+@pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("per_channel", [False, True])
-def test_fp8_weight_gemv_matches_reference(per_channel):
+def test_fp8_weight_gemv_matches_reference(m, per_channel):
     """FP8 weights with per-channel (or one) scale, x unquantized: the decode path of FP8 layers."""
     from asyncengine.kernels import quant_gemv, quant_reference
 
     w8, scale = quant_reference.quantize_fp8(torch.randn(48, 96, device=DEVICE), dim=-1 if per_channel else None)
-    x = torch.randn(3, 96, device=DEVICE)
+    x = torch.randn(m, 96, device=DEVICE)
     out = quant_gemv.dense_gemv(x, w8, None, scale, num_sms=8)
     ref = quant_reference.dense_gemv(x, w8, None, scale)
     assert_matches(out, ref, {torch.float32: (1e-4, 1e-4)})
