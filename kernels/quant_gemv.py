@@ -76,11 +76,11 @@ def _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
 
 
 @triton.jit
-def _store_output(out_ptr, acc, scale_ptr, bias_ptr, rows, cols, row_mask, col_mask, N,
+def _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc [BM, BN] float32 (* per-channel scale, + bias) -> y[rows, cols] in y's dtype."""
+    """acc [BM, BN] float32 (* the weight's scale, + bias) -> y[rows, cols] in y's dtype."""
     if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        acc = acc * tl.load(scale_ptr + cols * stride_scale, mask=col_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -102,6 +102,7 @@ def _gemv_kernel(
     K,
     stride_xm,
     stride_wn,
+    stride_scale,  # dense: 1 (per-channel scales) or 0 (one scale for the tensor)
     group_size,
     k_per_split,  # a multiple of BLOCK_K
     split_k,
@@ -164,11 +165,11 @@ def _gemv_kernel(
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(0, split_k):
                 total += tl.load(partial_ptr + s * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-            _store_output(out_ptr, total, scale_ptr, bias_ptr, rows, cols, row_mask, col_mask, N,
+            _store_output(out_ptr, total, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
                           HAS_SCALE and not INT4, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + pid_n, 0)
     else:
-        _store_output(out_ptr, acc, scale_ptr, bias_ptr, rows, cols, row_mask, col_mask, N,
+        _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
                       HAS_SCALE and not INT4, HAS_BIAS)
 
 
@@ -263,10 +264,12 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
     workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
     counters = _counter_buffer(x2.device) if partial else out
     int4 = group_size is not None
+    stride_scale = 1 if int4 or scale is None else scale.stride(0)
     _gemv_kernel[(tiles, fit.split_k)](
         out, workspace, counters, x2, weight, scale if scale is not None else out,
         zeros if zeros is not None else out, bias if bias is not None else out, m, n, k, x2.stride(0),
-        0 if int4 else weight.stride(0), group_size or 1, fit.k_per_split, fit.split_k,
+        0 if int4 else weight.stride(0), stride_scale, group_size or 1,
+        fit.k_per_split, fit.split_k,
         INT4=int4, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PARTIAL=partial, USE_DOT=use_dot,
         DOT_FP32=x2.dtype == torch.float32 or interpreting(), BLOCK_M=MAX_M if use_dot else 1,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -297,7 +300,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         raise ValueError("dense_gemv: the weight must have unit stride along K")
     if config is None:
         config = config_for(weight_format(weight), x2.shape[0], n, k, _num_sms(x, num_sms))
-    scale = None if w_scale is None else w_scale.float().reshape(-1).expand(n).contiguous()
+    scale = None
+    if w_scale is not None:  # [N] float32, or one value read with stride 0 (no copy per call)
+        scale = w_scale.float().reshape(-1) if w_scale.numel() == n else w_scale.float().reshape(1).expand(n)
     out = _launch(x2, weight, n, scale, None, bias, None, config)
     return out.reshape(*x.shape[:-1], n)
 

@@ -1,6 +1,6 @@
 """Benchmark of the Triton kernels at Llama-3-8B sizes (bf16) against the torch reference and dense SDPA.
 
-    python loadtest/bench_kernels.py [--sweep | --moe]
+    python loadtest/bench_kernels.py [--sweep | --moe | --gemv-sweep [--tiny]]
 
 Cases: paged_attention decode (batch 1 and 64 at 1k context; eager and replayed from a CUDA graph), prefill
 (4 x 2048), and the row-wise kernels. Times are do_bench medians (CUDA events). Decode is memory bound, so it
@@ -217,10 +217,15 @@ def print_table(rows: list[tuple]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Default: the comparison table. --sweep: tile and split variants of the attention kernels. --moe: the fused
-    mixture-of-experts kernels at Qwen3-30B-A3B and Mixtral-8x7B expert shapes."""
+    mixture-of-experts kernels at Qwen3-30B-A3B and Mixtral-8x7B expert shapes. --gemv-sweep [--tiny]: launch
+    configurations of the decode GEMV per 8B linear shape and format (loadtest/bench_gemv.py)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
+    if "--gemv-sweep" in args:  # runs on CPU too (--tiny): before anything below asks for CUDA
+        from .bench_gemv import run_sweep
+
+        raise SystemExit(run_sweep(args))
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if "--moe" in args:
