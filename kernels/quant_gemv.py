@@ -242,9 +242,14 @@ _counters: dict = {}
 
 
 def _counter_buffer(device: torch.device) -> torch.Tensor:
-    """The split-K arrival counters of a device: zeroed once, left zeroed by every call (kernel docstring)."""
+    """The split-K arrival counters of a device: zeroed once, left zeroed by every call (kernel docstring). Made
+    by the first call, which must run eagerly: zeros made inside a CUDA-graph capture would only be zeroed when
+    that graph is replayed."""
     key = (device.type, device.index)
     if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the decode GEMV's first call on a device must run outside CUDA-graph capture "
+                               "(it makes the split-K counters); run the model once eagerly before capturing")
         _counters[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
     return _counters[key]
 
@@ -262,7 +267,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
     partial = fit.split_k > 1
     out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
-    counters = _counter_buffer(x2.device) if partial else out
+    counters = _counter_buffer(x2.device)  # made on the first call, split or not (see _counter_buffer)
     int4 = group_size is not None
     stride_scale = 1 if int4 or scale is None else scale.stride(0)
     _gemv_kernel[(tiles, fit.split_k)](
