@@ -61,18 +61,50 @@ class GemvConfig:
 # -- the kernel ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
-               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The dequantized [BLOCK_K // 8, 8, BLOCK_N] float32 tile of W (input k0 + 8 * r + j at [r, j, :])."""
+def _int4_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr):
+    """The [BLOCK_K // 8, BLOCK_N] packed words of W's tile at input k0 (each loaded once), and the nibble
+    extracted from each for [BLOCK_K // 8, 8, BLOCK_N] (input k0 + 8 * r + j at [r, j, :]), still in place: the
+    callers OR a magic exponent onto it instead of converting integers to floats (a slow instruction)."""
     words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8] rows of qweight
     words = tl.load(w_ptr + words_k[:, None].to(tl.int64) * N + cols[None, :],
                     mask=(words_k < K // 8)[:, None] & col_mask[None, :], other=0)  # [BK / 8, BN] int32
     shifts = tl.arange(0, 8) * 4
-    q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK / 8, 8, BN]; the mask undoes the sign extension
-    group = k0 // group_size  # the whole tile lies in this group
-    scale = tl.load(scale_ptr + group * N + cols, mask=col_mask, other=0.0).to(tl.float32)  # [BN]
+    return (words[:, None, :] >> shifts[None, :, None]) & 0xF  # the mask undoes the sign extension
+
+
+@triton.jit
+def _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size):
+    """The scales and zero points [BLOCK_N] (float32) of the group holding inputs k0 ... (a tile never crosses a
+    group)."""
+    group = k0 // group_size
+    scale = tl.load(scale_ptr + group * N + cols, mask=col_mask, other=0.0).to(tl.float32)
     zero = tl.load(zero_ptr + group * N + cols, mask=col_mask, other=0.0).to(tl.float32)
-    return q.to(tl.float32) * scale[None, None, :] - (zero * scale)[None, None, :]
+    return scale, zero
+
+
+@triton.jit
+def _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
+                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dequantized [BLOCK_K // 8, 8, BLOCK_N] float32 tile of W: (q - z) * s, exact like the reference.
+    2**23 + q is q's bits under float32's exponent of 2**23 (one OR), and 2**23 + z is exact too."""
+    nibbles = _int4_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)
+    scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)
+    q_plus = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)  # 8388608 + q
+    return (q_plus - (zero + 8388608.0)[None, None, :]) * scale[None, None, :]
+
+
+@triton.jit
+def _int4_codes(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                FP16: tl.constexpr):
+    """W's tile as [BLOCK_K, BLOCK_N] exact half-precision values BIAS + q (BIAS = 1024 for fp16, 128 for bf16:
+    the nibble ORed under the exponent whose unit in the last place is 1), for tl.dot; the caller subtracts
+    (BIAS + z) * sum(x) and multiplies by s per tile."""
+    nibbles = _int4_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)
+    if FP16:
+        codes = (nibbles | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        codes = (nibbles | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(codes, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -129,25 +161,43 @@ def _gemv_kernel(
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        if INT4:
-            w = _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K, BLOCK_N)
-        else:  # W^T's tile, contiguous along K
-            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
-                        mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)  # [BK, BN]
         if USE_DOT:
             x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
                         mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)  # [BM, BK]
-            if INT4:
-                w = tl.reshape(w, (BLOCK_K, BLOCK_N))
-            if DOT_FP32:
-                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+            if INT4 and x_ptr.dtype.element_ty != tl.float32:
+                # sum_k x (q - z) s = s * (x @ (BIAS + q) - (BIAS + z) * sum_k x) per tile (one group): no float
+                # math per weight. (float32 x dequantizes instead: BIAS * sum_k x would cost it digits.)
+                half_fp16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+                codes = _int4_codes(w_ptr, k0, cols, col_mask, N, K, BLOCK_K, BLOCK_N, half_fp16)  # [BK, BN]
+                scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)
+                if DOT_FP32:
+                    part = tl.dot(x.to(tl.float32), codes.to(tl.float32), input_precision="ieee",
+                                  out_dtype=tl.float32)
+                else:
+                    part = tl.dot(x, codes, out_dtype=tl.float32)  # [BM, BN]
+                bias_value: tl.constexpr = 1024.0 if half_fp16 else 128.0
+                x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BM]
+                acc += (part - x_sum[:, None] * (zero + bias_value)[None, :]) * scale[None, :]
+            elif INT4:
+                w = _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K,
+                                   BLOCK_N)
+                acc += tl.dot(x.to(tl.float32), tl.reshape(w, (BLOCK_K, BLOCK_N)), input_precision="ieee",
+                              out_dtype=tl.float32)
             else:
-                acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)
+                w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                            mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)  # W^T's tile [BK, BN]
+                if DOT_FP32:
+                    acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+                else:
+                    acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)
         elif INT4:
+            w = _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K, BLOCK_N)
             kx = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]  # as W's tile
             x = tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)  # row 0: [BK / 8, 8]
             acc += w * x[:, :, None]
         else:
+            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                        mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)  # W^T's tile [BK, BN]
             x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)  # row 0: [BK]
             acc += w.to(tl.float32) * x[:, None]
     if not USE_DOT:

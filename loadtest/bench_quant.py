@@ -107,6 +107,7 @@ def run_quant(folders: dict[str, tuple[Path, dict]], engine_kwargs: dict, w1, vo
                    W3_bytes_per_step=step_bytes(llm))
         if bandwidth:
             res["W3_roofline_ms"] = res["W3_bytes_per_step"] / bandwidth * 1e3
+        res["decode_kernels"] = decode_kernel_choices(llm)
         if fmt in ("bf16", "fp8"):
             res["W1"] = run_engine(llm, *w1)
         results.setdefault("quant", {})[fmt] = res
@@ -115,6 +116,22 @@ def run_quant(folders: dict[str, tuple[Path, dict]], engine_kwargs: dict, w1, vo
         del llm  # the caller's reference: a helper's `del` of its argument freed nothing (the FP8 engine ran OOM)
         _free_gpu_memory()
     print_quant(results)
+
+
+def decode_kernel_choices(llm) -> dict[str, str]:
+    """Per distinct linear shape (out x in) of the decoder, which product a decode batch runs: our GEMV up to the
+    batch size measured at start-up (gemv_max_m; 0: the library's product at every size), or the int4 GEMV."""
+    from asyncengine.models.layers import LinearBase
+
+    choices = {}
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, LinearBase):
+            shape = f"{module.out_per_rank}x{module.in_per_rank}"
+            if hasattr(module, "qweight"):
+                choices[shape] = "int4 GEMV for M <= 16"
+            else:
+                choices[shape] = f"our GEMV up to M={getattr(module, 'gemv_max_m', 0)}, library above"
+    return choices
 
 
 def print_quant(results: dict) -> None:
@@ -130,6 +147,8 @@ def print_quant(results: dict) -> None:
               f"{r['W3_bytes_per_step'] / 1e6:>9.1f} {roof if roof else float('nan'):>12.2f} "
               f"{(roof / r['W3_ms_per_token']) if roof else float('nan'):>11.0%} "
               f"{w1 if w1 else float('nan'):>9.1f} {r['kv_blocks']:>10}")
+    for fmt, r in q.items():
+        print(f"{fmt} decode kernels: " + "; ".join(f"{shape}: {c}" for shape, c in r.get("decode_kernels", {}).items()))
     if "W1" in q.get("bf16", {}) and "W1" in q.get("fp8", {}):
         ratio = q["fp8"]["W1"]["req_per_s"] / q["bf16"]["W1"]["req_per_s"]
         results["W1_fp8_vs_bf16"] = ratio

@@ -79,6 +79,21 @@ def test_int4_gemv_matches_reference_under_every_tile_shape(m, tiles):
     assert_matches(out, quant_reference.int_weight_matmul(x, qweight, scales, zeros, 32, 4, bias), INT4_TOLERANCE)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5])
+def test_int4_gemv_tl_dot_path_in_half_precision_matches_reference(dtype, m):
+    """Half-precision x takes the tl.dot path without dequantizing: x @ (BIAS + q) with the nibbles ORed under a
+    half-precision exponent, then the zero points and scales applied per tile."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    x, qweight, scales, zeros = int4_case(m, 256, 48, 64, dtype)
+    bias = torch.randn(48, dtype=dtype, device=x.device)
+    out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, bias, config=quant_gemv.GemvConfig(16, 64, 2, dot=True))
+    ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 64, 4, bias)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert rel_error(out, ref) < INT4_REL_ERROR[dtype], rel_error(out, ref)
+
+
 def test_int4_gemv_in_bf16_and_with_one_group_over_all_inputs():
     """bf16 activations (the tl.dot and FMA paths both round the weight like the GEMM), and group size -1 as
     GPTQ writes it (the loader turns it into group_size = K)."""
