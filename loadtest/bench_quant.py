@@ -127,7 +127,9 @@ def decode_kernel_choices(llm) -> dict[str, str]:
     for module in llm.engine.runner.model.modules():
         if isinstance(module, LinearBase):
             shape = f"{module.out_per_rank}x{module.in_per_rank}"
-            if hasattr(module, "qweight"):
+            if next(module.parameters()).device.type == "cpu":
+                choices[shape] = "CPU: torch (references for the quantized formats)"
+            elif hasattr(module, "qweight"):
                 choices[shape] = "int4 GEMV for M <= 16"
             else:
                 choices[shape] = f"our GEMV up to M={getattr(module, 'gemv_max_m', 0)}, library above"
