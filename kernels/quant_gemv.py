@@ -144,6 +144,8 @@ def _gemv_kernel(
     PARTIAL: tl.constexpr,  # split_k > 1
     USE_DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,  # tl.dot in float32 (float32 x, or Triton's interpreter), else in x's dtype
+    X_HALF: tl.constexpr,  # x in bf16 or fp16
+    X_FP16: tl.constexpr,  # x in fp16
     BLOCK_M: tl.constexpr,  # 16 with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -164,20 +166,22 @@ def _gemv_kernel(
         if USE_DOT:
             x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
                         mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)  # [BM, BK]
-            if INT4 and x_ptr.dtype.element_ty != tl.float32:
+            if INT4 and X_HALF:
                 # sum_k x (q - z) s = s * (x @ (BIAS + q) - (BIAS + z) * sum_k x) per tile (one group): no float
                 # math per weight. (float32 x dequantizes instead: BIAS * sum_k x would cost it digits.)
-                half_fp16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-                codes = _int4_codes(w_ptr, k0, cols, col_mask, N, K, BLOCK_K, BLOCK_N, half_fp16)  # [BK, BN]
+                codes = _int4_codes(w_ptr, k0, cols, col_mask, N, K, BLOCK_K, BLOCK_N, X_FP16)  # [BK, BN]
                 scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)
                 if DOT_FP32:
                     part = tl.dot(x.to(tl.float32), codes.to(tl.float32), input_precision="ieee",
                                   out_dtype=tl.float32)
                 else:
                     part = tl.dot(x, codes, out_dtype=tl.float32)  # [BM, BN]
-                bias_value: tl.constexpr = 1024.0 if half_fp16 else 128.0
                 x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BM]
-                acc += (part - x_sum[:, None] * (zero + bias_value)[None, :]) * scale[None, :]
+                if X_FP16:
+                    zero = zero + 1024.0
+                else:
+                    zero = zero + 128.0
+                acc += (part - x_sum[:, None] * zero[None, :]) * scale[None, :]
             elif INT4:
                 w = _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K,
                                    BLOCK_N)
@@ -326,7 +330,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         0 if int4 else weight.stride(0), stride_scale, group_size or 1,
         fit.k_per_split, fit.split_k,
         INT4=int4, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PARTIAL=partial, USE_DOT=use_dot,
-        DOT_FP32=x2.dtype == torch.float32 or interpreting(), BLOCK_M=MAX_M if use_dot else 1,
+        DOT_FP32=x2.dtype == torch.float32 or interpreting(), X_HALF=x2.dtype in (torch.bfloat16, torch.float16),
+        X_FP16=x2.dtype == torch.float16, BLOCK_M=MAX_M if use_dot else 1,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 

@@ -64,7 +64,7 @@ def _tile_shapes(fmt: str, dot: bool, tiny: bool) -> list[tuple[int, int, int, i
     if tiny:
         return [(16, 32, 4, 2)] if dot else [(16, 32, 4, 2), (32, 64, 4, 3)]
     if dot:
-        ns, ks = ((32, 64), (64, 128)) if fmt == "int4" else ((16, 32, 64), (64, 128, 256))
+        ns, ks = ((32, 64, 128), (64, 128)) if fmt == "int4" else ((16, 32, 64), (64, 128, 256))
         return [(bn, bk, 4, st) for bn in ns for bk in ks for st in (3, 4)]
     ns, ks = ((32, 64, 128), (64, 128)) if fmt == "int4" else ((16, 32, 64), (128, 256, 512))
     return [(bn, bk, w, st) for bn in ns for bk in ks for w in (4, 8) for st in (2, 4) if bn * bk <= 4096 * w]
@@ -79,7 +79,7 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
     for dot in paths:
         shapes = _tile_shapes(group.fmt, dot, tiny)
         if dot and group.m == 1 and not tiny:  # the 16-row MMA at M = 1: a few of the M = 16 tiles
-            shapes = [s for s in shapes if s[3] == 3][:4]
+            shapes = [s for s in shapes if s[3] == 3][:6]
         for bn, bk, warps, stages in shapes:
             if group.fmt == "int4" and GROUP_SIZE % bk:
                 continue
