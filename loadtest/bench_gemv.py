@@ -1,6 +1,6 @@
 """Sweep of the decode GEMV's launch configurations (kernels/quant_gemv.py) at the Llama-3-8B linear shapes:
 
-    python -m loadtest.bench_kernels --gemv-sweep [--jobs 12] [--budget-s 330] [--formats bf16,fp8,int4]
+    python -m loadtest.bench_kernels --gemv-sweep [--jobs 12] [--budget-s 330] [--formats int4,fp8,bf16]
     TRITON_INTERPRET=1 python -m loadtest.bench_kernels --gemv-sweep --tiny
 
 For each format (bf16; FP8 e4m3 weights with per-channel scales, x unquantized; int4 group 128 in the engine's
@@ -343,7 +343,7 @@ def run_sweep(argv: list[str]) -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, toy sizes (smoke run)")
     parser.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--budget-s", type=float, default=330.0, help="skip the groups not started by then")
-    parser.add_argument("--formats", default="bf16,fp8,int4")
+    parser.add_argument("--formats", default="int4,fp8,bf16", help="in this order (the budget cuts the last)")
     args = parser.parse_args(argv)
     if args.tiny and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it once, when first imported
         raise SystemExit("--tiny runs in Triton's interpreter: TRITON_INTERPRET=1 python -m loadtest.bench_kernels "
