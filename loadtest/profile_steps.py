@@ -1,6 +1,6 @@
 """Where a step's time goes on the GPU: kernel tables for batch-1 decode (W3) and for the W1 load (issue 5).
 
-    python -m loadtest.profile_steps --out results/ [--w1-requests 300]
+    python -m loadtest.profile_steps --out results/ [--w1-requests 300] [--w3-only] [--quantization fp8|awq]
 
 On the Llama-3-8B-shape random checkpoint of bench_offline:
   1. W3 decode eagerly under torch.profiler: GPU time per kernel family per decoded token, and the sum, against
@@ -30,7 +30,8 @@ from .bench_offline import LLAMA3_8B, build_checkpoint, fixed, sharegpt_like, w1
 def kernel_family(name: str) -> str:
     """Group a CUDA kernel's name into a family (cuBLAS GEMMs together, Triton kernels by their function)."""
     lowered = name.lower()
-    if any(k in lowered for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "cublas")):
+    library = not name.startswith("_")  # our Triton kernels' names start with "_" (e.g. _gemv_kernel)
+    if library and any(k in lowered for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "cublas")):
         return "matmul (cuBLAS)"
     match = re.match(r"^_?([a-z0-9_]+?)(_kernel)?(_\d+)?$", name)
     if match and not name.startswith("void"):
@@ -196,14 +197,24 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", default="/tmp/llama3-8b-random")
     parser.add_argument("--w1-requests", type=int, default=300)
     parser.add_argument("--w3-only", action="store_true", help="only the batch-1 decode (W3) part")
+    parser.add_argument("--quantization", choices=["fp8", "awq"], default=None,
+                        help="profile the checkpoint quantized: FP8 at load time, or AWQ int4 group 128 (built on the "
+                             "GPU as bench_quant does)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from asyncengine import LLM
 
     folder = build_checkpoint(Path(args.checkpoint))
+    quant = {}
+    if args.quantization == "awq":
+        from .bench_quant import build_awq_checkpoint
+
+        folder = build_awq_checkpoint(folder, Path(str(args.checkpoint) + "-awq-g128"), 128, "cuda")
+    elif args.quantization == "fp8":
+        quant = {"quantization": "fp8"}
     llm = LLM(str(folder), dtype="bfloat16", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192,
-              gpu_memory_utilization=0.90)
+              gpu_memory_utilization=0.90, **quant)
     vocab = LLAMA3_8B["vocab_size"]
     generate(llm, *sharegpt_like(64, 200, 32, seed=8, vocab=vocab))  # warm-up
     results: dict = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
