@@ -1,4 +1,4 @@
-"""Decode GEMV for small batches (M <= 16): y = x @ W^T (+ bias), one kernel for every weight format of a decode
+"""Decode GEMV for small batches (M <= 64): y = x @ W^T (+ bias), one kernel for every weight format of a decode
 step, each read once from memory in its stored form:
 
     dense  weight [N, K] in bf16 / fp16 / fp32, or FP8 e4m3 with one float32 scale per output channel ([N, 1] or
@@ -13,7 +13,7 @@ tiles of W once. An int4 tile never crosses a group (BLOCK_K divides group_size)
 scales and zeros once ([BLOCK_N] each) and each packed word once.
   M == 1 (config.dot false): products accumulated elementwise in a [BLOCK_K, BLOCK_N] float32 tile and reduced
       over K once at the end (no 16-row MMA tile of which 15 rows are padding).
-  M > 1 (or config.dot): tl.dot on a 16-row tile of x.
+  M > 1 (or config.dot): tl.dot on one tile of x of 16, 32 or 64 rows (the M bucket).
 Split-K without an extra launch: each slice stores its float32 partial sums, then bumps a per-N-tile counter; the
 slice that arrives last sums the partials, applies the scale and bias, writes y and resets the counter to zero
 (so the next call, or a CUDA-graph replay, finds it zeroed). Calls must not overlap on two streams.
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from . import interpreting, sm_count
 
-MAX_M = 16
+MAX_M = 64
 _COUNTER_SLOTS = 1 << 16  # one int32 counter per N tile: N / BLOCK_N <= 65536
 
 
@@ -146,7 +146,7 @@ def _gemv_kernel(
     DOT_FP32: tl.constexpr,  # tl.dot in float32 (float32 x, or Triton's interpreter), else in x's dtype
     X_HALF: tl.constexpr,  # x in bf16 or fp16
     X_FP16: tl.constexpr,  # x in fp16
-    BLOCK_M: tl.constexpr,  # 16 with USE_DOT, else 1
+    BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -238,8 +238,8 @@ def weight_format(weight: torch.Tensor) -> str:
 
 
 def m_bucket(m: int) -> int:
-    """The config table's batch key: 1 (the FMA path) or 16 (the tl.dot path, any M of 2..16)."""
-    return 1 if m == 1 else MAX_M
+    """The config table's batch key and the tl.dot tile's rows: 1 (the FMA path), else 16 (M of 2..16), 32 or 64."""
+    return 1 if m == 1 else max(16, triton.next_power_of_2(m))
 
 
 def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
@@ -331,7 +331,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         fit.k_per_split, fit.split_k,
         INT4=int4, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PARTIAL=partial, USE_DOT=use_dot,
         DOT_FP32=x2.dtype == torch.float32 or interpreting(), X_HALF=x2.dtype in (torch.bfloat16, torch.float16),
-        X_FP16=x2.dtype == torch.float16, BLOCK_M=MAX_M if use_dot else 1,
+        X_FP16=x2.dtype == torch.float16, BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -352,7 +352,7 @@ def _num_sms(x: torch.Tensor, num_sms: Optional[int]) -> int:
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                w_scale: Optional[torch.Tensor] = None, num_sms: Optional[int] = None,
                config: Optional[GemvConfig] = None) -> torch.Tensor:
-    """x [M, K] (M <= 16) @ (weight [N, K] * w_scale [N, 1] or [])^T (+ bias) -> [M, N] in x's dtype.
+    """x [M, K] (M <= 64) @ (weight [N, K] * w_scale [N, 1] or [])^T (+ bias) -> [M, N] in x's dtype.
     Same contract as quant_reference.dense_gemv. config: tiles for this call (default: `config_for`)."""
     x2 = _rows(x)
     n, k = weight.shape
@@ -370,7 +370,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: Optional[torch.Tensor] = None, num_sms: Optional[int] = None,
               config: Optional[GemvConfig] = None) -> torch.Tensor:
-    """x [M, K] (M <= 16) @ W (+ bias) -> [M, N] in x's dtype, W in the engine's packed int4 layout (module
+    """x [M, K] (M <= 64) @ W (+ bias) -> [M, N] in x's dtype, W in the engine's packed int4 layout (module
     docstring). Same contract as quant_reference.int_weight_matmul with bits=4."""
     x2 = _rows(x)
     k, n = x2.shape[1], qweight.shape[1]

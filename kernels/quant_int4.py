@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .quant_gemv import MAX_M, int4_gemv
+from .quant_gemv import int4_gemv
+
+GEMV_MAX_M = 16  # decode batches up to this size take the split-K GEMV (the bound; unmeasured above)
 
 
 @triton.jit
@@ -81,7 +83,7 @@ def int_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     if bits != 4:
         raise ValueError(f"the int4 kernel got {bits}-bit weights (only 4-bit has a kernel)")
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] <= MAX_M:
+    if x2.shape[0] <= GEMV_MAX_M:
         return int4_gemv(x, qweight, scales, zeros, group_size, bias, num_sms)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -4,7 +4,7 @@ decode GEMV and the library's product, made once per shape at start-up.
     int_weight_matmul  4-bit: quant_gemv.int4_gemv (split-K GEMV) for M <= 16, quant_int4's dequantizing GEMM
                        above; other widths have no kernel (asyncengine rejects them on CUDA at start-up)
     fp8_linear         quant_fp8: per-token quantization + torch._scaled_mm (per-tensor form when it applies)
-    dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 16
+    dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 64 (where measured faster)
     (the GEMV's tiles per shape: quant_gemv_configs.TUNED, filled from `bench_kernels --gemv-sweep`)
     gemv_max_m         measures dense_gemv against the library per decode batch size
 Same signatures as kernels/quant_reference.py.
@@ -24,7 +24,7 @@ from .quant_int4 import int_weight_matmul
 __all__ = ["dense_gemv", "fp8_linear", "gemv_max_m", "int_weight_matmul"]
 
 logger = logging.getLogger(__name__)
-DECODE_SIZES = (1, 2, 4, 8, 16)  # the batch sizes measured; a choice holds up to the next one
+DECODE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes measured; a choice holds up to the next one
 _chosen: dict[tuple, int] = {}
 
 

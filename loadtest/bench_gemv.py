@@ -5,7 +5,7 @@
 
 For each format (bf16; FP8 e4m3 weights with per-channel scales, x unquantized; int4 group 128 in the engine's
 packed layout), each shape (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096, and the bf16 LM
-head 4096->128256) and M = 1 and 16, every candidate (block_n, block_k, split_k, num_warps, num_stages, dot) is
+head 4096->128256) and M = 1, 16 (and 64 for the dense formats), every candidate (block_n, block_k, split_k, num_warps, num_stages, dot) is
 timed in CUDA graphs against the library's product (cuBLAS for bf16; torch._scaled_mm per-tensor and row-wise,
 and the full W8A8 fp8_linear with its per-token quantization, for FP8; the dequantizing GEMM tile the int4 path ran
 at M <= 16 before the GEMV). Each timed graph cycles through enough copies of the weight to defeat the L2 cache,
@@ -80,6 +80,8 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
         shapes = _tile_shapes(group.fmt, dot, tiny)
         if dot and group.m == 1 and not tiny:  # the 16-row MMA at M = 1: a few of the M = 16 tiles
             shapes = [s for s in shapes if s[3] == 3][:6]
+        if group.m > 16:  # the dense formats' larger decode batches: fewer pipeline depths
+            shapes = [s for s in shapes if s[3] == 3]
         for bn, bk, warps, stages in shapes:
             if group.fmt == "int4" and GROUP_SIZE % bk:
                 continue
@@ -202,10 +204,10 @@ def time_per_call_us(call: Callable, weights: list, device: str) -> float:
 def compile_key(group: Group, config) -> tuple:
     """What makes Triton compile a config anew for a group's call: dtypes, the constexprs, and which integer
     arguments equal 1 or divide by 16 (every 8B dimension divides by 16)."""
-    from asyncengine.kernels.quant_gemv import _fit
+    from asyncengine.kernels.quant_gemv import _fit, m_bucket
 
     fit = _fit(config, group.k, GROUP_SIZE if group.fmt == "int4" else None)
-    return (group.fmt, group.m == 1, config.block_n, fit.block_k, config.num_warps, config.num_stages,
+    return (group.fmt, m_bucket(group.m), config.block_n, fit.block_k, config.num_warps, config.num_stages,
             config.dot, fit.split_k > 1, fit.split_k % 16 == 0)
 
 
@@ -333,7 +335,8 @@ def groups_for(formats: list[str], tiny: bool) -> list[Group]:
         for name, (k, n) in shapes.items():
             if name == "lm_head" and fmt != "bf16":  # the engine keeps the LM head in the model's dtype
                 continue
-            out += [Group(fmt, name, k, n, m) for m in (1, 16)]
+            # int4 takes the GEMV up to M = 16 (quant_int4.GEMV_MAX_M); dense formats up to 64 where it wins
+            out += [Group(fmt, name, k, n, m) for m in ((1, 16) if fmt == "int4" else (1, 16, 64))]
     return out
 
 
@@ -359,6 +362,7 @@ def run_sweep(argv: list[str]) -> int:
         from .bench_offline import measure_copy_bandwidth
 
         copy_gbps = measure_copy_bandwidth(2.0) / 1e9
+        torch.cuda.empty_cache()  # its 4 GiB back for the compile workers
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         print(f"device: {torch.cuda.get_device_name()}  {num_sms} SMs  copy {copy_gbps:.0f} GB/s")
     work = [(g, candidates(g, num_sms, args.tiny)) for g in groups_for(formats, args.tiny)]
