@@ -65,7 +65,7 @@ def test_gpu_fp8_per_token_quantization_matches_reference_within_one_step():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, 16, 40, 64])
 @pytest.mark.parametrize("k, n", SHAPES)
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_decode_gemv_at_llama_8b_sizes(m, k, n, fp8):
@@ -138,7 +138,7 @@ def _gemv_case(fmt: str, m: int, k: int, n: int):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 16, 64])
 def test_gpu_gemv_chosen_configs_match_reference_in_cuda_graph_replays(fmt, m):
     """At every 8B shape (and the bf16 LM head), the config the table (quant_gemv_configs.TUNED) or the default
     picks: eager against the reference, then captured in a CUDA graph and replayed twice on new inputs, so the
