@@ -80,7 +80,7 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
         shapes = _tile_shapes(group.fmt, dot, tiny)
         if dot and group.m == 1 and not tiny:  # the 16-row MMA at M = 1: a few of the M = 16 tiles
             shapes = [s for s in shapes if s[3] == 3][:6]
-        if group.m > 16:  # the dense formats' larger decode batches: fewer pipeline depths
+        if group.m > 16 and not tiny:  # the dense formats' larger decode batches: fewer pipeline depths
             shapes = [s for s in shapes if s[3] == 3]
         for bn, bk, warps, stages in shapes:
             if group.fmt == "int4" and GROUP_SIZE % bk:
