@@ -156,8 +156,8 @@ def _gemv_kernel(
     row_mask, col_mask = rows < M, cols < N
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    elif INT4:  # products per (k, n), reduced over k after the loop
-        acc = tl.zeros((BLOCK_K // 8, 8, BLOCK_N), dtype=tl.float32)
+    elif INT4:  # products per (word row, n), summed over a word's 8 inputs in each step and over rows at the end
+        acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
@@ -198,7 +198,7 @@ def _gemv_kernel(
             w = _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K, BLOCK_N)
             kx = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]  # as W's tile
             x = tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)  # row 0: [BK / 8, 8]
-            acc += w * x[:, :, None]
+            acc += tl.sum(w * x[:, :, None], axis=1)
         else:
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
                         mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)  # W^T's tile [BK, BN]
@@ -206,7 +206,7 @@ def _gemv_kernel(
             acc += w.to(tl.float32) * x[:, None]
     if not USE_DOT:
         if INT4:
-            acc = tl.sum(tl.sum(acc, axis=0), axis=0)[None, :]  # [1, BN]
+            acc = tl.sum(acc, axis=0)[None, :]  # [1, BN]
         else:
             acc = tl.sum(acc, axis=0)[None, :]
     if PARTIAL:
