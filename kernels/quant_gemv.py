@@ -149,6 +149,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,  # dense FMA path: inputs per 16-byte load (8 bf16, 16 fp8, 4 fp32); int4: 8 per word
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -157,9 +158,9 @@ def _gemv_kernel(
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     elif INT4:  # products per (word row, n), summed over a word's 8 inputs in each step and over rows at the end
-        acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32)
     else:
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -199,16 +200,14 @@ def _gemv_kernel(
             kx = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]  # as W's tile
             x = tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)  # row 0: [BK / 8, 8]
             acc += tl.sum(w * x[:, :, None], axis=1)
-        else:
-            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
-                        mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)  # W^T's tile [BK, BN]
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)  # row 0: [BK]
-            acc += w.to(tl.float32) * x[:, None]
+        else:  # W^T's tile as [BK / VEC, VEC, BN]: VEC inputs (16 bytes) of a row, summed in-thread per step
+            kv = k0 + tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [BK / VEC, VEC]
+            w = tl.load(w_ptr + cols[None, None, :].to(tl.int64) * stride_wn + kv[:, :, None],
+                        mask=(kv < K)[:, :, None] & col_mask[None, None, :], other=0.0)
+            x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)  # row 0
+            acc += tl.sum(w.to(tl.float32) * x[:, :, None], axis=1)
     if not USE_DOT:
-        if INT4:
-            acc = tl.sum(acc, axis=0)[None, :]  # [1, BN]
-        else:
-            acc = tl.sum(acc, axis=0)[None, :]
+        acc = tl.sum(acc, axis=0)[None, :]  # [1, BN]
     if PARTIAL:
         offsets = rows[:, None] * N + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
@@ -258,7 +257,7 @@ def default_config(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig
     if fmt == "int4":
         block_n, block_k = (64, 128) if not dot else (64, 64)
     else:
-        block_n, block_k = (32, 256 if fmt == "fp8" else 128) if not dot else (32, 128)
+        block_n, block_k = (32, 512 if fmt == "fp8" else 256) if not dot else (32, 128)
     return GemvConfig(block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), num_warps=4, num_stages=3,
                       dot=dot)
 
@@ -332,7 +331,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         INT4=int4, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PARTIAL=partial, USE_DOT=use_dot,
         DOT_FP32=x2.dtype == torch.float32 or interpreting(), X_HALF=x2.dtype in (torch.bfloat16, torch.float16),
         X_FP16=x2.dtype == torch.float16, BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
-        BLOCK_N=config.block_n, BLOCK_K=fit.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=8 if int4 else min(16 // weight.element_size(), fit.block_k),
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 

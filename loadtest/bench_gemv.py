@@ -5,8 +5,8 @@
 
 For each format (bf16; FP8 e4m3 weights with per-channel scales, x unquantized; int4 group 128 in the engine's
 packed layout), each shape (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096, and the bf16 LM
-head 4096->128256) and M = 1, 16 (and 64 for the dense formats), every candidate (block_n, block_k, split_k, num_warps, num_stages, dot) is
-timed in CUDA graphs against the library's product (cuBLAS for bf16; torch._scaled_mm per-tensor and row-wise,
+head 4096->128256) and M = 1, 16 (and 64 for the dense formats), every candidate (block_n, block_k, split_k,
+num_warps, num_stages, dot) is timed in CUDA graphs against the library's product (cuBLAS for bf16; torch._scaled_mm per-tensor and row-wise,
 and the full W8A8 fp8_linear with its per-token quantization, for FP8; the dequantizing GEMM tile the int4 path ran
 at M <= 16 before the GEMV). Each timed graph cycles through enough copies of the weight to defeat the L2 cache,
 so GB/s (weight, scales and zeros, x and y per call) compares with the copy bandwidth.
@@ -59,15 +59,17 @@ def _splits(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> list[in
 
 
 def _tile_shapes(fmt: str, dot: bool, tiny: bool) -> list[tuple[int, int, int, int]]:
-    """(block_n, block_k, num_warps, num_stages) tried for a format and path; accumulators stay within about 128
-    float32 registers a thread (block_n * block_k <= 4096 * num_warps on the FMA path)."""
+    """(block_n, block_k, num_warps, num_stages) tried for a format and path (on the FMA path, tiles a thread can
+    hold in registers)."""
     if tiny:
         return [(16, 32, 4, 2)] if dot else [(16, 32, 4, 2), (32, 64, 4, 3)]
     if dot:
         ns, ks = ((32, 64, 128), (64, 128)) if fmt == "int4" else ((16, 32, 64), (64, 128, 256))
         return [(bn, bk, 4, st) for bn in ns for bk in ks for st in (3, 4)]
-    ns, ks = ((32, 64, 128), (64, 128)) if fmt == "int4" else ((16, 32, 64), (128, 256, 512))
-    return [(bn, bk, w, st) for bn in ns for bk in ks for w in (4, 8) for st in (2, 4) if bn * bk <= 4096 * w]
+    # the FMA path's loads are not software-pipelined (num_stages changes nothing there): occupancy hides latency
+    ns, ks = ((32, 64, 128, 256), (64, 128)) if fmt == "int4" else ((16, 32, 64, 128), (128, 256, 512))
+    per_thread = 256 if fmt == "fp8" else 128  # weight elements a thread holds per step (about 64 registers)
+    return [(bn, bk, w, 3) for bn in ns for bk in ks for w in (4, 8) if bn * bk <= per_thread * 32 * w]
 
 
 def candidates(group: Group, num_sms: int, tiny: bool = False):
