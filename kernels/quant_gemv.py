@@ -11,8 +11,9 @@ step, each read once from memory in its stored form:
 Each program owns BLOCK_N outputs of all M rows and one of SPLIT_K slices of K, streaming its [BLOCK_K, BLOCK_N]
 tiles of W once. An int4 tile never crosses a group (BLOCK_K divides group_size), so a tile reads its group's
 scales and zeros once ([BLOCK_N] each) and each packed word once.
-  M == 1 (config.dot false): products accumulated elementwise in a [BLOCK_K, BLOCK_N] float32 tile and reduced
-      over K once at the end (no 16-row MMA tile of which 15 rows are padding).
+  M == 1 (config.dot false): FMA, no 16-row MMA tile of which 15 rows are padding: each step sums the products
+      of each 16-byte vector of a W row (an int4 word) in-thread into a [BLOCK_K / VEC, BLOCK_N] float32 tile,
+      reduced over K once after the loop.
   M > 1 (or config.dot): tl.dot on one tile of x of 16, 32 or 64 rows (the M bucket).
 Split-K without an extra launch: each slice stores its float32 partial sums, then bumps a per-N-tile counter; the
 slice that arrives last sums the partials, applies the scale and bias, writes y and resets the counter to zero
@@ -108,6 +109,55 @@ def _int4_codes(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
+def _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K, stride_xm,
+              stride_wn, group_size, INT4: tl.constexpr, DOT_FP32: tl.constexpr, X_HALF: tl.constexpr,
+              X_FP16: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BM, BN] plus x's rows times W's tile at input k0, through tl.dot."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :],
+                other=0.0)  # [BM, BK]
+    if INT4 and X_HALF:
+        # sum_k x (q - z) s = s * (x @ (BIAS + q) - (BIAS + z) * sum_k x) per tile (one group): no float math per
+        # weight. (float32 x dequantizes instead: BIAS * sum_k x would cost it digits.)
+        codes = _int4_codes(w_ptr, k0, cols, col_mask, N, K, BLOCK_K, BLOCK_N, X_FP16)  # [BK, BN]
+        scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)
+        if DOT_FP32:  # Triton's interpreter
+            part = tl.dot(x.to(tl.float32), codes.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            part = tl.dot(x, codes, out_dtype=tl.float32)  # [BM, BN]
+        if X_FP16:
+            zero = zero + 1024.0
+        else:
+            zero = zero + 128.0
+        x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BM]
+        return acc + (part - x_sum[:, None] * zero[None, :]) * scale[None, :]
+    if INT4:
+        w = _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K, BLOCK_N)
+        return acc + tl.dot(x.to(tl.float32), tl.reshape(w, (BLOCK_K, BLOCK_N)), input_precision="ieee",
+                            out_dtype=tl.float32)
+    w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)  # W^T's tile [BK, BN]
+    if DOT_FP32:
+        return acc + tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    return acc + tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)
+
+
+@triton.jit
+def _fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, stride_wn, group_size,
+              INT4: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
+    """acc [BK / VEC, BN] plus x's row 0 times W's tile at input k0 as [BK / VEC, VEC, BN]: the products of each
+    VEC inputs (an int4 word; 16 bytes of a dense row) summed in-thread, the rest left for after the loop."""
+    kv = k0 + tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [BK / VEC, VEC]
+    x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)
+    if INT4:  # VEC == 8: W's tile [BK / 8, 8, BN] in the same input order
+        w = _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K, BLOCK_N)
+    else:
+        w = tl.load(w_ptr + cols[None, None, :].to(tl.int64) * stride_wn + kv[:, :, None],
+                    mask=(kv < K)[:, :, None] & col_mask[None, None, :], other=0.0).to(tl.float32)
+    return acc + tl.sum(w * x[:, :, None], axis=1)
+
+
+@triton.jit
 def _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """acc [BM, BN] float32 (* the weight's scale, + bias) -> y[rows, cols] in y's dtype."""
@@ -149,7 +199,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    VEC: tl.constexpr,  # dense FMA path: inputs per 16-byte load (8 bf16, 16 fp8, 4 fp32); int4: 8 per word
+    VEC: tl.constexpr,  # FMA path: inputs summed in-thread per step (8 bf16 / 16 fp8 / 4 fp32: 16 bytes; int4: 8)
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -157,57 +207,19 @@ def _gemv_kernel(
     row_mask, col_mask = rows < M, cols < N
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    elif INT4:  # products per (word row, n), summed over a word's 8 inputs in each step and over rows at the end
-        acc = tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
         if USE_DOT:
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                        mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)  # [BM, BK]
-            if INT4 and X_HALF:
-                # sum_k x (q - z) s = s * (x @ (BIAS + q) - (BIAS + z) * sum_k x) per tile (one group): no float
-                # math per weight. (float32 x dequantizes instead: BIAS * sum_k x would cost it digits.)
-                codes = _int4_codes(w_ptr, k0, cols, col_mask, N, K, BLOCK_K, BLOCK_N, X_FP16)  # [BK, BN]
-                scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)
-                if DOT_FP32:
-                    part = tl.dot(x.to(tl.float32), codes.to(tl.float32), input_precision="ieee",
-                                  out_dtype=tl.float32)
-                else:
-                    part = tl.dot(x, codes, out_dtype=tl.float32)  # [BM, BN]
-                x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BM]
-                if X_FP16:
-                    zero = zero + 1024.0
-                else:
-                    zero = zero + 128.0
-                acc += (part - x_sum[:, None] * zero[None, :]) * scale[None, :]
-            elif INT4:
-                w = _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K,
-                                   BLOCK_N)
-                acc += tl.dot(x.to(tl.float32), tl.reshape(w, (BLOCK_K, BLOCK_N)), input_precision="ieee",
-                              out_dtype=tl.float32)
-            else:
-                w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
-                            mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)  # W^T's tile [BK, BN]
-                if DOT_FP32:
-                    acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
-                else:
-                    acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)
-        elif INT4:
-            w = _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K, BLOCK_N)
-            kx = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]  # as W's tile
-            x = tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)  # row 0: [BK / 8, 8]
-            acc += tl.sum(w * x[:, :, None], axis=1)
-        else:  # W^T's tile as [BK / VEC, VEC, BN]: VEC inputs (16 bytes) of a row, summed in-thread per step
-            kv = k0 + tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [BK / VEC, VEC]
-            w = tl.load(w_ptr + cols[None, None, :].to(tl.int64) * stride_wn + kv[:, :, None],
-                        mask=(kv < K)[:, :, None] & col_mask[None, None, :], other=0.0)
-            x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)  # row 0
-            acc += tl.sum(w.to(tl.float32) * x[:, :, None], axis=1)
+            acc = _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
+                            stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N)
+        else:
+            acc = _fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, stride_wn,
+                            group_size, INT4, BLOCK_K, BLOCK_N, VEC)
     if not USE_DOT:
         acc = tl.sum(acc, axis=0)[None, :]  # [1, BN]
+    scaled = HAS_SCALE and not INT4  # int4 applied its group scales per tile
     if PARTIAL:
         offsets = rows[:, None] * N + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
@@ -219,11 +231,11 @@ def _gemv_kernel(
             for s in range(0, split_k):
                 total += tl.load(partial_ptr + s * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
             _store_output(out_ptr, total, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
-                          HAS_SCALE and not INT4, HAS_BIAS)
+                          scaled, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + pid_n, 0)
     else:
-        _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
-                      HAS_SCALE and not INT4, HAS_BIAS)
+        _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N, scaled,
+                      HAS_BIAS)
 
 
 # -- configuration ------------------------------------------------------------------------------------------
