@@ -1,4 +1,6 @@
-"""RMSNorm kernels: one program normalises one row of [T, H]; math in float32.
+"""RMSNorm kernels; math in float32. `rms_norm` normalises ROWS rows per program (many rows for short ones, such
+as Qwen3's per-head q/k norms over [T, heads, 128], read in place from the strided QKV output), one row per
+program for hidden-sized rows; `fused_add_rms_norm` one row per program.
 
 Rounding follows `reference.rms_norm` step by step: the normalised row is rounded to x's dtype before the weight
 multiplies it, and the product is rounded to the promoted dtype of (weight, x).
@@ -23,21 +25,29 @@ def _normalize_row(x_raw, w_ptr, cols, col_mask, H, eps):
 
 @triton.jit
 def _rms_norm_kernel(
-    out_ptr,  # [T, H]
-    x_ptr,  # [T, H]
+    out_ptr,  # [R, H] contiguous, R = T * heads
+    x_ptr,  # row r at (r // heads) * stride_token + (r % heads) * stride_head, H contiguous elements
     w_ptr,  # [H]
-    stride_out,
-    stride_x,
+    num_rows,
+    heads,
+    stride_token,
+    stride_head,
     H,
     eps,
     BLOCK_H: tl.constexpr,  # next power of two >= H
+    ROWS: tl.constexpr,  # rows per program
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_H)
-    col_mask = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=col_mask, other=0.0)
-    y = _normalize_row(x, w_ptr, cols, col_mask, H, eps)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
+    mask = (rows < num_rows)[:, None] & (cols < H)[None, :]
+    x_rows = (rows // heads) * stride_token + (rows % heads) * stride_head
+    x_raw = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)  # [ROWS, BLOCK_H]
+    x = x_raw.to(tl.float32)
+    variance = tl.sum(x * x, axis=1) / H  # [ROWS]
+    normed = (x * tl.rsqrt(variance + eps)[:, None]).to(x_raw.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    y = normed * w[None, :]
+    tl.store(out_ptr + rows[:, None] * H + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -71,22 +81,37 @@ def _launch_config(hidden: int) -> tuple[int, int]:
     return block, min(16, max(1, block // 512))
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be [T, H] with contiguous rows, got shape {tuple(x.shape)} strides {x.stride()}")
-    if weight.shape != (x.shape[1],) or weight.stride(0) != 1:
-        raise ValueError(f"weight must be a contiguous [{x.shape[1]}], got {tuple(weight.shape)}")
+def _check(x: torch.Tensor, weight: torch.Tensor, dims: tuple[int, ...] = (2,)) -> None:
+    if x.dim() not in dims or x.stride(-1) != 1:
+        raise ValueError(f"x must be {' or '.join(('[T, H]', '[T, heads, H]')[:len(dims)])} with contiguous rows, got "
+                         f"shape {tuple(x.shape)} strides {x.stride()}")
+    if weight.shape != (x.shape[-1],) or weight.stride(0) != 1:
+        raise ValueError(f"weight must be a contiguous [{x.shape[-1]}], got {tuple(weight.shape)}")
+
+
+def _rows_per_program(block: int) -> tuple[int, int]:
+    """(ROWS, num_warps): short rows are batched so that a program reads ~2k elements; hidden-sized rows go one
+    per program (the previous launch: a one-row program of 128 elements was launch-bound, 16% of a Qwen3
+    embedding pass on an H100)."""
+    if block >= 2048:
+        return 1, min(16, block // 512)
+    return 2048 // block, 4
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, H] (rows contiguous), weight: [H] -> new [T, H] in promote(x, weight) dtype."""
-    _check(x, weight)
+    """x: [T, H] or [T, heads, H] (each row of H contiguous, other strides free, e.g. a view into a QKV output),
+    weight: [H] -> a new contiguous tensor of x's shape in promote(x, weight) dtype."""
+    _check(x, weight, dims=(2, 3))
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    if x.shape[0] == 0:
+    heads, stride_head = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+    num_rows = x.shape[0] * heads
+    if num_rows == 0:
         return out
-    block, warps = _launch_config(x.shape[1])
-    _rms_norm_kernel[(x.shape[0],)](
-        out, x, weight, out.stride(0), x.stride(0), x.shape[1], eps, BLOCK_H=block, num_warps=warps
+    block = triton.next_power_of_2(x.shape[-1])
+    rows, warps = _rows_per_program(block)
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        out, x, weight, num_rows, heads, x.stride(0), stride_head, x.shape[-1], eps, BLOCK_H=block, ROWS=rows,
+        num_warps=warps,
     )
     return out
 

@@ -79,6 +79,21 @@ def test_rms_norm_matches_reference_on_strided_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rms_norm_per_head_reads_heads_in_place_from_a_strided_qkv(dtype):
+    """[T, heads, D] read from a QKV output (rows qkv_size apart, heads D apart), many rows per program, the
+    last program partly masked (T * heads not a multiple of its rows)."""
+    from asyncengine.kernels import norm, reference
+
+    tokens, heads, head_dim = 5, 3, 64
+    qkv = torch.randn(tokens, heads * head_dim + 40, dtype=dtype, device=DEVICE)
+    q = qkv[:, : heads * head_dim].unflatten(-1, (heads, head_dim))
+    weight = torch.randn(head_dim, dtype=dtype, device=DEVICE)
+    out = norm.rms_norm(q, weight, 1e-6)
+    assert out.shape == (tokens, heads, head_dim) and out.is_contiguous()
+    assert_matches(out, reference.rms_norm(q, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_fused_add_rms_norm_updates_residual_in_place(dtype):
     from asyncengine.kernels import norm, reference
 
@@ -417,6 +432,9 @@ def test_gpu_norm_activation_rotary_cache_at_llama_sizes():
     out, res = norm.fused_add_rms_norm(x, residual, weight, 1e-5)
     assert_matches(out, ref_out)
     assert_matches(res, ref_res)
+    qkv = torch.randn(tokens + 3, (16 + 2 * 8) * 128, dtype=dtype, device="cuda")  # Qwen3-0.6B's q/k norms
+    q, head_weight = qkv[:, : 16 * 128].unflatten(-1, (16, 128)), torch.randn(128, dtype=dtype, device="cuda")
+    assert_matches(norm.rms_norm(q, head_weight, 1e-6), reference.rms_norm(q, head_weight, 1e-6))
 
     gate_up = torch.randn(tokens, 2 * 14336, dtype=dtype, device="cuda")
     assert_matches(activation.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))

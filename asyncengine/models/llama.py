@@ -84,9 +84,9 @@ class Attention(nn.Module):
     def forward(self, positions, hidden_states, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rotary
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rotary, read in place from qkv
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(1)  # [T, heads, D] -> [T, q_size]
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(1)
         # q, k, v stay strided views of qkv (rows qkv_size apart): the kernels take row strides, so no copies.
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, kv_cache, metadata)
