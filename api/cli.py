@@ -222,6 +222,11 @@ def _parallel_args(group) -> None:
     group.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
                        help="start ranks 1..N-1 as processes of our own (mp) or as Ray actors in a placement group "
                             "(ray: pip install 'asyncengine[ray]')")
+    group.add_argument("--step-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="with -tp > 1: a step unfinished this long means a hung rank, and the engine dies "
+                            "(its workers killed; /health then answers 503). Default: 300, as vLLM's "
+                            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (the first step, whose kernels may still compile, "
+                            "gets 600; loading and CUDA-graph capture are not timed by it)")
 
 
 def _json_list(text: str) -> list[str]:
@@ -276,6 +281,7 @@ def engine_config(args: argparse.Namespace):
         runner=args.runner,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        step_timeout_s=args.step_timeout,
     )
     return config
 
@@ -457,7 +463,8 @@ def generate(args: argparse.Namespace) -> int:
     try:
         llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                   tensor_parallel_size=args.tensor_parallel_size,
-                  distributed_executor_backend=args.distributed_executor_backend)
+                  distributed_executor_backend=args.distributed_executor_backend,
+                  step_timeout_s=args.step_timeout)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)
     except ValueError as exc:

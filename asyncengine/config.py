@@ -104,6 +104,12 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"
     # seconds a collective may wait for the other ranks before the engine counts a rank as hung (and dies)
     distributed_timeout_s: float = 600.0
+    # seconds a tensor-parallel step may go unfinished before the engine counts a rank as hung and dies (its
+    # workers killed). 300 s, vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: a step is at most max_num_batched_tokens
+    # (about a second for a 70B model's largest prefill on GPUs), and the rest leaves room for a kernel compiled
+    # mid-run. The first step gets distributed_timeout_s if that is longer (its kernels may still compile);
+    # loading, profiling and CUDA-graph capture come before any step and are not timed by it.
+    step_timeout_s: float = 300.0
     # auto: the checkpoint's safetensors | dummy: random weights drawn on each rank's device (config.json and a
     # tokenizer suffice; for benchmarks of shapes too large to write to disk, e.g. a 70B model over 8 GPUs)
     load_format: str = "auto"
@@ -156,6 +162,8 @@ class EngineConfig:
                              f"{self.distributed_executor_backend!r}")
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s (--step-timeout) must be positive, got {self.step_timeout_s}")
         device = self.torch_device()
         if tp > 1 and self.distributed_executor_backend == "mp" and device.type == "cuda":
             gpus = torch.cuda.device_count()

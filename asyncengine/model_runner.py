@@ -326,11 +326,23 @@ class ModelRunner:
                 fb_sources.append(item.request.inflight_row)
         return np.array(ids, dtype=np.int64), (fb_rows, fb_sources)
 
-    @torch.inference_mode()
     def launch(self, inputs: StepInputs) -> LaunchedStep:
         """Queue the step's device work: in-flight input tokens, forward, logits, sampling, and the copy of the
         sampled tokens to the host. Touches no request, so it may run in a worker thread while the loop goes on.
-        On CPU the work is done when this returns."""
+        On CPU the work is done when this returns. With tensor parallelism the step is on the workers' clock
+        (a step that does not finish in time means a hung rank) until `collect`."""
+        if self.workers is None:
+            return self._launch(inputs)
+        self.workers.clock.started()
+        try:
+            return self._launch(inputs)
+        except BaseException:
+            self.workers.clock.finished()
+            self._check_workers()  # the broken collective's error, told why (a worker exited or hung)
+            raise
+
+    @torch.inference_mode()
+    def _launch(self, inputs: StepInputs) -> LaunchedStep:
         if inputs.feedback is not None:
             if inputs.step_index != self._last_launched + 1 or self._last_sampled is None:
                 raise RuntimeError("a step whose inputs are in flight must be launched right after the step that samples them")
@@ -418,6 +430,17 @@ class ModelRunner:
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step (the step's one host sync) and read its sampled tokens, logprobs and pooled
         states."""
+        if self.workers is None:
+            return self._collect(launched)
+        try:
+            return self._collect(launched)
+        except BaseException:
+            self._check_workers()
+            raise
+        finally:
+            self.workers.clock.finished()
+
+    def _collect(self, launched: LaunchedStep) -> StepResult:
         if launched.host is None and launched.pooled is None:
             return StepResult({}, {})
         if launched.event is not None:

@@ -202,6 +202,115 @@ def test_killing_a_worker_mid_stream_ends_the_streams_with_an_error(checkpoints)
     assert parallel_state.tp_size() == 1 or not torch.distributed.is_initialized()
 
 
+def test_a_hung_worker_ends_the_streams_within_the_step_timeout(checkpoints):
+    """A worker stopped (SIGSTOP) mid-stream is a hung rank: within step_timeout_s every stream ends with an error
+    naming the hang, the engine reports itself dead, and the stopped worker is killed, not left behind. Before
+    that, an engine idle for longer than the step timeout lives on (its clock runs only while steps do)."""
+    step_timeout = 2.0
+
+    async def run():
+        engine = AsyncLLMEngine(EngineConfig(model=str(checkpoints["one_kv_head"]), tensor_parallel_size=2,
+                                             max_model_len=256, seed=0, step_timeout_s=step_timeout))
+        pids = _worker_pids(engine)
+        short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len([o async for o in engine.generate(PROMPTS[1], short, "warm")][-1].outputs[0].token_ids) == 4
+        await asyncio.sleep(step_timeout + 0.5)  # idle past the step timeout
+        engine.check_health()
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        stopped_at = []
+
+        async def consume(request_id):
+            got = 0
+            async for _ in engine.generate(PROMPTS[0], params, request_id):
+                got += 1
+                if got == 3 and request_id == "a":
+                    os.kill(pids[0], signal.SIGSTOP)
+                    stopped_at.append(time.monotonic())
+            return got
+
+        results = await asyncio.wait_for(asyncio.gather(consume("a"), consume("b"), return_exceptions=True), 30)
+        waited = time.monotonic() - stopped_at[0]
+        assert all(isinstance(r, Exception) for r in results), results
+        assert all("hung" in repr(r) or "hung" in repr(r.__cause__) for r in results), results
+        assert step_timeout <= waited < step_timeout + 10, waited
+        with pytest.raises(Exception, match="hung"):
+            engine.check_health()
+        await engine.shutdown()
+        return pids
+
+    pids = asyncio.run(run())
+    assert all(_gone(p) for p in pids), "the stopped worker was left behind"
+    assert parallel_state.tp_size() == 1 or not torch.distributed.is_initialized()
+
+
+_IDLE_WORKER = """
+import sys, torch
+from asyncengine.distributed import parallel_state
+from asyncengine.distributed.executor import StepChannel
+print("imported", flush=True)
+parallel_state.init_tensor_parallel(1, 2, sys.argv[1], torch.device("cpu"), timeout_s=1.0)
+channel = StepChannel(torch.device("cpu"), block_size=4)
+step = channel.receive()
+print("step", step.input_ids.tolist(), step.metadata.block_tables.tolist(), flush=True)
+assert channel.receive() is None
+parallel_state.destroy_tensor_parallel()
+"""
+
+
+def test_a_worker_waits_for_the_next_step_longer_than_the_distributed_timeout():
+    """An idle engine's workers wait for rank 0's next step however long it takes (the header's control group has
+    no timeout), while the world's collectives keep distributed_timeout_s (1 s here)."""
+    import subprocess
+
+    from asyncengine.distributed.executor import StepChannel, free_port
+    from asyncengine.models.layers import AttentionMetadata
+
+    init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    worker = subprocess.Popen([sys.executable, "-c", _IDLE_WORKER, init], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline() == "imported\n"  # torch imported: the rendezvous now takes no time
+        cpu = torch.device("cpu")
+        parallel_state.init_tensor_parallel(0, 2, init, cpu, timeout_s=1.0)
+        try:
+            time.sleep(2.5)  # idle: past the world's timeout
+            i32 = dict(dtype=torch.int32)
+            metadata = AttentionMetadata(
+                query_start_loc=torch.tensor([0, 3], **i32), seq_lens=torch.tensor([3], **i32),
+                block_tables=torch.tensor([[7]], **i32), slot_mapping=torch.tensor([28, 29, 30]),
+                query_start_loc_cpu=torch.tensor([0, 3], **i32), seq_lens_cpu=torch.tensor([3], **i32),
+                max_query_len=3, max_seq_len=3)
+            channel = StepChannel(cpu, block_size=4)
+            channel.send(torch.tensor([5, 6, 7]), torch.arange(3), metadata, torch.tensor([2]), None)
+            channel.send_stop()
+        finally:
+            parallel_state.destroy_tensor_parallel()
+        out, _ = worker.communicate(timeout=30)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert worker.returncode == 0 and "step [5, 6, 7] [[7]]" in out, out
+
+
+def test_the_step_clock_gives_the_first_step_the_longer_limit_and_runs_only_while_steps_are_in_flight():
+    from asyncengine.distributed.executor import StepClock
+
+    clock = StepClock(step_timeout_s=0.05, first_step_timeout_s=30)
+    time.sleep(0.1)
+    assert not clock.overdue(), "no step in flight: idle time is not a hang"
+    clock.started()
+    time.sleep(0.1)
+    assert not clock.overdue(), "the first step may take the start-up limit (kernels still compiling)"
+    clock.finished()
+    clock.started()
+    clock.started()  # lookahead: the next step launched before this one is collected
+    clock.finished()
+    assert not clock.overdue()
+    time.sleep(0.1)
+    assert clock.overdue(), "a later step past step_timeout_s is a hang"
+    clock.finished()
+    assert not clock.overdue()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tensor_parallel_size=0), "--tensor-parallel-size"),
     (dict(tensor_parallel_size=3), "--tensor-parallel-size"),  # 4 heads do not split over 3 ranks

@@ -9,16 +9,23 @@ over `StepChannel.receive` and runs the same forward pass, its collectives meeti
     ModelRunner.launch: StepChannel.send(inputs)  ->  StepChannel.receive() -> forward (+ logits: the gather)
     ModelRunner.close: StepChannel.send_stop()    ->  return
 
-A step reaches the workers as two broadcasts over the process group: a fixed header [8] int64 (its sizes) and one
-packed int64 tensor (ids, positions, slots, query starts, lengths, block tables, logits rows) - no pickling.
+A step reaches the workers as two broadcasts: a fixed header [8] int64 (its sizes), on the host over the control
+group (parallel_state: no timeout, since a worker waits on it as long as the engine is idle), and one packed int64
+tensor on the device (ids, positions, slots, query starts, lengths, block tables, logits rows) - no pickling.
 
 Backends: `mp` starts each worker as a subprocess of ours (`python -m asyncengine.distributed.worker`, its
 arguments pickled on stdin; stdin stays open, and its end tells the worker that rank 0 is gone), rendezvous on
 127.0.0.1. `ray` starts them as Ray actors, one per bundle of a placement group, rendezvous on the driver's
 address. Either way a watchdog thread notices a worker that exits; it records the failure (the engine then
 reports itself dead: `WorkerGroup.failure`) and stops the other workers, so no process is left behind. A rank
-that dies breaks rank 0's next collective (gloo) or is aborted (NCCL); a rank that hangs fails the collective
-after `distributed_timeout_s`.
+that dies breaks rank 0's next collective (gloo) or is aborted (NCCL).
+
+A rank that hangs (stopped, deadlocked, a GPU that stopped answering) does not exit: the watchdog also reads
+rank 0's `StepClock`, and when steps are in flight and none has finished for `step_timeout_s` it records the
+failure and kills every worker the same way (a stopped process too), which breaks or aborts rank 0's pending
+collective. Only steps are timed: loading, the KV-cache profile and CUDA-graph capture come before the first step,
+under the process group's `distributed_timeout_s`, and the first step (whose kernels may still compile) gets that
+longer limit as well.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -67,24 +75,38 @@ class StepChannel:
 
     def __init__(self, device: torch.device, block_size: int):
         self.device, self.block_size = device, block_size
+        self._header_in_flight: Optional[tuple[Any, torch.Tensor]] = None  # rank 0: (its pending send, header)
 
     def send(self, input_ids, positions, metadata: AttentionMetadata, logits_indices, graph_size) -> None:
         """Rank 0: broadcast one step (device tensors as built by ModelRunner.prepare, ids with the in-flight
         tokens filled in)."""
         tables = metadata.block_tables
-        header = [_OP_STEP, input_ids.shape[0], tables.shape[0], tables.shape[1], logits_indices.shape[0],
-                  graph_size or 0, metadata.max_query_len, metadata.max_seq_len]
-        parallel_state.broadcast(torch.tensor(header, dtype=torch.int64).to(self.device, non_blocking=True))
+        self._send_header([_OP_STEP, input_ids.shape[0], tables.shape[0], tables.shape[1], logits_indices.shape[0],
+                           graph_size or 0, metadata.max_query_len, metadata.max_seq_len])
         payload = torch.cat([input_ids, positions, metadata.slot_mapping, metadata.query_start_loc.long(),
                              metadata.seq_lens.long(), tables.long().reshape(-1), logits_indices.long()])
         parallel_state.broadcast(payload)
 
     def send_stop(self) -> None:
-        parallel_state.broadcast(torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device))
+        self._send_header([_OP_STOP] + [0] * (_HEADER_LEN - 1))
+        self._wait_for_header()
+
+    def _send_header(self, values: list[int]) -> None:
+        """The header goes over the control group (the workers wait on it without a timeout while the engine is
+        idle), asynchronously: rank 0 goes on with the step while gloo sends it; one header is in flight at most."""
+        self._wait_for_header()
+        header = torch.tensor(values, dtype=torch.int64)
+        self._header_in_flight = (parallel_state.broadcast_control(header, async_op=True), header)
+
+    def _wait_for_header(self) -> None:
+        if self._header_in_flight is not None:
+            work, _ = self._header_in_flight
+            self._header_in_flight = None
+            work.wait()
 
     def receive(self) -> Optional[FollowerStep]:
         """Other ranks: the next step, or None when rank 0 says stop."""
-        header = parallel_state.broadcast(torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device))
+        header = parallel_state.broadcast_control(torch.empty(_HEADER_LEN, dtype=torch.int64))
         op, t, b, width, s, graph, max_q, max_s = header.tolist()
         if op == _OP_STOP:
             return None
@@ -139,6 +161,39 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 # -- rank 0's side ------------------------------------------------------------------------------------------------
+class StepClock:
+    """Rank 0's steps in flight (launched, not yet collected) and when one last made progress. Thread-safe: the
+    device thread calls started/finished, the watchdog calls overdue."""
+
+    def __init__(self, step_timeout_s: float, first_step_timeout_s: float):
+        self.step_timeout_s, self.first_step_timeout_s = step_timeout_s, first_step_timeout_s
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._finished_any = False
+        self._since = 0.0  # monotonic time of the last progress (a step started with none in flight, or finished)
+
+    def started(self) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.monotonic()
+            self._in_flight += 1
+
+    def finished(self) -> None:
+        """A step was collected (or its launch failed)."""
+        with self._lock:
+            self._in_flight = max(0, self._in_flight - 1)
+            self._finished_any = True
+            self._since = time.monotonic()
+
+    def limit(self) -> float:
+        return self.step_timeout_s if self._finished_any else max(self.step_timeout_s, self.first_step_timeout_s)
+
+    def overdue(self) -> bool:
+        """Steps are in flight and none has made progress within the limit."""
+        with self._lock:
+            return self._in_flight > 0 and time.monotonic() - self._since > self.limit()
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -153,6 +208,7 @@ class WorkerGroup:
         self.config, self.model_config, self.max_model_len = config, model_config, max_model_len
         self.size = config.tensor_parallel_size
         self.failure: Optional[BaseException] = None
+        self.clock = StepClock(config.step_timeout_s, config.distributed_timeout_s)
         self._stopping = threading.Event()
         self._backend = _MpWorkers() if config.distributed_executor_backend == "mp" else _RayWorkers(self.size)
         self.rank0_device = self._backend.rank0_device(config.torch_device())
@@ -173,16 +229,25 @@ class WorkerGroup:
             raise
 
     def _watch(self) -> None:
-        """Until stop: the first worker that exits is a failure; the others are killed with it (rank 0's pending
-        or next collective then fails, and the engine dies; `stop` still has to be called to leave the world)."""
+        """Until stop: the first worker that exits, or a step overdue on the clock, is a failure; every worker is
+        then killed (rank 0's pending or next collective then fails, and the engine dies; `stop` still has to be
+        called to leave the world)."""
         while not self._stopping.is_set():
             dead = self._backend.exited(timeout=WATCH_INTERVAL_S)
-            if dead is not None and not self._stopping.is_set():
-                self.failure = RuntimeError(f"tensor-parallel worker (rank {dead[0]}) exited: {dead[1]}")
-                logger.error("%s; stopping the other ranks", self.failure)
-                self._abort_collectives()
-                self._backend.stop(0.0)
+            if self._stopping.is_set():
                 return
+            if dead is not None:
+                return self._fail(RuntimeError(f"tensor-parallel worker (rank {dead[0]}) exited: {dead[1]}"))
+            if self.clock.overdue():
+                return self._fail(TimeoutError(
+                    f"no tensor-parallel step finished in {self.clock.limit():g} s: a rank is hung "
+                    "(the limit is step_timeout_s, --step-timeout)"))
+
+    def _fail(self, failure: BaseException) -> None:
+        self.failure = failure
+        logger.error("%s; stopping the other ranks", failure)
+        self._abort_collectives()
+        self._backend.stop(0.0)
 
     def _abort_collectives(self) -> None:
         """NCCL waits forever for a dead peer: abort the group so rank 0's pending collective fails now (gloo

@@ -15,6 +15,10 @@ graph (issue 13): 6.3 us for a decode step's [1, 4096] bf16 against NCCL's 20.6,
 [256, 8192]; a Llama-3-8B decode step has 64 of them. Larger inputs (prefill) stay with NCCL. Every rank checks
 the path at start-up and all take the same decision (a rank that cannot use it turns it off for all, logged);
 ASYNCENGINE_SYMMETRIC_ALLREDUCE=0 turns it off.
+
+Beside the world, a gloo group on the host, the control group, carries what must wait without a bound: the header of
+rank 0's next step (`broadcast_control`). A worker waits on it for as long as the engine is idle; a collective of
+the world, by contrast, fails after `timeout_s` (so an idle engine would lose its workers after that long).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 _RANK, _SIZE = 0, 1
 _DEVICE: Optional[torch.device] = None
+_CONTROL: Optional[dist.ProcessGroup] = None
+# How long a worker may wait for rank 0's next step: as long as the engine stays idle, so unbounded in practice.
+# A rank 0 that is gone ends its workers by other means (executor.py: the mp pipe's end, Ray's actor kill).
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
 SYMMETRIC_BYTES = 8 * 2**20  # the symmetric buffer: [256, 8192] bf16 is 4 MiB
 
 
@@ -80,7 +88,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
                          timeout_s: float = 1800.0) -> None:
     """Join the world of `size` ranks as `rank` (blocks until every rank has joined). `init_method` is a
     rendezvous URL such as tcp://127.0.0.1:PORT, the same on every rank. With size 1 nothing is created."""
-    global _RANK, _SIZE, _DEVICE
+    global _RANK, _SIZE, _DEVICE, _CONTROL
     if _SIZE > 1:
         raise RuntimeError("this process is already a rank of a tensor-parallel engine: close() that engine (LLM.close, "
                            "AsyncLLMEngine.shutdown) before starting another")
@@ -89,6 +97,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+        _CONTROL = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _RANK, _SIZE, _DEVICE = rank, size, device
     if size > 1 and device.type == "cuda" and os.environ.get("ASYNCENGINE_SYMMETRIC_ALLREDUCE", "1") != "0":
         _init_symmetric_all_reduce(device)
@@ -116,15 +125,16 @@ def _init_symmetric_all_reduce(device: torch.device) -> None:
 def destroy_tensor_parallel() -> None:
     """Leave the world (idempotent, never waits for another rank); the process is back to one rank.
     NCCL's orderly destroy waits for every peer to destroy too, so a rank whose peer was already stopped (or is
-    killed while it waits) would hang: on CUDA the communicators are aborted instead, which is local."""
-    global _RANK, _SIZE, _DEVICE, _SYMMETRIC
+    killed while it waits) would hang: on CUDA the communicators are aborted instead, which is local (the control
+    group's too)."""
+    global _RANK, _SIZE, _DEVICE, _SYMMETRIC, _CONTROL
     _SYMMETRIC = None
     if dist.is_initialized():
         if _DEVICE is not None and _DEVICE.type == "cuda":
             dist.distributed_c10d._abort_process_group()
         else:
-            dist.destroy_process_group()
-    _RANK, _SIZE, _DEVICE = 0, 1, None
+            dist.destroy_process_group()  # the control group too
+    _RANK, _SIZE, _DEVICE, _CONTROL = 0, 1, None, None
 
 
 def _wire(x: torch.Tensor) -> torch.Tensor:
@@ -164,6 +174,15 @@ def broadcast(x: torch.Tensor) -> torch.Tensor:
     if _SIZE > 1:
         dist.broadcast(x, src=0)
     return x
+
+
+def broadcast_control(x: torch.Tensor, async_op: bool = False):
+    """Rank 0's x (a host tensor), in place on every rank, over the control group: no timeout. With async_op
+    (rank 0 sending), returns the pending work (wait() on it before x is reused or freed), else x."""
+    if _SIZE == 1:
+        return None if async_op else x
+    work = dist.broadcast(x, src=0, group=_CONTROL, async_op=async_op)
+    return work if async_op else x
 
 
 def all_reduce_min(value: int) -> int:
