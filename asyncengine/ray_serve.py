@@ -48,6 +48,10 @@ HEALTH_CHECK_PERIOD_S = 2.0
 DEPLOYMENT_OPTIONS = ("num_replicas", "autoscaling_config", "ray_actor_options", "max_ongoing_requests")
 # `serve` flags that belong to Ray Serve's HTTP proxy (http_options), not to a replica.
 PROXY_FLAGS = ("host", "port", "ssl_keyfile", "ssl_certfile", "root_path")
+# Serve's gRPC proxy, stated off: Ray Serve starts it only for registered servicer functions, and the OpenAI API
+# is HTTP (SSE, WebSocket), so we register none; only the HTTP proxy listens, where --host and --port say.
+GRPC_OFF = {"grpc_servicer_functions": []}
+LOOPBACK = "127.0.0.1"
 # A private Ray's object store: requests and outputs travel over HTTP and Ray's RPCs, not through the store,
 # so the default (30% of the machine's memory) would only reserve shared memory nobody uses.
 PRIVATE_OBJECT_STORE_BYTES = 256 * 1024 * 1024
@@ -89,12 +93,14 @@ class EngineReplica:
     calls `check_health` every health_check_period_s (an exception marks the replica unhealthy and Ray replaces
     it), and `__del__` on graceful shutdown, after its own drain of ongoing requests."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, internal_grpc_host: Optional[str] = None):
         from ray import serve
 
         from asyncengine.api.cli import engine_config, serving_options
         from asyncengine.async_engine import AsyncLLMEngine
 
+        if internal_grpc_host is not None:
+            bind_internal_grpc_to(internal_grpc_host)
         self.args = args
         config = engine_config(args)
         self.options = serving_options(args, config.model)
@@ -119,6 +125,30 @@ class EngineReplica:
             await app.state.server.shutdown(0.0)
         if engine is not None:
             await engine.shutdown()
+
+
+def bind_internal_grpc_to(host: str) -> None:
+    """Make this replica's gRPC server for calls between deployments listen on `host`, not every interface.
+
+    Ray Serve (2.60 and the versions before it) starts that server on "[::]:0", hard-coded and not configurable,
+    right after the replica's constructor returns (ray/serve/_private/replica.py: `_on_initialized`). On our
+    private single-node Ray, whose own servers listen on loopback, nothing calls it from another machine (and Serve's
+    proxy calls replicas through Ray's actor calls unless RAY_SERVE_USE_GRPC_BY_DEFAULT=1), so it may listen on
+    loopback too: the address the replica module passes to Ray's `add_port_to_grpc_server` is rewritten here,
+    in this replica's process only. A Ray whose replica module has no such name is left as it is."""
+    from ray.serve._private import replica as serve_replica
+
+    add_port = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if add_port is None or getattr(add_port, "asyncengine_host", None) is not None:
+        return
+
+    def add_port_on_host(server, address: str):
+        if address.startswith("[::]:"):
+            address = f"{host}:{address[len('[::]:'):]}"
+        return add_port(server, address)
+
+    add_port_on_host.asyncengine_host = host
+    serve_replica.add_port_to_grpc_server = add_port_on_host
 
 
 def deployment(args: argparse.Namespace, **options: Any):
@@ -318,9 +348,12 @@ def _serve_until_signal(serve, args: argparse.Namespace, options: dict, http_opt
 
     from asyncengine.api.cli import PROG
 
-    serve.start(http_options=http_options)
+    serve.start(http_options=http_options, grpc_options=GRPC_OFF)
+    # On our private Ray (one node, its servers on loopback) the replicas' internal gRPC servers listen on
+    # loopback too; on a cluster they stay where Ray Serve puts them (other nodes call them).
+    internal_grpc_host = LOOPBACK if args.ray_address is None else None
     try:
-        serve.run(deployment(args, **options).bind(args), name=APP_NAME, route_prefix="/")
+        serve.run(deployment(args, **options).bind(args, internal_grpc_host), name=APP_NAME, route_prefix="/")
     except RuntimeError as exc:  # Ray Serve's report of replicas that failed to start (bad model, flags)
         print(f"{PROG}: error: the replicas did not start: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """Ray Serve replicas (asyncengine/ray_serve.py): `asyncengine serve --ray-replicas 2` in a subprocess, with a
 private Ray of its own, answers the official openai client from both replicas (streaming and not, over SSE and
-the WebSocket, with the API key); a replica whose process is killed, and one whose engine dies (Ray's health check
-through `check_health`), are both replaced by Ray, and later requests succeed; SIGTERM shuts Serve and Ray down
+the WebSocket, with the API key); a replica killed mid-stream by Ray (ray.kill of its actor), and one whose engine
+dies (Ray's health check through `check_health`), are both replaced by Ray, and later requests succeed; every
+socket of that Ray listens on loopback; SIGTERM shuts Serve and Ray down
 with exit status 0 and no process left behind. `serve run asyncengine.ray_serve:build_app ...`'s arguments are
 checked without a cluster (they build the same deployment).
 
@@ -18,6 +19,7 @@ import json
 import os
 import queue
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -66,9 +68,9 @@ def processes_marked(ray_tmp: str) -> dict[int, str]:
     return found
 
 
-def listening_addresses(pids) -> dict[str, set[int]]:
-    """The local addresses ("127.0.0.1", "0.0.0.0", "::", ...) of the TCP sockets these processes listen on, and
-    which of them listen there."""
+def listening_sockets(pids) -> list[tuple[str, int, int]]:
+    """(local address ("127.0.0.1", "0.0.0.0", "::", ...), port, pid) of each TCP socket these processes listen
+    on."""
     inodes: dict[str, int] = {}
     for pid in pids:
         try:
@@ -78,18 +80,19 @@ def listening_addresses(pids) -> dict[str, set[int]]:
                     inodes[target[8:-1]] = pid
         except OSError:  # gone meanwhile
             continue
-    addresses: dict[str, set[int]] = {}
+    sockets = []
     for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 fields = line.split()
                 if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    raw = bytes.fromhex(fields[1].split(":")[0])  # little-endian 32-bit words
+                    raw_address, raw_port = fields[1].split(":")
+                    raw = bytes.fromhex(raw_address)  # little-endian 32-bit words
                     words = b"".join(raw[i:i + 4][::-1] for i in range(0, width // 2, 4))
                     address = ipaddress.ip_address(words)
                     address = str(getattr(address, "ipv4_mapped", None) or address)  # ::ffff:a.b.c.d: IPv4
-                    addresses.setdefault(address, set()).add(inodes[fields[9]])
-    return addresses
+                    sockets.append((address, int(raw_port, 16), inodes[fields[9]]))
+    return sockets
 
 
 def parent_of(pid: int) -> int:
@@ -119,7 +122,9 @@ class RayServeCLI:
         cmd = [sys.executable, "-m", "asyncengine.api", "serve", "--host", "127.0.0.1", "--port", "0",
                "--api-key", API_KEY, "--num-kv-blocks", "200", "--max-num-seqs", "8", "--log-level", "warning",
                "--shutdown-timeout", "20", "--ray-replicas", "2", "--ray-actor-options", '{"num_cpus": 0.5}']
-        env = {**os.environ, "RAY_TMPDIR": self.ray_tmp, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        # Ray's token authentication with a token of this test's own, so that `ray_driver` can join this Ray
+        self.ray_env = {"RAY_TMPDIR": self.ray_tmp, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        env = {**os.environ, **self.ray_env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env)
@@ -150,6 +155,17 @@ class RayServeCLI:
                 return match.group(1)
         self.stop(signal.SIGKILL)
         raise AssertionError(f"no address within {STARTUP_TIMEOUT} s:\n{self.logs()}")
+
+    def ray_driver(self, script: str, *args: str) -> str:
+        """Run `script` (Python, with ray imported and connected to this server's Ray) in a driver process of its
+        own, so that this process never joins a Ray; its stdout."""
+        prelude = ("import json, os, sys, ray\n"
+                   "ray.init(address='auto', logging_level='ERROR', log_to_driver=False)\n")
+        env = {**os.environ, **self.ray_env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray on loopback
+        done = subprocess.run([sys.executable, "-c", prelude + script, *args], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
 
     def logs(self) -> str:
         self.log.seek(0)
@@ -231,14 +247,16 @@ def test_two_replicas_answer_the_openai_client_streaming_and_not(server, client)
 
 @pytest.mark.slow
 def test_the_private_ray_listens_on_loopback_only(server):
+    """Every socket our Ray's processes listen on is on 127.0.0.1 (--host): Serve's HTTP proxy, Ray's own servers,
+    and each replica's gRPC server for calls between deployments (which Ray Serve binds to [::] unless
+    ray_serve.bind_internal_grpc_to moves it). Serve's gRPC proxy is off: it would listen on [::]:9000."""
     processes = processes_marked(server.ray_tmp)
-    addresses = listening_addresses(processes)
-    # The one exception is Ray Serve's: each replica's inter-deployment gRPC server binds "[::]:0", hard-coded
-    # (ray/serve/_private/replica.py, _on_initialized, Ray 2.60); nothing configures it.
-    elsewhere = {address: [processes[pid][:200] for pid in pids
-                           if not (address == "::" and processes[pid].startswith("ray::ServeReplica"))]
-                 for address, pids in addresses.items() if address != "127.0.0.1"}
-    assert "127.0.0.1" in addresses and not any(elsewhere.values()), elsewhere
+    sockets = listening_sockets(processes)
+    elsewhere = [(address, port, processes[pid][:200]) for address, port, pid in sockets if address != "127.0.0.1"]
+    assert sockets and not elsewhere, elsewhere
+    http_port = int(server.url.rsplit(":", 1)[1])
+    assert any(port == http_port and processes[pid].startswith("ray::ProxyActor") for _, port, pid in sockets)
+    assert not any(port == 9000 for _, port, _ in sockets), "Serve's gRPC proxy listens (default port 9000)"
 
 
 @pytest.mark.slow
@@ -265,16 +283,20 @@ def test_the_websocket_is_carried_by_ray_serves_proxy(server):
 
 
 def stream_in_thread(client: openai.OpenAI, max_tokens: int) -> tuple[threading.Thread, threading.Event, dict]:
-    """A streamed completion read by a thread: (the thread, set at its first token, {"text", "finish", "error"})."""
-    first, result = threading.Event(), {"text": "", "finish": None, "error": None}
+    """A streamed completion read by a thread: (the thread, set at its first token, {"replica" that answers,
+    "text", "finish", "error"})."""
+    first, result = threading.Event(), {"replica": None, "text": "", "finish": None, "error": None}
 
     def read() -> None:
         try:
-            for chunk in client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=max_tokens,
-                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}):
-                result["text"] += chunk.choices[0].text
-                result["finish"] = chunk.choices[0].finish_reason or result["finish"]
-                first.set()
+            with client.completions.with_streaming_response.create(
+                    model=MODEL, prompt="ROMEO:", max_tokens=max_tokens, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True}) as response:
+                result["replica"] = response.headers[REPLICA_HEADER]
+                for chunk in response.parse():
+                    result["text"] += chunk.choices[0].text
+                    result["finish"] = chunk.choices[0].finish_reason or result["finish"]
+                    first.set()
         except Exception as exc:  # noqa: BLE001 - the test reports it
             result["error"] = exc
         first.set()
@@ -284,22 +306,32 @@ def stream_in_thread(client: openai.OpenAI, max_tokens: int) -> tuple[threading.
     return thread, first, result
 
 
+# In a driver of the server's Ray: each named replica's pid, then ray.kill of the first one's actor (Ray's replica
+# ids in the response header are the names of their actors in Serve's namespace).
+KILL_FIRST_REPLICA = """
+actors = {name: ray.get_actor(name, namespace="serve") for name in sys.argv[1:]}
+pids = {name: ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60) for name, actor in actors.items()}
+ray.kill(actors[sys.argv[1]])
+print(json.dumps(pids))
+"""
+
+
 @pytest.mark.slow
 def test_killed_replica_and_dead_engine_are_replaced_by_ray(server, client):
     first_answers = until_both_replicas(lambda: complete(client))
     before = set(first_answers)
-    replicas = replica_processes(server.ray_tmp)
-    assert len(replicas) == 2, processes_marked(server.ray_tmp)
-    # One replica's process dies (as ray.kill or the OOM killer would do it); the other's engine dies under it,
-    # which only its check_health tells Ray about (the process itself lives on, answering 503).
-    core = engine_core_of(replicas[1], server.ray_tmp)
+    # The replica running a stream is killed mid-run by Ray (ray.kill of its actor, as an operator or Ray's OOM
+    # killer would end it); the other's engine dies under it, which only its check_health tells Ray about (the
+    # process itself lives on, answering 503). Serve's controller replaces both.
     thread, first, streamed = stream_in_thread(client, max_tokens=1500)  # runs for many seconds
     assert first.wait(60) and streamed["finish"] is None, streamed
-    os.kill(replicas[0], signal.SIGKILL)
-    os.kill(core, signal.SIGKILL)
+    victim = streamed["replica"]
+    (other,) = before - {victim}
+    pids = json.loads(server.ray_driver(KILL_FIRST_REPLICA, victim, other))
+    os.kill(engine_core_of(pids[other], server.ray_tmp), signal.SIGKILL)
     killed_at = time.monotonic()
-    # The stream ran on one of the two: either way it ends with an error (the proxy's for a dead process, the
-    # engine's error event for a dead engine), soon, rather than hanging or finishing as if complete.
+    # The stream ends with an error (the proxy's, for a replica gone), soon, rather than hanging or finishing as
+    # if complete.
     thread.join(30)
     assert not thread.is_alive() and streamed["finish"] is None, streamed
     assert isinstance(streamed["error"], openai.APIError) and not isinstance(streamed["error"],
@@ -317,7 +349,7 @@ def test_killed_replica_and_dead_engine_are_replaced_by_ray(server, client):
     new = set(answered) - before
     assert len(new) == 2 and not new & before
     assert {answered[r] for r in new} == set(first_answers.values())  # the successors answer as the first did
-    assert sorted(replica_processes(server.ray_tmp)) != sorted(replicas)
+    assert pids[victim] not in replica_processes(server.ray_tmp), "ray.kill ended the replica's process"
     assert stream_chat(client)[1]
 
 
