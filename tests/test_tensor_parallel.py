@@ -339,14 +339,17 @@ def _workers_of(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_served_worker_killed_mid_stream_ends_the_stream_503s_and_the_server_exits_1(tmp_path):
-    """`asyncengine serve -tp 2` (engine process, rank 0 in it, rank 1 its child): killing rank 1 mid-stream
-    ends the stream with an error frame, /health answers 503, the server exits 1 and no process is left."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_served_worker_killed_or_hung_mid_stream_ends_the_stream_503s_and_the_server_exits_1(tmp_path, sig):
+    """`asyncengine serve -tp 2` (engine process, rank 0 in it, rank 1 its child): killing rank 1 mid-stream, or
+    stopping it (a hung rank, caught by --step-timeout), ends the stream with an error frame, /health answers 503,
+    the server exits 1 and no process is left (the stopped worker is killed)."""
     import httpx
     from test_server_cli import CLIServer, stream_events
     from test_server_engine_process import wait_gone
 
-    server = CLIServer(None, "-tp", "2", "--max-model-len", "512", log_dir=tmp_path, num_kv_blocks=256)
+    server = CLIServer(None, "-tp", "2", "--max-model-len", "512", "--step-timeout", "2", log_dir=tmp_path,
+                       num_kv_blocks=256)
     try:
         everyone = _descendants(server.proc.pid)
         workers = _workers_of(server.proc.pid)
@@ -356,7 +359,7 @@ def test_a_served_worker_killed_mid_stream_ends_the_stream_503s_and_the_server_e
         reader = threading.Thread(target=stream_events, args=(server.url, body, events, first), daemon=True)
         reader.start()
         assert first.wait(60), server.logs()
-        os.kill(workers[0], signal.SIGKILL)
+        os.kill(workers[0], sig)
         reader.join(30)
         assert not reader.is_alive()
         assert any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
