@@ -220,6 +220,7 @@ def build_app(cli_args: dict[str, Any]):
     the deployment options in DEPLOYMENT_OPTIONS go to Ray Serve, every other key is a `serve` flag."""
     options = {k: _json_option(k, v) for k, v in cli_args.items() if k in DEPLOYMENT_OPTIONS}
     args = parse_serve_args({k: v for k, v in cli_args.items() if k not in DEPLOYMENT_OPTIONS})
+    check_replica_parallelism(args)
     return deployment(args, **options).bind(args)
 
 
@@ -230,6 +231,7 @@ class _Stop(BaseException):
 
 def deployment_options(args: argparse.Namespace) -> dict[str, Any]:
     """Ray Serve's deployment options that `serve --ray-*` flags name (ValueError naming a flag)."""
+    check_replica_parallelism(args)
     options: dict[str, Any] = {}
     replicas = args.ray_replicas
     if args.ray_autoscaling_config is not None:
@@ -243,16 +245,26 @@ def deployment_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.ray_max_ongoing_requests is not None:
         options["max_ongoing_requests"] = args.ray_max_ongoing_requests
     options["ray_actor_options"] = args.ray_actor_options if args.ray_actor_options is not None else (
-        _default_actor_options(args.device))
+        _default_actor_options(args.device, args.tensor_parallel_size))
     return options
 
 
-def _default_actor_options(device: str) -> dict[str, Any]:
-    """One GPU per replica where this machine has CUDA and the engine may use it (without num_gpus Ray hides the
-    GPUs from the replica, whose engine would then run on CPU); Ray's defaults otherwise."""
+def _default_actor_options(device: str, tensor_parallel_size: int) -> dict[str, Any]:
+    """One GPU per rank of a replica (its ranks are processes of its own, on its node: -tp N takes N GPUs) where
+    this machine has CUDA and the engine may use it (without num_gpus Ray hides the GPUs from the replica, whose
+    engine would then run on CPU); Ray's defaults otherwise."""
     import torch
 
-    return {"num_gpus": 1} if device != "cpu" and torch.cuda.is_available() else {}
+    return {"num_gpus": tensor_parallel_size} if device != "cpu" and torch.cuda.is_available() else {}
+
+
+def check_replica_parallelism(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for tensor parallelism a replica cannot run: its ranks are the `mp` backend's
+    processes (Ray actors of a placement group of their own would not hold the replica's GPUs)."""
+    if args.tensor_parallel_size > 1 and args.distributed_executor_backend != "mp":
+        raise ValueError("--distributed-executor-backend ray is not supported inside a Ray Serve replica: a "
+                         "replica's ranks are processes of its own (mp, the default), on the GPUs Ray gives it "
+                         "(--ray-actor-options num_gpus, by default -tp N of them)")
 
 
 def _check_local_args(args: argparse.Namespace) -> None:

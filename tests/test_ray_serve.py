@@ -389,6 +389,25 @@ def test_build_app_reads_serve_flags_and_passes_deployment_options_through():
     assert (fixed.num_replicas, fixed._deployment_config.max_ongoing_requests) == (3, 16)
 
 
+def test_a_replica_takes_one_gpu_per_rank_and_refuses_ray_workers_of_its_own(monkeypatch):
+    import torch
+
+    from asyncengine.api.cli import build_parser
+    from asyncengine.ray_serve import deployment_options
+
+    def options(*flags):
+        return deployment_options(build_parser().parse_args(["serve", "--ray-replicas", "2", *flags]))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the option Ray needs on a GPU machine
+    assert options("-tp", "4")["ray_actor_options"] == {"num_gpus": 4}
+    assert options()["ray_actor_options"] == {"num_gpus": 1}
+    assert options("-tp", "4", "--device", "cpu")["ray_actor_options"] == {}
+    with pytest.raises(ValueError, match="--distributed-executor-backend"):
+        options("-tp", "2", "--distributed-executor-backend", "ray")
+    with pytest.raises(ValueError, match="--distributed-executor-backend"):
+        build_app({"tensor-parallel-size": "2", "distributed-executor-backend": "ray"})
+
+
 @pytest.mark.parametrize("values, message", [
     ({"max-num-seqs": "many"}, "--max-num-seqs"),
     ({"no-such-flag": "1"}, "--no-such-flag"),
