@@ -43,6 +43,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -62,6 +63,10 @@ from asyncengine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 IDLE_CHECK_S = 0.5  # while idle, how often the core checks that its tensor-parallel workers live
+# Once the engine is known broken (a tensor-parallel rank died or hung), how long a step still running may take to
+# fail by itself before the core reports the engine dead without it: a CUDA kernel waiting for a peer that is gone
+# (a collective in a graph replay, a symmetric-memory barrier) may never return.
+STUCK_STEP_GRACE_S = 5.0
 STARTUP_POLL_S = 0.5  # how often the client checks that a starting core is still alive
 SHUTDOWN_WAIT_S = 10.0  # how long the client waits for the core to exit before killing it
 
@@ -169,6 +174,8 @@ def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> 
         try:
             outbox_conn.send(("dead", f"{type(exc).__name__}: {exc}"))
         finally:
+            if isinstance(exc, _StuckStep):  # its thread cannot be joined: leave without waiting for it
+                os._exit(1)
             raise SystemExit(1)
     finally:
         engine.close()  # the tensor-parallel workers, if any
@@ -187,6 +194,10 @@ class _Shutdown(Exception):
     """The client asked the core to stop (or its pipe ended)."""
 
 
+class _StuckStep(RuntimeError):
+    """The engine broke and its step in flight did not end within STUCK_STEP_GRACE_S."""
+
+
 def _step_until_shutdown(engine: LLMEngine, inbox: queue.Queue, outbox_conn) -> None:
     """The core's step loop: StepPipeline turns, with the pipe in place of request streams."""
     pipeline = StepPipeline(engine)
@@ -202,7 +213,8 @@ def _step_until_shutdown(engine: LLMEngine, inbox: queue.Queue, outbox_conn) -> 
         return _apply_messages(engine, messages)
 
     done = None
-    with ThreadPoolExecutor(1, thread_name_prefix="asyncengine-step") as device:
+    device = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-step")
+    try:
         while True:
             try:
                 pending, outputs = pipeline.turn(done, device.submit, apply_messages)
@@ -213,7 +225,25 @@ def _step_until_shutdown(engine: LLMEngine, inbox: queue.Queue, outbox_conn) -> 
                 outbox_conn.send(("outputs", [_any_to_wire(o) for o in outputs], stats[:], *state))
                 last_sent = state
             stats.clear()
-            done = pending.result() if pending is not None else None
+            done = _step_result(pending, engine.failure) if pending is not None else None
+    finally:
+        device.shutdown(wait=False)  # a stuck step's thread is never joined here
+
+
+def _step_result(pending, failure: Callable[[], Optional[BaseException]]):
+    """The device call's result, or _StuckStep when the engine broke meanwhile (`failure()`) and the call has not
+    ended (returned or raised) STUCK_STEP_GRACE_S later."""
+    broken_at = None
+    while True:
+        try:
+            return pending.result(timeout=IDLE_CHECK_S)
+        except FutureTimeout:
+            exc = failure()
+            if exc is None:
+                continue
+            broken_at = broken_at if broken_at is not None else time.monotonic()
+            if time.monotonic() - broken_at > STUCK_STEP_GRACE_S:
+                raise _StuckStep(f"{exc} (its step in flight did not end)") from exc
 
 
 def _drain(inbox: queue.Queue, block: bool, failure: Callable[[], Optional[BaseException]]) -> list[tuple]:

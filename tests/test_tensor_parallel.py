@@ -291,6 +291,25 @@ def test_a_worker_waits_for_the_next_step_longer_than_the_distributed_timeout():
     assert worker.returncode == 0 and "step [5, 6, 7] [[7]]" in out, out
 
 
+def test_the_engine_core_reports_a_broken_engine_whose_step_never_ends(monkeypatch):
+    """On CUDA a step may wait forever for a rank that is gone (a kernel in a graph replay or a symmetric-memory
+    barrier): once the engine is known broken, the core stops waiting for that step after STUCK_STEP_GRACE_S."""
+    from concurrent.futures import Future
+
+    from asyncengine import engine_core
+
+    monkeypatch.setattr(engine_core, "STUCK_STEP_GRACE_S", 0.2)
+    never_ends: Future = Future()
+    broken = TimeoutError("no tensor-parallel step finished in 2 s: a rank is hung")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="a rank is hung .*did not end"):
+        engine_core._step_result(never_ends, lambda: broken)
+    assert time.monotonic() - started < 5
+    ends = Future()
+    ends.set_result("tokens")
+    assert engine_core._step_result(ends, lambda: broken) == "tokens", "a step that ends gives its result"
+
+
 def test_the_step_clock_gives_the_first_step_the_longer_limit_and_runs_only_while_steps_are_in_flight():
     from asyncengine.distributed.executor import StepClock
 
