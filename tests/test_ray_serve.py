@@ -1,5 +1,5 @@
-"""Ray Serve replicas (asyncengine/ray_serve.py): `asyncengine serve --ray-replicas 2` in a subprocess, with a
-private Ray of its own, answers the official openai client from both replicas (streaming and not, over SSE and
+"""Ray Serve replicas (asyncengine/ray_serve.py): `asyncengine serve --ray-replicas 2 -tp 2` (each replica
+tensor-parallel over two ranks) in a subprocess, with a private Ray of its own, answers the official openai client from both replicas (streaming and not, over SSE and
 the WebSocket, with the API key); a replica killed mid-stream by Ray (ray.kill of its actor), and one whose engine
 dies (Ray's health check through `check_health`), are both replaced by Ray, and later requests succeed; every
 socket of that Ray listens on loopback; SIGTERM shuts Serve and Ray down
@@ -14,7 +14,6 @@ the RAY_TMPDIR in their environment (every process it starts inherits it)."""
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import os
 import queue
@@ -32,6 +31,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from listening import listening_sockets
 
 pytest.importorskip("ray.serve")  # the `ray` extra, part of the `test` extra
 
@@ -68,33 +68,6 @@ def processes_marked(ray_tmp: str) -> dict[int, str]:
     return found
 
 
-def listening_sockets(pids) -> list[tuple[str, int, int]]:
-    """(local address ("127.0.0.1", "0.0.0.0", "::", ...), port, pid) of each TCP socket these processes listen
-    on."""
-    inodes: dict[str, int] = {}
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes[target[8:-1]] = pid
-        except OSError:  # gone meanwhile
-            continue
-    sockets = []
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    raw_address, raw_port = fields[1].split(":")
-                    raw = bytes.fromhex(raw_address)  # little-endian 32-bit words
-                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, width // 2, 4))
-                    address = ipaddress.ip_address(words)
-                    address = str(getattr(address, "ipv4_mapped", None) or address)  # ::ffff:a.b.c.d: IPv4
-                    sockets.append((address, int(raw_port, 16), inodes[fields[9]]))
-    return sockets
-
-
 def parent_of(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -121,7 +94,8 @@ class RayServeCLI:
         self.log = open(log_dir / "ray-serve-cli.log", "w+b")
         cmd = [sys.executable, "-m", "asyncengine.api", "serve", "--host", "127.0.0.1", "--port", "0",
                "--api-key", API_KEY, "--num-kv-blocks", "200", "--max-num-seqs", "8", "--log-level", "warning",
-               "--shutdown-timeout", "20", "--ray-replicas", "2", "--ray-actor-options", '{"num_cpus": 0.5}']
+               "--shutdown-timeout", "20", "--ray-replicas", "2", "--ray-actor-options", '{"num_cpus": 0.5}',
+               "--tensor-parallel-size", "2"]  # each replica: rank 0 in its engine core, rank 1 a child of that
         # Ray's token authentication with a token of this test's own, so that `ray_driver` can join this Ray
         self.ray_env = {"RAY_TMPDIR": self.ray_tmp, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         env = {**os.environ, **self.ray_env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

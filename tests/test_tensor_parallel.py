@@ -24,6 +24,7 @@ from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.distributed import parallel_state
 from checkpoints import ARCHITECTURES, build_checkpoint
 from conftest import assert_no_leaks
+from listening import listening_sockets
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -212,6 +213,9 @@ def test_a_hung_worker_ends_the_streams_within_the_step_timeout(checkpoints):
         engine = AsyncLLMEngine(EngineConfig(model=str(checkpoints["one_kv_head"]), tensor_parallel_size=2,
                                              max_model_len=256, seed=0, step_timeout_s=step_timeout))
         pids = _worker_pids(engine)
+        host, port = engine.client.engine.runner.workers.rendezvous
+        # rank 0's rendezvous store listens where the ranks meet, not on every interface (as TCPStore would)
+        assert {a for a, p, _ in listening_sockets([os.getpid()]) if p == port} == {host} == {"127.0.0.1"}
         short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert len([o async for o in engine.generate(PROMPTS[1], short, "warm")][-1].outputs[0].token_ids) == 4
         await asyncio.sleep(step_timeout + 0.5)  # idle past the step timeout

@@ -208,6 +208,7 @@ class WorkerGroup:
         self.config, self.model_config, self.max_model_len = config, model_config, max_model_len
         self.size = config.tensor_parallel_size
         self.failure: Optional[BaseException] = None
+        self.rendezvous: Optional[tuple[str, int]] = None  # where rank 0's store listens, once started
         self.clock = StepClock(config.step_timeout_s, config.distributed_timeout_s)
         self._stopping = threading.Event()
         self._backend = _MpWorkers() if config.distributed_executor_backend == "mp" else _RayWorkers(self.size)
@@ -215,7 +216,11 @@ class WorkerGroup:
 
     def start(self) -> None:
         host = self._backend.rendezvous_host()
-        init_method = f"tcp://{host}:{free_port(host)}"
+        # rank 0's store listens on the rendezvous host only (a port bound here, handed to it), not every interface
+        listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        port = listener.getsockname()[1]
+        init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        self.rendezvous = (host, port)
         specs = [WorkerSpec(self.config, self.model_config, self.max_model_len, rank, init_method,
                             self._backend.worker_device(rank, self.rank0_device)) for rank in range(1, self.size)]
         self._backend.spawn(specs)
@@ -223,7 +228,7 @@ class WorkerGroup:
         threading.Thread(target=self._watch, name="asyncengine-tp-watchdog", daemon=True).start()
         try:
             parallel_state.init_tensor_parallel(0, self.size, init_method, self.rank0_device,
-                                                self.config.distributed_timeout_s)
+                                                self.config.distributed_timeout_s, listen_fd=listener.detach())
         except BaseException:
             self.stop()
             raise

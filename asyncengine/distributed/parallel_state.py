@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import urllib.parse
 from typing import Optional
 
 import torch
@@ -85,17 +86,22 @@ def tp_size() -> int:
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
-                         timeout_s: float = 1800.0) -> None:
+                         timeout_s: float = 1800.0, listen_fd: Optional[int] = None) -> None:
     """Join the world of `size` ranks as `rank` (blocks until every rank has joined). `init_method` is a
-    rendezvous URL such as tcp://127.0.0.1:PORT, the same on every rank. With size 1 nothing is created."""
+    rendezvous URL such as tcp://127.0.0.1:PORT, the same on every rank: rank 0 serves its store there. Rank 0 may
+    give `listen_fd`, a socket it bound to that host and port and owns no more: the store then listens only there
+    (by itself it would listen on every interface). With size 1 nothing is created."""
     global _RANK, _SIZE, _DEVICE, _CONTROL
     if _SIZE > 1:
         raise RuntimeError("this process is already a rank of a tensor-parallel engine: close() that engine (LLM.close, "
                            "AsyncLLMEngine.shutdown) before starting another")
     if size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s),
+        timeout = datetime.timedelta(seconds=timeout_s)
+        url = urllib.parse.urlsplit(init_method)
+        store = dist.TCPStore(url.hostname, url.port, size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listen_fd)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
         _CONTROL = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _RANK, _SIZE, _DEVICE = rank, size, device
