@@ -19,6 +19,9 @@ so each flag means the same in a replica. `build_app` takes them as Serve's `key
 dashes or underscores (`max-num-seqs=32`, `enable_prefix_caching=false`), plus the deployment options
 DEPLOYMENT_OPTIONS under Ray Serve's own names. Where the proxy listens (host, port, TLS) is Ray Serve's
 http_options, not a replica's: build_app refuses those flags, and `serve --ray-replicas` hands them to Serve.
+On the private Ray that `serve --ray-replicas` starts, nothing listens beyond loopback but that proxy (where --host
+says): Serve's gRPC proxy stays off (GRPC_OFF) and each replica's gRPC server moves to loopback
+(bind_internal_grpc_to).
 """
 
 from __future__ import annotations
