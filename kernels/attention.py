@@ -18,6 +18,11 @@ Paths:
     segments is a host-side function of B, KVH and an upper bound of the context length (max_seq_len, else the
     width of block_tables), never of device values, so the launch can be captured in a CUDA graph.
 
+FP8 KV cache (k_cache, v_cache in float8_e4m3fn, constexpr KV_FP8): tiles are loaded as e4m3 and converted to the
+dot dtype (exact: every e4m3 value is a bf16/fp16/fp32 value); k_scale is folded into the score scale and v_scale
+multiplies the unnormalised output once, which equals dequantizing every element first (`reference.dequantize_kv`)
+up to float32 rounding. With KV_FP8 off the code is what it was.
+
 Scores use exp2 with log2(e) folded into the scale. Products run in the input dtype with float32 accumulation;
 under Triton's interpreter (whose bf16 arithmetic is wrong) operands are upcast to float32 first.
 """
@@ -31,6 +36,7 @@ import triton
 import triton.language as tl
 
 from asyncengine.kernels import interpreting
+from asyncengine.kernels.reference import FP8_KV_DTYPE, is_fp8
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)  # the same, readable inside kernels
@@ -136,7 +142,9 @@ def _attend_block(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    else:
+    else:  # an e4m3 tile becomes q's dtype (a no-op for a cache in q's dtype); its scales are applied outside
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k))
     if SOFTCAP > 0:  # qk_scale is the plain softmax scale here; log2(e) is applied after the cap
         s = _tanh(s * (qk_scale / SOFTCAP)) * (SOFTCAP * LOG2E_C)
@@ -195,7 +203,8 @@ def _prefill_kernel(
     query_start_loc_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
     block_tables_ptr,  # [B, MAXB]
-    qk_scale,
+    qk_scale,  # with KV_FP8, k_scale included
+    v_scale,  # read only with KV_FP8
     num_seqs,
     stride_qt,
     stride_qh,
@@ -220,6 +229,7 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr,  # False: every query sees its sequence's every key (encoders; context is then 0)
     SLIDING_WINDOW: tl.constexpr,  # > 0 (with CAUSAL): a query at p sees keys p - SLIDING_WINDOW < key <= p
     SOFTCAP: tl.constexpr,  # > 0: cap the scores (qk_scale is then the plain scale)
+    KV_FP8: tl.constexpr,  # the caches are e4m3: the output is scaled by v_scale
 ):
     # Last tiles first: they have the most keys under the causal mask, so the grid ends on short work.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -289,6 +299,8 @@ def _prefill_kernel(
             qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
         )  # fmt: skip
+    if KV_FP8:
+        acc = acc * v_scale
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -310,7 +322,8 @@ def _decode_partial_kernel(
     query_start_loc_ptr,  # [B + 1], every q_len <= 1
     seq_lens_ptr,  # [B]
     block_tables_ptr,  # [B, MAXB]
-    qk_scale,
+    qk_scale,  # with KV_FP8, k_scale included
+    v_scale,  # read only with KV_FP8
     num_heads,
     stride_qt,
     stride_qh,
@@ -332,6 +345,7 @@ def _decode_partial_kernel(
     PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,  # > 0: the query (at seq_len - 1) sees only the last SLIDING_WINDOW keys
     SOFTCAP: tl.constexpr,  # > 0: cap the scores (qk_scale is then the plain scale)
+    KV_FP8: tl.constexpr,  # the caches are e4m3: the partial output is scaled by v_scale
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -373,6 +387,8 @@ def _decode_partial_kernel(
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
         )  # fmt: skip
 
+    if KV_FP8:
+        acc = acc * v_scale
     # Every (row, split) is written, empty segments included (max NEG_BIG, sum 0, acc 0): the reduction reads all.
     part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split  # [BLOCK_H]
     tl.store(part_max_ptr + part, m_i, mask=row_mask)
@@ -464,8 +480,9 @@ def _check_inputs(q, k_cache, v_cache, block_tables) -> None:
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("q, k_cache, v_cache and block_tables must be contiguous in their last dim")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"KV cache dtype {k_cache.dtype} must equal q dtype {q.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8_KV_DTYPE):
+        raise ValueError(f"KV cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must both be q's dtype {q.dtype} "
+                         f"or both {FP8_KV_DTYPE}")
 
 
 def prefill_tiles(group_pad: int, head_dim_pad: int, max_query_len: int | None, fp32: bool):
@@ -493,13 +510,15 @@ def decode_tiles(fp32: bool) -> tuple[int, int, int]:
     return (DECODE_BLOCK_N // 2, 4, 2) if fp32 else (DECODE_BLOCK_N, 4, 3)
 
 
-def _score_scale(scale: float, softcap) -> float:
-    """The kernels' qk_scale: log2(e) folded into the softmax scale, except under soft-capping (applied after)."""
-    return scale if softcap else scale * LOG2E
+def _score_scale(scale: float, softcap, k_cache: torch.Tensor, k_scale: float) -> float:
+    """The kernels' qk_scale: log2(e) folded into the softmax scale, except under soft-capping (applied after);
+    for an FP8 cache times k_scale (q . (k * k_scale) = (q . k) * k_scale)."""
+    qk_scale = scale if softcap else scale * LOG2E
+    return qk_scale * k_scale if is_fp8(k_cache) else qk_scale
 
 
 def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
-                    causal: bool = True, sliding_window=None, softcap=None):
+                    causal: bool = True, sliding_window=None, softcap=None, k_scale=1.0, v_scale=1.0):
     """The 2D kernel over a grid sized from host values only: cdiv(T, BLOCK_Q) + B tiles per kv head."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -512,7 +531,7 @@ def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     grid = (triton.cdiv(q.shape[0], block_q) + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        _score_scale(scale, softcap), num_seqs,
+        _score_scale(scale, softcap, k_cache, k_scale), v_scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -520,12 +539,12 @@ def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, DOT_F32=_dot_f32(q),
         PRECISION=_precision(), CAUSAL=causal, SLIDING_WINDOW=sliding_window or 0, SOFTCAP=float(softcap or 0.0),
-        num_warps=num_warps, num_stages=num_stages,
+        KV_FP8=is_fp8(k_cache), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
 def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out,
-                   sliding_window=None, softcap=None):
+                   sliding_window=None, softcap=None, k_scale=1.0, v_scale=1.0):
     """Split-KV partial kernel on a (B, KVH, num_splits) grid, then the reduction on (B, H)."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -541,7 +560,7 @@ def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     part_sum = workspace[parts * (head_dim_pad + 1) :]
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         part_acc, part_max, part_sum, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        _score_scale(scale, softcap), num_heads,
+        _score_scale(scale, softcap, k_cache, k_scale), v_scale, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -549,7 +568,7 @@ def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         NUM_SPLITS=num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         DOT_F32=_dot_f32(q), PRECISION=_precision(), SLIDING_WINDOW=sliding_window or 0,
-        SOFTCAP=float(softcap or 0.0), num_warps=num_warps, num_stages=num_stages,
+        SOFTCAP=float(softcap or 0.0), KV_FP8=is_fp8(k_cache), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_acc, part_max, part_sum, query_start_loc, num_heads, out.stride(0), out.stride(1),
@@ -581,12 +600,15 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged KV cache; the semantics of `reference.paged_attention`
-    (sliding_window and softcap included: each is a compile-time flag of the kernels).
+    (sliding_window, softcap and an FP8 cache with its k_scale / v_scale included: each is a compile-time flag
+    of the kernels).
 
     q: [T, H, D] (token and head strides free, last dim contiguous); k_cache, v_cache: [NB, BS, KVH, D] in q's
-    dtype, BS a power of two; query_start_loc: [B + 1], seq_lens: [B], block_tables: [B, MAXB], all int32 or
+    dtype or both float8_e4m3fn, BS a power of two; query_start_loc: [B + 1], seq_lens: [B], block_tables: [B, MAXB], all int32 or
     int64 on q's device. max_query_len / max_seq_len: host upper bounds; with max_query_len given, no host sync
     happens and, for decode (max_query_len == 1), the launch is CUDA-graph capturable: the split count depends
     only on B, KVH, max_seq_len (else block_tables' width), so a captured graph must be replayed with the same
@@ -606,10 +628,10 @@ def paged_attention(
             kv_bound = min(kv_bound, sliding_window + DECODE_BLOCK_N)
         splits = decode_num_splits(num_seqs, k_cache.shape[2], kv_bound, _num_sms(q.device))
         _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, splits, out,
-                       sliding_window=sliding_window, softcap=softcap)
+                       sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     else:
         _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
-                        sliding_window=sliding_window, softcap=softcap)
+                        sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
@@ -625,6 +647,8 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The split-KV decode path with an explicit split count (tests and benchmarks); every q_len must be <= 1."""
     _check_inputs(q, k_cache, v_cache, block_tables)
@@ -632,7 +656,7 @@ def paged_attention_decode(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] and seq_lens.shape[0]:
         _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out,
-                       sliding_window, softcap)
+                       sliding_window, softcap, k_scale, v_scale)
     return out
 
 

@@ -1,6 +1,8 @@
 """Write this step's keys and values into the paged KV cache; one program per token, slot < 0 skipped.
 
 Cache layout, per layer: [num_blocks, block_size, num_kv_heads, D]; slot = block * block_size + offset.
+An FP8 (e4m3) cache stores x * (1 / scale) saturated to +-448 (`reference.quantize_kv`); the bf16/fp32 path is a
+plain cast, chosen by the constexpr QUANT, so it compiles to the same code as before.
 """
 
 from __future__ import annotations
@@ -8,6 +10,29 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from asyncengine.kernels.reference import FP8_E4M3_MAX, is_fp8
+
+FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32, sign kept.
+
+    The cast to e4m3 that follows is then exact. Rounding here, rather than in the cast, is what Triton's
+    interpreter runs correctly: its float32 -> float8e4nv cast truncates when rounding carries into the exponent
+    (126.7 -> 64, not 128) and flushes subnormals (see tests/test_kv_cache_fp8.py). e4m3 keeps 3 mantissa bits,
+    so a value in [2^e, 2^(e+1)) rounds to a multiple of 2^(e-3), and below 2^-6 (subnormals) of 2^-9; adding and
+    subtracting 1.5 * 2^23 steps rounds |x| to a multiple of the step (float32 addition rounds to nearest even).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127  # -127 for zero
+    step_exponent = tl.maximum(exponent, -6) - 3
+    step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)  # 2^step_exponent
+    magic = step * 12582912.0  # 1.5 * 2^23 steps: its float32 ulp is one step
+    rounded = (tl.abs(x) + magic) - magic
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -17,14 +42,18 @@ def _store_token(
     stride_src_h,
     stride_dst_h,
     num_kv_heads,
+    inv_scale,  # float32 1 / scale (read only with QUANT)
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    QUANT: tl.constexpr,  # the cache is e4m3: scale and saturate before the cast
 ):
     heads = tl.arange(0, HEADS_PAD)
     cols = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads[:, None] < num_kv_heads) & (cols[None, :] < HEAD_DIM)
     x = tl.load(src_ptr + heads[:, None] * stride_src_h + cols[None, :], mask=mask)
+    if QUANT:
+        x = _round_to_e4m3(tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX))
     tl.store(dst_ptr + heads[:, None] * stride_dst_h + cols[None, :], x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
@@ -46,10 +75,13 @@ def _reshape_and_cache_kernel(
     stride_vc_s,
     stride_vc_h,
     num_kv_heads,
+    k_inv_scale,
+    v_inv_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -63,9 +95,11 @@ def _reshape_and_cache_kernel(
         stride_key_h,
         stride_kc_h,
         num_kv_heads,
+        k_inv_scale,
         HEAD_DIM,
         HEADS_PAD,
         HEAD_DIM_PAD,
+        QUANT,
     )
     _store_token(
         value_ptr + token * stride_value_t,
@@ -73,9 +107,11 @@ def _reshape_and_cache_kernel(
         stride_value_h,
         stride_vc_h,
         num_kv_heads,
+        v_inv_scale,
         HEAD_DIM,
         HEADS_PAD,
         HEAD_DIM_PAD,
+        QUANT,
     )
 
 
@@ -85,15 +121,20 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key/value [T, KVH, D] into k_cache/v_cache [NB, BS, KVH, D] at slot_mapping [T] (in place).
 
     Token and head strides of key/value are free (views of a fused qkv output); the last dim must be contiguous.
-    Values are converted to the cache dtype.
+    Values are converted to the cache dtype; an FP8 cache (both caches e4m3) stores them quantized with k_scale /
+    v_scale as `reference.quantize_kv` does, bit for bit.
     """
     for name, x in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
+    if is_fp8(k_cache) != is_fp8(v_cache):
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must both be FP8 or neither")
     tokens, num_kv_heads, head_dim = key.shape
     if tokens == 0:
         return
@@ -114,9 +155,12 @@ def reshape_and_cache(
         v_cache.stride(1),
         v_cache.stride(2),
         num_kv_heads,
+        1.0 / k_scale,
+        1.0 / v_scale,
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        QUANT=is_fp8(k_cache),
         num_warps=4,
     )

@@ -7,6 +7,10 @@ Nothing here imports the engine.
 Shapes (T = tokens in the flat batch, B = sequences, H = hidden size, D = head dim):
     paged KV cache, per layer: k_cache, v_cache: [num_blocks, block_size, num_kv_heads, D]
     slot = block_id * block_size + offset_in_block; slot < 0 means "padding, write nothing".
+
+FP8 KV cache (caches of dtype float8_e4m3fn): every cache writer stores round(clamp(x * (1 / scale), +-448)) and
+every reader sees stored * scale, with one float32 scale per layer for K and one for V (`quantize_kv`,
+`dequantize_kv`; vLLM's k_scale / v_scale). Caches of any other dtype ignore the scales.
 """
 
 from __future__ import annotations
@@ -67,23 +71,51 @@ def rotary_embedding(
     return rotate(q), rotate(k)
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448: the largest finite e4m3 value; quantization saturates there
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    """True for a cache stored in e4m3 (read and written through the layer's k_scale / v_scale)."""
+    return cache.dtype == FP8_KV_DTYPE
+
+
+def quantize_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype: for an FP8 cache x * (1 / scale) in float32, saturated to +-448, rounded to the
+    nearest e4m3 value (ties to even); any other dtype a plain cast. The reciprocal is one float32 number, so the
+    Triton kernels compute the very same product."""
+    if cache_dtype != FP8_KV_DTYPE:
+        return x.to(cache_dtype)
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32)
+    return (x.float() * inv).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cached values as `dtype`: an FP8 cache's values times scale (in float32, then cast); others a plain cast."""
+    if x.dtype != FP8_KV_DTYPE:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key/value [T, num_kv_heads, D] into the paged caches at slot_mapping [T] (in place).
 
-    Slots < 0 are padding (CUDA-graph batches) and are skipped.
+    Slots < 0 are padding (CUDA-graph batches) and are skipped. An FP8 cache stores `quantize_kv(x, scale)`.
     """
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+    k_cache[blocks, offsets] = quantize_kv(key[valid], k_scale, k_cache.dtype)
+    v_cache[blocks, offsets] = quantize_kv(value[valid], v_scale, v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -104,6 +136,8 @@ def paged_attention(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged KV cache (new K/V already written).
 
@@ -115,6 +149,7 @@ def paged_attention(
     Returns [T, num_heads, D] in q's dtype. Grouped-query attention: head h reads kv head h // (H / KVH).
     Decode rows (one query each) are computed together in one padded batch; prefill rows one sequence at a time.
     Blocks wholly outside every query's window are never read (they may have been freed and reused).
+    An FP8 cache is read as `dequantize_kv(cache, k_scale / v_scale, q.dtype)`.
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -124,12 +159,12 @@ def paged_attention(
     if decode:
         rows = torch.tensor([starts[b] for b in decode], device=q.device)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, [lens[b] for b in decode], block_tables[decode],
-                                      scale, sliding_window, softcap)
+                                      scale, sliding_window, softcap, k_scale, v_scale)
     for b, seq_len in enumerate(lens):
         if q_lens[b] > 1:
             start, end = starts[b], starts[b + 1]
             out[start:end] = _prefill_attention(q[start:end], k_cache, v_cache, seq_len, block_tables[b], scale,
-                                                sliding_window, softcap)
+                                                sliding_window, softcap, k_scale, v_scale)
     return out
 
 
@@ -165,21 +200,24 @@ def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _prefill_attention(q, k_cache, v_cache, seq_len: int, block_table, scale: float,
-                       sliding_window: Optional[int], softcap: Optional[float]) -> torch.Tensor:
+                       sliding_window: Optional[int], softcap: Optional[float], k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> torch.Tensor:
     """One sequence: q [q_len, H, D] over its cached tokens, from the first block any of its queries sees."""
     q_len, num_heads, block_size = q.shape[0], q.shape[1], k_cache.shape[1]
     first_block = first_visible_key(seq_len - q_len, sliding_window) // block_size
     key_start = first_block * block_size
     k = gather_kv(k_cache, block_table[first_block:], seq_len - key_start)  # [S', KVH, D]
     v = gather_kv(v_cache, block_table[first_block:], seq_len - key_start)
-    k, v = _expand_kv(k, num_heads).to(q.dtype), _expand_kv(v, num_heads).to(q.dtype)  # [H, S', D]
+    k = dequantize_kv(_expand_kv(k, num_heads), k_scale, q.dtype)  # [H, S', D]
+    v = dequantize_kv(_expand_kv(v, num_heads), v_scale, q.dtype)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
     mask = visible_keys(q_pos, torch.arange(key_start, seq_len, device=q.device), sliding_window)  # [q_len, S']
     return attend(q.transpose(0, 1), k, v, mask, scale, softcap).transpose(0, 1)
 
 
 def _decode_attention(q, k_cache, v_cache, lens: list[int], block_tables, scale: float,
-                      sliding_window: Optional[int], softcap: Optional[float]) -> torch.Tensor:
+                      sliding_window: Optional[int], softcap: Optional[float], k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
     """Bd sequences with one query each: q [Bd, H, D]; each reads from the first block its query sees, keys
     padded to the longest such span and masked."""
     num_heads, block_size = q.shape[1], k_cache.shape[1]
@@ -190,7 +228,8 @@ def _decode_attention(q, k_cache, v_cache, lens: list[int], block_tables, scale:
     tables = block_tables.long().gather(1, cols.clamp(max=block_tables.shape[1] - 1))  # [Bd, nb]
     k = k_cache[tables].flatten(1, 2)  # [Bd, L, KVH, D]
     v = v_cache[tables].flatten(1, 2)
-    k, v = _expand_kv(k, num_heads).to(q.dtype), _expand_kv(v, num_heads).to(q.dtype)  # [Bd, H, L, D]
+    k = dequantize_kv(_expand_kv(k, num_heads), k_scale, q.dtype)  # [Bd, H, L, D]
+    v = dequantize_kv(_expand_kv(v, num_heads), v_scale, q.dtype)
     key_pos = cols[:, :, None] * block_size + torch.arange(block_size, device=q.device)  # [Bd, nb, bs]
     key_pos = key_pos.flatten(1)  # [Bd, L]
     q_pos = torch.tensor(lens, device=q.device)[:, None] - 1  # [Bd, 1]
