@@ -25,6 +25,11 @@ _DTYPES = {
 }
 
 
+# --kv-cache-dtype, vLLM's spelling: auto = the model's dtype; fp8 and fp8_e4m3 = e4m3 with per-layer scales
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Triton converts e4m3 in hardware from compute capability 8.9 (Ada, Hopper) on; older GPUs have no e4m3 type.
+FP8_KV_MIN_CAPABILITY = (8, 9)
+
 DEFAULT_MODEL_NAME = "asyncengine-default"  # the name the server gives the embedded model
 
 
@@ -115,6 +120,10 @@ class EngineConfig:
     load_format: str = "auto"
     # generate | pooling (embeddings) | auto: pooling for encoders and sentence-transformers checkpoints
     runner: str = "auto"
+    # KV cache storage (vLLM's spelling): auto = the model's dtype; fp8 / fp8_e4m3 = float8 e4m3 with one float32
+    # scale per layer for K and one for V (the checkpoint's k_scale / v_scale, else 1.0): half the bytes of bf16,
+    # so twice the blocks in the same memory; attention reads e4m3 directly (models.layers.PagedAttention).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -151,7 +160,36 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        self._check_kv_cache_dtype()
         self._check_tensor_parallel()
+
+    def _check_kv_cache_dtype(self) -> None:
+        """ValueError naming --kv-cache-dtype for an unknown value, and for fp8 where it cannot run (a GPU older
+        than compute capability 8.9, a pooling runner, which keeps no KV cache between steps)."""
+        flag = f"kv_cache_dtype (--kv-cache-dtype) {self.kv_cache_dtype!r}"
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{flag} is not supported (supported: {', '.join(KV_CACHE_DTYPES)})")
+        if not self.fp8_kv_cache:
+            return
+        if self.runner == "pooling":
+            raise ValueError(f"{flag} needs the generate runner: a pooling runner keeps no KV cache between steps "
+                             "(supported with runner pooling: auto)")
+        device = self.torch_device()
+        if device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < FP8_KV_MIN_CAPABILITY:
+                raise ValueError(f"{flag} needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                                 f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]} "
+                                 "(supported here: auto)")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """True when the KV cache is stored in e4m3 (--kv-cache-dtype fp8 or fp8_e4m3)."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's torch dtype: float8_e4m3fn for fp8, else the model's dtype."""
+        return torch.float8_e4m3fn if self.fp8_kv_cache else model_dtype
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size

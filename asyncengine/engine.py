@@ -104,7 +104,9 @@ class LLMEngine:
         self.pooling = PoolingRequests.for_checkpoint(Path(config.model), self.model_config.hf_config, self.tokenizer,
                                                       self.scheduler, self.model_config.hidden_size, self.vocab_size,
                                                       self.max_model_len)
-        logger.info("engine ready: %s on %s, %d KV blocks", self.model_config.architecture, device, self.runner.num_blocks)
+        logger.info("engine ready: %s on %s, %d KV blocks (%s, %d bytes each)", self.model_config.architecture, device,
+                    self.runner.num_blocks, str(self.runner.kv_cache_dtype).removeprefix("torch."),
+                    self.runner.bytes_per_block())
 
     def _check_cache_fits(self, config: EngineConfig) -> None:
         """ValueError when the KV cache cannot hold one sequence, or the step budget one prompt."""

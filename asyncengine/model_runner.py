@@ -92,6 +92,8 @@ class ModelRunner:
         self.workers: Optional[WorkerGroup] = None
         self.channel: Optional[StepChannel] = None
         self.device = device or config.torch_device()
+        # the cache's storage: the model's dtype, or e4m3 (--kv-cache-dtype fp8: 1 byte per element)
+        self.kv_cache_dtype = config.kv_cache_torch_dtype(model_config.dtype)
         if config.tensor_parallel_size > 1:
             if rank == 0:  # the world exists once this returns; the layers below read its rank and size
                 self.workers = WorkerGroup(config, model_config, max_model_len)
@@ -154,12 +156,13 @@ class ModelRunner:
         """One zeroed cache [num_blocks, block_size, KVH, D]; on CPU stored heads-major for the CPU kernels
         (`kernels.cpu.allocate_kv_cache`: the same logical tensor, a faster layout for their attention)."""
         if self.device.type == "cpu":
-            return allocate_kv_cache(shape, self.model_config.dtype)
-        return torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+            return allocate_kv_cache(shape, self.kv_cache_dtype)
+        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     # -- KV cache sizing --------------------------------------------------------------------------------------
-    def _bytes_per_block(self) -> int:
-        return self.block_size * self.model_config.kv_bytes_per_token(self.model_config.dtype)
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block on this rank, all layers, K and V (1 byte per element with an FP8 cache)."""
+        return self.block_size * self.model_config.kv_bytes_per_token(self.kv_cache_dtype)
 
     def _choose_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -170,7 +173,7 @@ class ModelRunner:
             budget = self._profile_free_gpu_memory()
         else:
             budget = int(self.config.kv_cache_memory_gb * 2**30)
-        return max(1, min(enough, budget // self._bytes_per_block()))
+        return max(1, min(enough, budget // self.bytes_per_block()))
 
     def _profile_free_gpu_memory(self) -> int:
         """Run the largest step once (forward, logits and the costliest sampling for max_num_seqs rows) to learn
@@ -208,7 +211,8 @@ class ModelRunner:
         blocks_per_seq = -(-lens[0] // bs)
         num_blocks = blocks_per_seq * len(lens)
         shape = (num_blocks, bs, mc.kv_heads_per_rank, mc.head_dim)
-        caches = [(torch.empty(shape, dtype=mc.dtype, device=dev), torch.empty(shape, dtype=mc.dtype, device=dev))
+        kv = self.kv_cache_dtype  # the real cache's dtype: the profile and the warm-up run its kernels
+        caches = [(torch.empty(shape, dtype=kv, device=dev), torch.empty(shape, dtype=kv, device=dev))
                   for _ in range(mc.num_layers)]
         qsl = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
         seq_lens = torch.tensor(lens, dtype=torch.int32)

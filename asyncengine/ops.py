@@ -82,29 +82,34 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return _impl(router_logits, "moe").topk_softmax(router_logits, top_k, renormalize)
 
 
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    _impl(key, "cache").reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
+    """An FP8 (e4m3) cache stores key / k_scale and value / v_scale, saturated (reference.quantize_kv)."""
+    _impl(key, "cache").reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def cache_and_attend(q, k, v, k_cache, v_cache, metadata, scale: float, sliding_window=None,
-                     softcap=None) -> torch.Tensor:
+                     softcap=None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """reshape_and_cache(k, v, ...) then paged_attention(q, ...): q [T, H, D], k, v [T, KVH, D] -> [T, H, D].
-    On CPU with the step's plan (metadata.cpu_plan) one fused call, which can skip reading back what it wrote."""
+    On CPU with the step's plan (metadata.cpu_plan) one fused call, which can skip reading back what it wrote.
+    k_scale / v_scale: the layer's FP8 KV scales (read only when the caches are e4m3)."""
     if CPU_FAST_PATH and metadata.cpu_plan is not None and q.device.type == "cpu":
         return cpu.cache_and_attend(q, k, v, k_cache, v_cache, metadata.slot_mapping, metadata.cpu_plan, scale,
-                                    sliding_window, softcap)
-    reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, softcap)
+                                    sliding_window, softcap, k_scale, v_scale)
+    reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+    return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, softcap, k_scale, v_scale)
 
 
-def paged_attention(q, k_cache, v_cache, metadata, scale: float, sliding_window=None, softcap=None) -> torch.Tensor:
+def paged_attention(q, k_cache, v_cache, metadata, scale: float, sliding_window=None, softcap=None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """metadata: an AttentionMetadata (query_start_loc, seq_lens, block_tables, max lengths as host ints).
-    sliding_window: queries see only the last this many keys (None: all); softcap: Gemma-2 score capping."""
+    sliding_window: queries see only the last this many keys (None: all); softcap: Gemma-2 score capping;
+    k_scale / v_scale: an e4m3 cache's values are read times these."""
     impl = _impl(q, "attention")
     if impl is reference:
         return reference.paged_attention(
             q, k_cache, v_cache, metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_tables, scale,
-            sliding_window, softcap,
+            sliding_window, softcap, k_scale, v_scale,
         )
     return impl.paged_attention(
         q,
@@ -118,6 +123,8 @@ def paged_attention(q, k_cache, v_cache, metadata, scale: float, sliding_window=
         max_seq_len=metadata.max_seq_len,
         sliding_window=sliding_window,
         softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -47,6 +47,10 @@ class LaunchedPooling:
 
 class PoolingRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, pooler: PoolerConfig):
+        if config.fp8_kv_cache:  # runner "auto" resolved to pooling (an explicit one is refused by EngineConfig)
+            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {config.kv_cache_dtype!r} needs the generate "
+                             "runner: this checkpoint runs as a pooling model, which keeps no KV cache between "
+                             "steps (supported: auto)")
         self.device = config.torch_device()
         self.model_config = model_config
         self.block_size = config.block_size

@@ -15,6 +15,9 @@ indexes, stored heads-major ([KVH, num_blocks, block_size, D] in memory, a permu
 batch's blocks from that storage gives each (sequence, kv head) its keys as one contiguous [L, D] matrix, the
 layout SDPA's CPU kernel reads fastest (measured: its decode call takes 0.55 ms instead of 0.80 ms at 64 sequences
 of 112 keys, 2 kv heads). The kernels here also accept caches in the plain layout (tests, the references' own).
+An FP8 cache (float8_e4m3fn) holds `reference.quantize_kv(x, scale)` and is read as `reference.dequantize_kv`; a
+prompt with no cached prefix attends to its own keys rounded through e4m3 the same way, so every path sees the
+values the cache holds (torch has no CPU index_copy_ for e4m3: the writes copy the bytes as uint8).
 Element-wise work is fused where torch allows it (in-place residual add, rotary on strided views in place).
 Nothing here imports the engine. Shapes as in `reference.py` (T tokens, B sequences, H heads, KVH kv heads, D).
 """
@@ -166,37 +169,41 @@ def _plan_prefill(start: int, end: int, seq_len: int, table: np.ndarray, block_s
 def cache_and_attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, plan: AttentionPlan,
                      scale: float, sliding_window: Optional[int] = None,
-                     softcap: Optional[float] = None) -> torch.Tensor:
-    """reference.reshape_and_cache then reference.paged_attention (with its sliding_window and softcap), as one
-    call.
+                     softcap: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """reference.reshape_and_cache then reference.paged_attention (with its sliding_window, softcap and an FP8
+    cache's k_scale / v_scale), as one call.
 
     q: [T, H, D]; key, value: [T, KVH, D] (this step's, may be strided views); slot_mapping: [T] int64 (no
     padding slots on CPU). Returns [T, H, D] in q's dtype.
     """
-    write_cache(key, value, k_cache, v_cache, slot_mapping)
+    write_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     plan = plan.for_window(sliding_window)
+    scales = (k_scale, v_scale)
     if not plan.prefills:  # decode only: the output is the decode output, no scatter
-        return decode_attention(q, k_cache, v_cache, plan, scale, softcap)
+        return decode_attention(q, k_cache, v_cache, plan, scale, softcap, *scales)
     out = torch.empty_like(q)
     if plan.num_decode:
         out.index_copy_(0, plan.decode_rows, decode_attention(q.index_select(0, plan.decode_rows), k_cache,
-                                                              v_cache, plan, scale, softcap))
+                                                              v_cache, plan, scale, softcap, *scales))
     for p in plan.prefills:
         out[p.start:p.end] = prefill_attention(q[p.start:p.end], key[p.start:p.end], value[p.start:p.end],
-                                               k_cache, v_cache, p, scale, softcap)
+                                               k_cache, v_cache, p, scale, softcap, *scales)
     return out
 
 
-def write_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+def write_cache(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """key/value [T, KVH, D] into the caches at slot_mapping [T] (every slot valid): one index_copy_ each, along
-    the slot axis of the cache's storage ([KVH, num_slots, D] heads-major, [num_slots, KVH, D] plain)."""
-    for new, cache in ((key, k_cache), (value, v_cache)):
+    the slot axis of the cache's storage ([KVH, num_slots, D] heads-major, [num_slots, KVH, D] plain); an FP8
+    cache stores `reference.quantize_kv(x, scale)`."""
+    for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        stored = reference.quantize_kv(new, scale, cache.dtype)
+        if reference.is_fp8(cache):  # no e4m3 index_copy_ on CPU: copy the bytes
+            cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
         storage = heads_major(cache)
         if storage is not None:
-            storage.view(storage.shape[0], -1, storage.shape[-1]).index_copy_(1, slot_mapping,
-                                                                              new.transpose(0, 1).to(cache.dtype))
+            storage.view(storage.shape[0], -1, storage.shape[-1]).index_copy_(1, slot_mapping, stored.transpose(0, 1))
         else:
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new.to(cache.dtype))
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, stored)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int,
@@ -221,28 +228,36 @@ def gather_buffer_shape(cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]
 
 
 def decode_attention(q, k_cache, v_cache, plan: AttentionPlan, scale: float,
-                     softcap: Optional[float] = None) -> torch.Tensor:
+                     softcap: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [Bd, H, D], one query per sequence at its last position -> [Bd, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     shape = gather_buffer_shape(k_cache, plan.decode_blocks.shape[0])
     keys = gather_blocks(k_cache, plan.decode_blocks, num_seqs, plan.gather_buffer("k", shape, k_cache))
     values = gather_blocks(v_cache, plan.decode_blocks, num_seqs, plan.gather_buffer("v", shape, v_cache))
+    if reference.is_fp8(k_cache):  # [Bd, KVH, L, D] e4m3 -> q's dtype
+        keys = reference.dequantize_kv(keys, k_scale, q.dtype)
+        values = reference.dequantize_kv(values, v_scale, q.dtype)
     grouped = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)  # [Bd, KVH, G, D]
     out = reference.attend(grouped.to(keys.dtype), keys, values, plan.decode_mask, scale, softcap)
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def prefill_attention(q, key, value, k_cache, v_cache, p: PrefillPlan, scale: float,
-                      softcap: Optional[float] = None) -> torch.Tensor:
+                      softcap: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One sequence: q [n, H, D]; key/value [n, KVH, D] its new rows -> [n, H, D]."""
     q_len, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if p.blocks is None:  # [S, KVH, D] -> [KVH, S, D]
         keys, values = key.transpose(0, 1), value.transpose(0, 1)
+        if reference.is_fp8(k_cache):  # what the cache holds: rounded through e4m3
+            keys = reference.quantize_kv(keys, k_scale, k_cache.dtype)
+            values = reference.quantize_kv(values, v_scale, v_cache.dtype)
     else:  # a chunk after a cached prefix: its whole context, from the cache, [KVH, S, D]
         keys = gather_blocks(k_cache, p.blocks, 1)[0, :, : p.seq_len - p.key_start]
         values = gather_blocks(v_cache, p.blocks, 1)[0, :, : p.seq_len - p.key_start]
+    keys = reference.dequantize_kv(keys, k_scale, q.dtype)  # a no-op cast unless the cache is e4m3
+    values = reference.dequantize_kv(values, v_scale, q.dtype)
     group = num_heads // kv_heads
     seq_len = keys.shape[1]
     # [KVH, S, D] -> [KVH, G, S, D] with the G axis of stride 0: each kv head seen by its G query heads

@@ -324,7 +324,16 @@ class RotaryEmbedding(nn.Module):
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the layer's paged cache, then attends over the cached context: all of it, or
     with a sliding_window only the last that many keys. scale defaults to head_dim**-0.5; softcap caps the scores
-    (softcap * tanh(score / softcap), Gemma 2)."""
+    (softcap * tanh(score / softcap), Gemma 2).
+
+    k_scale / v_scale (float32 numbers, one per layer) are read only when the cache is FP8 (`--kv-cache-dtype
+    fp8`): the cache stores k / k_scale and v / v_scale in e4m3 (saturating at +-448) and attention reads them back
+    times the scale. They come from the checkpoint when it has them (`load_kv_scale`), else stay 1.0, as in vLLM:
+    e4m3 then holds the activations as they are, which costs nothing when |K|, |V| stay well inside +-448 (they
+    do in usual models) but spends precision on small values (e4m3 has 3 mantissa bits at every magnitude, and
+    values under 2^-6 lose relative precision) and clips any outlier past 448. A calibrated checkpoint (AutoFP8,
+    llm-compressor's kv_cache_scheme) sets the scale so that the layer's largest value maps near 448.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: Optional[float] = None,
                  sliding_window: Optional[int] = None, softcap: Optional[float] = None):
@@ -332,6 +341,8 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window, self.softcap = sliding_window, softcap
+        # Python floats, fixed after loading: kernel arguments that a captured CUDA graph may bake in.
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata):
         """q: [T, H*D], k, v: [T, KVH*D] -> [T, H*D]."""
@@ -341,8 +352,45 @@ class PagedAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, self.scale, self.sliding_window,
-                                   self.softcap)
+                                   self.softcap, self.k_scale, self.v_scale)
         return out.reshape(tokens, self.num_heads * self.head_dim)
+
+
+# Checkpoint names of per-layer KV-cache scales (after the attention module's path) -> which scale they set:
+# vLLM / llm-compressor's k_scale and v_scale; the older single kv_scale (AutoFP8), used for both; compressed-
+# tensors' kv_cache_scheme as first saved (the k/v projections' output_scale); ModelOpt's names.
+_KV_SCALE_SUFFIXES = {
+    ".attn.k_scale": "k", ".attn.v_scale": "v",
+    ".k_proj.output_scale": "k", ".v_proj.output_scale": "v",
+    ".k_proj.k_scale": "k", ".v_proj.v_scale": "v",
+    ".k_scale": "k", ".v_scale": "v", ".kv_scale": "kv",
+}
+
+
+def load_kv_scale(model: nn.Module, name: str, tensor) -> bool:
+    """If `name` (our module path, "model." removed) is a checkpoint's KV-cache scale, set it on the layer's
+    PagedAttention and return True; else False. A scale must be one positive finite number (per-tensor): per-head
+    scales are a ValueError naming the tensor."""
+    for suffix, which in _KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            break
+    else:
+        return False
+    owner = model.get_submodule(name.removesuffix(suffix))
+    attn = next((m for m in owner.modules() if isinstance(m, PagedAttention)), None)
+    if attn is None:
+        raise ValueError(f"checkpoint tensor {name!r} looks like a KV-cache scale but {type(owner).__name__} has no "
+                         "attention")
+    value = tensor.read() if hasattr(tensor, "read") else tensor  # a CheckpointSlice with several ranks
+    scale = float(value.float().reshape(-1)[0]) if value.numel() == 1 else None
+    if scale is None or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"KV-cache scale {name!r} must be one positive finite number (per-tensor scales only), got "
+                         f"{scale if scale is not None else f'shape {tuple(value.shape)}'}")
+    if which in ("k", "kv"):
+        attn.k_scale = scale
+    if which in ("v", "kv"):
+        attn.v_scale = scale
+    return True
 
 
 def load_checkpoint_tensor(model: nn.Module, params: dict, name: str, shard_id, tensor: torch.Tensor,

@@ -30,6 +30,7 @@ from asyncengine.models.layers import (
     kv_heads_per_rank,
     vocab_parallel_logits,
     load_checkpoint_tensor,
+    load_kv_scale,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, KVH, D]
@@ -198,6 +199,8 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if load_kv_scale(self, name, tensor):  # read by an FP8 KV cache; not a parameter
                 continue
             shard_id = None
             for fragment, (fused, sid) in self.stacked.items():

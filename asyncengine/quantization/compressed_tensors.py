@@ -45,6 +45,18 @@ def _scheme(cfg: dict) -> dict:
     return group
 
 
+def _check_kv_cache_scheme(scheme) -> None:
+    """kv_cache_scheme: static per-tensor FP8 scales of K and V, which the model loader reads (the k_scale /
+    v_scale tensors, `models.layers.load_kv_scale`) and an FP8 KV cache (--kv-cache-dtype fp8) uses."""
+    if not scheme:
+        return
+    _float8(scheme, "kv_cache_scheme")
+    if scheme.get("strategy", "tensor") != "tensor" or scheme.get("dynamic"):
+        raise ValueError(f"compressed-tensors checkpoint: kv_cache_scheme strategy {scheme.get('strategy')!r} "
+                         f"(dynamic: {scheme.get('dynamic')}) is not supported (supported: float 8-bit symmetric "
+                         "static per-tensor scales)")
+
+
 def _float8(args: dict, what: str) -> None:
     if args.get("type") != "float" or args.get("num_bits") != 8:
         raise _unsupported(f"{what} of type {args.get('type')!r} with {args.get('num_bits')} bits")
@@ -128,8 +140,7 @@ def compressed_tensors_config(cfg: dict) -> QuantizationConfig:
     fmt = cfg.get("format")
     if fmt not in ("float-quantized", "naive-quantized", "pack-quantized"):
         raise _unsupported(f"format {fmt!r}")
-    if cfg.get("kv_cache_scheme"):
-        raise _unsupported("kv_cache_scheme (an FP8 KV cache)")
+    _check_kv_cache_scheme(cfg.get("kv_cache_scheme"))
     _check_ignore(cfg.get("ignore"))
     group = _scheme(cfg)
     if fmt == "pack-quantized":
