@@ -190,21 +190,54 @@ def fp8_checkpoint(src: Path, out: Path, *, static: bool = True, input_scale: fl
     return _quantized_pair(src, out, f"fp8-{'static' if static else 'dynamic'}", quantize_one, cfg)
 
 
-def _compressed_tensors_checkpoint(src: Path, out: Path, name: str, scheme, fmt: str, set_qparams) -> tuple[Path, Path]:
+def _kv_amax(model) -> dict[str, float]:
+    """{attention module name: (amax of its k_proj output, amax of its v_proj output)} over a calibration prompt."""
+    amax, hooks = {}, []
+    for name, module in model.named_modules():
+        if name.endswith(("k_proj", "v_proj")):
+            def hook(mod, args, output, name=name):
+                amax[name] = output.abs().max().item()
+            hooks.append(module.register_forward_hook(hook))
+    with torch.no_grad():
+        model(torch.arange(2, 60)[None])
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def _compressed_tensors_checkpoint(src: Path, out: Path, name: str, scheme, fmt: str, set_qparams,
+                                   kv_cache_scheme: bool = False) -> tuple[Path, Path]:
     """compressed-tensors end to end: its `scheme` applied to every Linear but lm_head, set_qparams(module) filling
     the scales / zero points as an observer would, its ModelCompressor compressing to `fmt` and writing the
-    quantization_config; the reference weights come from its own decompressor applied to each compressed layer."""
+    quantization_config; the reference weights come from its own decompressor applied to each compressed layer.
+    kv_cache_scheme: also its static per-tensor FP8 KV-cache scheme, each attention's k_scale / v_scale set to
+    amax / 448 of its k_proj / v_proj outputs on a calibration prompt."""
     from compressed_tensors.compressors import BaseCompressor, ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, apply_quantization_config
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
-    for module in model.modules():
+    kv_args, kv_amax = None, {}
+    if kv_cache_scheme:
+        kv_args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+        kv_amax = _kv_amax(model)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
+                                                        kv_cache_scheme=kv_args))
+    for name, module in model.named_modules():
         if hasattr(module, "weight_scale"):
             set_qparams(module)
+        if kv_cache_scheme and hasattr(module, "k_scale"):
+            module.k_scale.data.fill_(kv_amax[f"{name}.k_proj"] / 448.0)
+            module.v_scale.data.fill_(kv_amax[f"{name}.v_proj"] / 448.0)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    # compress_model (compressed-tensors 0.20) would hand the attention modules, which carry only the kv-cache
+    # scheme and no weight, to the weight compressor: hide their scheme meanwhile (their k_scale / v_scale stay)
+    kv_schemes = {m: m.quantization_scheme for m in model.modules() if hasattr(m, "k_scale")}
+    for module in kv_schemes:
+        del module.quantization_scheme
     compressor.compress_model(model)
+    for module, kv_scheme in kv_schemes.items():
+        module.quantization_scheme = kv_scheme
     state = dict(model.state_dict())
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
@@ -229,7 +262,7 @@ def _compressed_tensors_checkpoint(src: Path, out: Path, name: str, scheme, fmt:
 
 
 def compressed_tensors_fp8_checkpoint(src: Path, out: Path, *, scheme: str = "FP8_DYNAMIC",
-                                      strategy: str = "channel") -> tuple[Path, Path]:
+                                      strategy: str = "channel", kv_cache_scheme: bool = False) -> tuple[Path, Path]:
     """Its preset FP8 (static activations) or FP8_DYNAMIC (per-token) scheme, float-quantized; weight scales
     amax / 448 per tensor or per channel, a fixed static input scale (the CPU path leaves activations as they
     are)."""
@@ -245,8 +278,9 @@ def compressed_tensors_fp8_checkpoint(src: Path, out: Path, *, scheme: str = "FP
         if hasattr(module, "input_scale"):
             module.input_scale.data.fill_(0.05)
 
-    return _compressed_tensors_checkpoint(src, out, f"ct-{scheme.lower()}-{strategy}", quant_scheme,
-                                          "float-quantized", set_qparams)
+    name = f"ct-{scheme.lower()}-{strategy}" + ("-kv" if kv_cache_scheme else "")
+    return _compressed_tensors_checkpoint(src, out, name, quant_scheme, "float-quantized", set_qparams,
+                                          kv_cache_scheme)
 
 
 def compressed_tensors_int_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int | None = 32,
