@@ -12,6 +12,8 @@ bf16 weights, runs the transformers peers on W2 first (then frees them), then th
   cost (--tiny: a CPU smoke run of it on the embedded default model)
   --quant: W3 per weight format (bf16, FP8, AWQ int4) with each one's roofline, and W1 FP8 against bf16
   (loadtest/bench_quant.py; --quant --tiny: a CPU smoke run of it)
+  --kv-cache-dtype fp8: W2 with the bf16 cache and with the FP8 cache in one run, each one's KV blocks and
+  output tok/s (loadtest/bench_kv_cache.py; with --tiny: a CPU smoke run of it)
 Prints one table and writes JSON. Each section is timed after a warm-up with the same shapes.
 
     python -m loadtest.bench_offline --family qwen3-30b-a3b --out results/ [--quick] [--tiny]
@@ -757,6 +759,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--quant", action="store_true",
                         help="the quantized formats instead: W3 per format with its roofline, W1 fp8 vs bf16")
+    parser.add_argument("--kv-cache-dtype", choices=["fp8"], default=None,
+                        help="W2 with the bf16 KV cache against the FP8 one: KV blocks and output tok/s of each")
     parser.add_argument("--tiny", action="store_true",
                         help="a CPU smoke run: W1-structured on the embedded default model (32 short requests), "
                              "or with --family qwen3-30b-a3b the MoE mode at a tiny shape, or with "
@@ -779,6 +783,10 @@ def main(argv=None) -> int:
         from .bench_quant import main_tiny
 
         return main_tiny(Path(args.out))
+    if args.kv_cache_dtype and args.tiny:
+        from .bench_kv_cache import main_tiny as kv_cache_tiny
+
+        return kv_cache_tiny(Path(args.out))
     if args.family != "llama3-8b":
         return run_moe(args)
     if args.tiny:
@@ -794,6 +802,10 @@ def main(argv=None) -> int:
         from .bench_quant import main_gpu
 
         return main_gpu(args, results, save)
+    if args.kv_cache_dtype:
+        from .bench_kv_cache import main_gpu as kv_cache_gpu
+
+        return kv_cache_gpu(args, results, save)
     results["copy_bandwidth_GBps"] = measure_copy_bandwidth() / 1e9
     results["matmul_TFLOPs"] = measure_matmul_flops() / 1e12
     save()
