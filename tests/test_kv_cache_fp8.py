@@ -555,3 +555,14 @@ def test_gpu_attention_over_fp8_cache_at_llama_sizes(q_lens, seq_lens):
                                     **scales)
     assert not out.isnan().any()
     assert rel_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_engine_with_fp8_cache_and_cuda_graphs_tracks_transformers(llama_dir):
+    """The Triton path end to end (prefill, decode replayed from CUDA graphs) in float32 with the FP8 cache: the
+    same criteria as on CPU."""
+    llm = LLM(str(llama_dir), dtype="float32", kv_cache_dtype="fp8", max_model_len=128, device="cuda")
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.kv_caches[0][0].dtype == FP8
+    assert_tracks_transformers(llama_dir, llm, greedy_with_logprobs(llm))
+    assert_no_leaks(llm.engine)
