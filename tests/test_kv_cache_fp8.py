@@ -472,6 +472,24 @@ def test_checkpoint_kv_scales_are_loaded_and_used(llama_dir, tmp_path, naming):
     assert auto.engine.runner.kv_caches[0][0].dtype == torch.float32
 
 
+@pytest.mark.slow
+def test_two_ranks_with_fp8_cache_and_checkpoint_scales_give_the_tokens_of_one(llama_dir, tmp_path):
+    """Each rank reads the scales (CheckpointSlices) and keeps its heads' cache in e4m3 (~40 s: slow)."""
+    n = layer_count(llama_dir)
+    extra = {f"model.layers.{i}.self_attn.{w}_scale": torch.tensor(0.004 * (i + 1)) for i in range(n) for w in "kv"}
+    folder = with_tensors(llama_dir, tmp_path / "scaled", extra)
+    tokens = {}
+    for tp in (1, 2):
+        llm = LLM(str(folder), dtype="float32", kv_cache_dtype="fp8", tensor_parallel_size=tp, max_model_len=128,
+                  num_kv_blocks=32, block_size=4, max_num_seqs=8)
+        try:
+            tokens[tp] = [o.outputs[0].token_ids for o in greedy_with_logprobs(llm)]
+            assert llm.engine.scheduler.num_preemptions > 0
+        finally:
+            llm.close()
+    assert tokens[2] == tokens[1]
+
+
 def test_per_head_kv_scales_are_refused_naming_the_tensor(llama_dir, tmp_path):
     folder = with_tensors(llama_dir, tmp_path / "per-head", {"model.layers.0.self_attn.k_scale": torch.ones(2)})
     with pytest.raises(ValueError, match=r"'layers.0.self_attn.k_scale' must be one positive finite number"):
