@@ -12,11 +12,12 @@ for V, quantized on write (x * (1 / scale), saturating at +-448) and dequantized
   float32 itself (`cache._round_to_e4m3`), on the GPU too, and the cast only converts exact values. Both facts
   are tested below, so the kernels are never skipped on CPU.
 - The CPU kernels (`kernels/cpu.py`) store e4m3 too and agree with the references.
-- The engine on CPU: the block count at the same memory is 2x bf16 (4x float32); greedy decoding with the FP8
-  cache tracks transformers (float32, exact weights) step by step, teacher-forced on the engine's own tokens: each
-  chosen token is within 0.05 nats of transformers' best at that step and its logprob within 0.05 nats of
-  transformers' (a random tiny model has near-ties, so exact token equality with an unquantized reference is not
-  the criterion); prefix caching, chunked prefill and preemption give the very tokens of a plain run.
+- The engine on CPU: the block count at the same memory is 2x bf16 (4x float32). Greedy decoding with the FP8
+  cache, teacher-forced on the engine's own tokens: transformers whose attention sees K/V rounded through e4m3
+  the same way picks exactly the engine's tokens (logprobs within 2e-3); unquantized transformers rates each of
+  them within 0.15 nats of its best (0.5 for mixtures of experts, whose routing can flip), so near-ties may make
+  the texts part (measured on the shipped model: 2 of 4 prompts' 16 tokens identical, the others parting at steps
+  10 and 11). Every family; prefix caching, chunked prefill and preemption give the very tokens of a plain run.
 - Scales: the checkpoint's own (k_scale / v_scale, the legacy kv_scale, compressed-tensors' kv_cache_scheme as
   compressed-tensors itself writes it), else 1.0.
 """
@@ -42,6 +43,7 @@ from asyncengine import LLM, SamplingParams  # noqa: E402
 from asyncengine.config import EngineConfig  # noqa: E402
 from asyncengine.kernels import cpu, reference  # noqa: E402
 from asyncengine.kernels.cache import _round_to_e4m3  # noqa: E402
+from checkpoints import ARCHITECTURES  # noqa: E402
 from conftest import assert_no_leaks  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -347,9 +349,12 @@ def greedy_with_logprobs(llm, prompts=PROMPTS):
 def transformers_model(folder, kv_scales=None):
     """transformers' own model of folder (float32); with kv_scales ([(k_scale, v_scale)] per layer) its attention
     sees K (after rotary) and V rounded through e4m3 with those scales, as our FP8 cache holds them (a function
-    registered through transformers' AttentionInterface around its SDPA attention)."""
+    registered through transformers' AttentionInterface around the family's own eager attention, which knows its
+    soft-capping)."""
+    import sys
+
     from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     if kv_scales is None:
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -358,22 +363,27 @@ def transformers_model(folder, kv_scales=None):
         k_scale, v_scale = kv_scales[module.layer_idx]
         key = reference.dequantize_kv(reference.quantize_kv(key, k_scale, FP8), k_scale, key.dtype)
         value = reference.dequantize_kv(reference.quantize_kv(value, v_scale, FP8), v_scale, value.dtype)
-        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, *args, **kwargs)
 
     AttentionInterface.register("fp8_kv_cache_test", fp8_kv_attention)
+    AttentionMaskInterface.register("fp8_kv_cache_test", eager_mask)  # the masks eager attention takes
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
                                                 attn_implementation="fp8_kv_cache_test")
 
 
-def teacher_forced_logprobs(model, out) -> torch.Tensor:
-    """[N, vocab] log-probabilities of `model` at the N steps that produced out's generated tokens."""
+def teacher_forced_logprobs(model, out, eos_ids) -> torch.Tensor:
+    """[N, vocab] log-probabilities of `model` at the N steps that produced out's generated tokens, EOS set to
+    -inf after the softmax (min_tokens keeps the engine from choosing it; its logprobs are the raw ones)."""
     prompt, generated = out.prompt_token_ids, out.outputs[0].token_ids
     with torch.no_grad():
         logits = model(torch.tensor([prompt + generated])).logits[0].float()
-    return logits[len(prompt) - 1: len(prompt) - 1 + len(generated)].log_softmax(-1)
+    logprobs = logits[len(prompt) - 1: len(prompt) - 1 + len(generated)].log_softmax(-1)
+    logprobs[:, eos_ids] = float("-inf")
+    return logprobs
 
 
-def assert_tracks_transformers(folder, llm, outputs) -> None:
+def assert_tracks_transformers(folder, llm, outputs, exact_nats: float = NATS) -> None:
     """Teacher-forced on the engine's tokens:
     - transformers with K/V rounded through e4m3 as our cache holds them picks every one of the engine's tokens
       as its greedy choice, with the engine's logprob to SAME_NATS (float32 rounding, and a K element on an e4m3
@@ -383,17 +393,18 @@ def assert_tracks_transformers(folder, llm, outputs) -> None:
       greedy texts equal for 2 of 4 prompts, the others parting at steps 10 and 11)."""
     scales = [(a.k_scale, a.v_scale) for a in attention_layers(llm)]
     fp8_model, exact_model = transformers_model(folder, scales), transformers_model(folder)
+    eos = llm.engine.model_config.eos_token_ids
     for out in outputs:
         generated = torch.tensor(out.outputs[0].token_ids)
         engine_chosen = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, generated.tolist())])
-        same = teacher_forced_logprobs(fp8_model, out)
+        same = teacher_forced_logprobs(fp8_model, out, eos)
         assert torch.equal(same.argmax(-1), generated), "transformers with e4m3 K/V decodes other tokens"
         assert (same.gather(1, generated[:, None])[:, 0] - engine_chosen).abs().max() < SAME_NATS
-        exact = teacher_forced_logprobs(exact_model, out)
+        exact = teacher_forced_logprobs(exact_model, out, eos)
         hf_chosen = exact.gather(1, generated[:, None])[:, 0]
         shortfall = exact.max(-1).values - hf_chosen
-        assert shortfall.max() < NATS, f"a token transformers rates {shortfall.max():.3f} nats below its best"
-        assert (engine_chosen - hf_chosen).abs().max() < NATS
+        assert shortfall.max() < exact_nats, f"a token transformers rates {shortfall.max():.3f} nats below its best"
+        assert (engine_chosen - hf_chosen).abs().max() < exact_nats
 
 
 def test_fp8_cache_doubles_the_blocks_of_bf16_and_quadruples_float32(llama_dir):
@@ -425,6 +436,18 @@ def test_greedy_with_fp8_cache_tracks_transformers_and_matches_across_cache_path
         if "num_kv_blocks" in options:
             assert other.engine.scheduler.num_preemptions > 0
         assert_no_leaks(other.engine)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "LlamaForCausalLM"])
+def test_greedy_with_fp8_cache_tracks_transformers_in_every_family(checkpoint_dir, arch):
+    """Sliding windows (Mistral, Phi-3, Gemma 2/3), soft-capping (Gemma 2), q/k norms (Qwen3), experts. Against
+    exact transformers the mixtures of experts get 0.5 nats: e4m3's perturbation can flip a token's top-k experts,
+    a jump rather than a drift (measured: 0.27 nats at one step of Mixtral); the e4m3-rounded reference must still
+    give the very tokens."""
+    folder = checkpoint_dir(arch)
+    llm = LLM(str(folder), dtype="float32", kv_cache_dtype="fp8", max_model_len=128)
+    assert_tracks_transformers(folder, llm, greedy_with_logprobs(llm), exact_nats=0.5 if "Moe" in arch or
+                               "Mixtral" in arch else NATS)
 
 
 def with_tensors(src, dst, extra: dict, config_update: dict | None = None):
