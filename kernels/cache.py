@@ -26,13 +26,15 @@ def _round_to_e4m3(x):
     so a value in [2^e, 2^(e+1)) rounds to a multiple of 2^(e-3), and below 2^-6 (subnormals) of 2^-9; adding and
     subtracting 1.5 * 2^23 steps rounds |x| to a multiple of the step (float32 addition rounds to nearest even).
     """
-    bits = x.to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) - 127  # -127 for zero
+    magnitude = tl.abs(x)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    sign = x.to(tl.int32, bitcast=True) ^ bits  # the sign bit alone (no 32-bit literal: it would widen to int64)
+    exponent = (bits >> 23) - 127  # -127 for zero
     step_exponent = tl.maximum(exponent, -6) - 3
     step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)  # 2^step_exponent
     magic = step * 12582912.0  # 1.5 * 2^23 steps: its float32 ulp is one step
-    rounded = (tl.abs(x) + magic) - magic
-    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    rounded = (magnitude + magic) - magic
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
