@@ -25,7 +25,7 @@ from asyncengine.config import EngineConfig, ModelConfig
 from asyncengine.distributed.executor import StepChannel, WorkerGroup
 from asyncengine.distributed.parallel_state import all_reduce_min
 from asyncengine.kernels.cpu import allocate_kv_cache, plan_attention
-from asyncengine.models.layers import AttentionMetadata
+from asyncengine.models.layers import AttentionMetadata, PagedAttention
 from asyncengine.models.loader import load_model
 from asyncengine.outputs import Logprob
 from asyncengine.request import Request
@@ -111,6 +111,8 @@ class ModelRunner:
     def _build(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
         self.model = load_model(model_config, self.device, max_positions=max_model_len,
                                 load_format=config.load_format, seed=config.seed)
+        if self.rank == 0:
+            self._log_kv_scales()
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -132,6 +134,17 @@ class ModelRunner:
             self._warm_up_kernels()
             if self.graphs is not None:
                 self.graphs.capture()
+
+    def _log_kv_scales(self) -> None:
+        """Say once which KV-cache scales run: the checkpoint's (used only by an FP8 cache) or 1.0."""
+        scales = [(m.k_scale, m.v_scale) for m in self.model.modules() if isinstance(m, PagedAttention)]
+        from_checkpoint = any(s != (1.0, 1.0) for s in scales)
+        if self.kv_cache_dtype == torch.float8_e4m3fn:
+            logger.info("FP8 KV cache (e4m3): %s", "the checkpoint's per-layer k_scale / v_scale" if from_checkpoint
+                        else "no scales in the checkpoint: k_scale = v_scale = 1.0")
+        elif from_checkpoint:
+            logger.info("the checkpoint's KV-cache scales are unused: the cache is %s (--kv-cache-dtype fp8 uses "
+                        "them)", str(self.kv_cache_dtype).removeprefix("torch."))
 
     @property
     def kv_sliding_window(self) -> Optional[int]:

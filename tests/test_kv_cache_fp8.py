@@ -525,7 +525,7 @@ def layer_count(folder) -> int:
 
 
 @pytest.mark.parametrize("naming", ["k_scale", "kv_scale", "output_scale"])
-def test_checkpoint_kv_scales_are_loaded_and_used(llama_dir, tmp_path, naming):
+def test_checkpoint_kv_scales_are_loaded_and_used(llama_dir, tmp_path, naming, caplog):
     """vLLM / llm-compressor's self_attn.k_scale and v_scale, the legacy single kv_scale (both), compressed-
     tensors' first layout (k_proj / v_proj output_scale), calibrated as amax / 448 of each layer's K / V (K with
     a margin of 2 for rotary). Greedy tracks transformers: the scales are applied on both the write and the read
@@ -549,8 +549,10 @@ def test_checkpoint_kv_scales_are_loaded_and_used(llama_dir, tmp_path, naming):
     assert [a.k_scale for a in attention_layers(llm)] == pytest.approx(k_scales)
     assert [a.v_scale for a in attention_layers(llm)] == pytest.approx(expected_v)
     assert_tracks_transformers(llama_dir, llm, greedy_with_logprobs(llm, PROMPTS[:2]))
-    auto = LLM(str(folder), dtype="float32", max_model_len=128)  # auto: scales read, the cache float32, no error
+    with caplog.at_level("INFO", logger="asyncengine.model_runner"):  # auto: scales read, unused, and said so
+        auto = LLM(str(folder), dtype="float32", max_model_len=128)
     assert auto.engine.runner.kv_caches[0][0].dtype == torch.float32
+    assert "KV-cache scales are unused: the cache is float32" in caplog.text
 
 
 @pytest.mark.slow
