@@ -467,7 +467,8 @@ def assert_tracks_transformers(folder, llm, outputs, exact_nats: float = NATS) -
 def test_fp8_cache_doubles_the_blocks_of_bf16_and_quadruples_float32(llama_dir):
     blocks = {}
     for dtype, kv in (("bfloat16", "auto"), ("float32", "auto"), ("float32", "fp8")):
-        llm = LLM(str(llama_dir), dtype=dtype, kv_cache_dtype=kv, kv_cache_memory_gb=0.001, max_model_len=128)
+        llm = LLM(str(llama_dir), dtype=dtype, kv_cache_dtype=kv, kv_cache_memory_gb=0.001, max_model_len=128,
+                  device="cpu")  # kv_cache_memory_gb sizes the CPU cache
         runner = llm.engine.runner
         assert all(c.dtype == runner.kv_cache_dtype for pair in runner.kv_caches for c in pair)
         blocks[dtype, kv] = runner.num_blocks
@@ -564,7 +565,7 @@ def test_two_ranks_with_fp8_cache_and_checkpoint_scales_give_the_tokens_of_one(l
     tokens = {}
     for tp in (1, 2):
         llm = LLM(str(folder), dtype="float32", kv_cache_dtype="fp8", tensor_parallel_size=tp, max_model_len=128,
-                  num_kv_blocks=32, block_size=4, max_num_seqs=8)
+                  num_kv_blocks=32, block_size=4, max_num_seqs=8, device="cpu")  # one process per rank
         try:
             tokens[tp] = [o.outputs[0].token_ids for o in greedy_with_logprobs(llm)]
             assert llm.engine.scheduler.num_preemptions > 0
