@@ -102,8 +102,9 @@ class EngineConfig:
     engine_process: bool = False
     # ranks the model's layers are split over (Megatron style): one GPU each on CUDA, one process each on CPU
     tensor_parallel_size: int = 1
-    # weight format, vLLM's spelling (awq, gptq, fp8, compressed-tensors); None: the checkpoint's own
-    # quantization_config. fp8 on an unquantized checkpoint quantizes it at load time.
+    # weight format, vLLM's spelling (awq, gptq, fp8, compressed-tensors, int8); None: the checkpoint's own
+    # quantization_config. fp8 (and int8, on CPU: W8A8 with per-token activations) on an unquantized checkpoint
+    # quantize it at load time.
     quantization: Optional[str] = None
     # who starts ranks 1..N-1: mp (processes of our own, on this host) | ray (Ray actors in a placement group)
     distributed_executor_backend: str = "mp"

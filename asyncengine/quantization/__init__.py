@@ -6,6 +6,8 @@ checkpoint's `quantization_config` (config.json) or `EngineConfig.quantization` 
     awq.py, gptq.py       AutoAWQ gemm and GPTQ checkpoints
     fp8.py                FP8 e4m3 checkpoints and online FP8 quantization
     compressed_tensors.py compressed-tensors' FP8 schemes
+    cpu_int8.py           int8 W8A8 on CPU, quantized at load time (opt-in)
+    cpu_prepacked.py      the CPU's column-major layout of unquantized weights
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from asyncengine.quantization.base import (
 )
 
 # vLLM's spelling of --quantization
-QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
+QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "int8")
 
 __all__ = ["LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "set_weight_attrs",
            "QUANTIZATION_METHODS", "quantization_config_for"]
@@ -37,15 +39,16 @@ def _from_checkpoint(cfg: dict) -> QuantizationConfig:
                "compressed-tensors": compressed_tensors_config}
     if method not in parsers:
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: "
-                         f"{', '.join(QUANTIZATION_METHODS)})")
+                         f"{', '.join(parsers)})")
     return parsers[method](cfg)
 
 
 def quantization_config_for(checkpoint_cfg: Optional[dict], requested: Optional[str]) -> Optional[QuantizationConfig]:
     """The format to run: the checkpoint's `quantization_config` (None when unquantized), checked against
     `requested` (--quantization, vLLM's spelling) when both are given. `--quantization fp8` on an unquantized
-    checkpoint quantizes it at load time; other methods need a checkpoint already in that format. ValueError
-    names the field and what is supported."""
+    checkpoint quantizes it at load time, and so does `int8` (CPU only); other methods need a checkpoint already in
+    that format. ValueError names the field and what is supported."""
+    from asyncengine.quantization.cpu_int8 import Int8Config
     from asyncengine.quantization.fp8 import Fp8Config
 
     if requested is not None and requested not in QUANTIZATION_METHODS:
@@ -55,9 +58,11 @@ def quantization_config_for(checkpoint_cfg: Optional[dict], requested: Optional[
             return None
         if requested == "fp8":
             return Fp8Config.online()
+        if requested == "int8":
+            return Int8Config()
         raise ValueError(f"quantization {requested!r} needs a checkpoint quantized in that format (its config.json "
                          "has no quantization_config); an unquantized checkpoint can be quantized at load time with "
-                         "quantization 'fp8'")
+                         "quantization 'fp8' (or 'int8' on CPU)")
     config = _from_checkpoint(checkpoint_cfg)
     if requested is not None and requested != config.name:
         raise ValueError(f"quantization {requested!r} does not match the checkpoint's quantization_config "
