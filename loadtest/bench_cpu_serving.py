@@ -18,6 +18,7 @@ M tokens, float32), and, with `--baseline-site DIR`, the offline engine of anoth
 install of it in DIR: `pip install --no-deps --target DIR <source tree>`) in a worker process of its own. The
 table then gives engine / transformers, engine / baseline and served / offline, each the median of the trials'
 ratios. Use `--engine-process --client subprocess` for the served side as `asyncengine serve` runs it.
+`--quantization int8` quantizes this run's engine (offline and served; the baseline keeps its own defaults).
 """
 
 from __future__ import annotations
@@ -255,6 +256,8 @@ def run(args: argparse.Namespace) -> dict:
     machine (a shared VM's speed drifts by tens of percent over a minute). The ratio is the median of the
     trials' ratios."""
     engine_kwargs = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
+    if args.quantization:
+        engine_kwargs["quantization"] = args.quantization  # this run's engine only (not the baseline's)
     prompts = make_prompts(args.num_prompts, args.input_words, args.seed)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -352,6 +355,8 @@ def main(argv=None) -> int:
                         help="also time transformers' static-batch generate in every trial")
     parser.add_argument("--baseline-site", default=None,
                         help="also time the offline engine installed in this folder (another revision)")
+    parser.add_argument("--quantization", default=None,
+                        help="this run's engine (offline and served) quantized so, e.g. int8 (not the baseline)")
     parser.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)  # BaselineWorker's side
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_cpu_serving.json")
