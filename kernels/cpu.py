@@ -279,7 +279,8 @@ class KeptDecodeKV:
     [Bd, KVH, L, D] buffer (16% of a 64 x 64 greedy run's time on the default model). Consecutive decode steps of
     the same sequences differ by one key per sequence, so a layer's buffer of the previous step becomes this
     step's by writing its one new row; only a step whose batch changed (a sequence finished or joined, a row
-    outgrew the buffer's capacity) gathers afresh. The paged cache stays the source of truth: a buffer holds
+    outgrew the buffer's capacity) gathers afresh: a new batch exactly its blocks (as without this class), a
+    steady batch that outgrew its buffers half as many blocks again, room for the steps to come. The paged cache stays the source of truth: a buffer holds
     copies of cache slots that cannot change while their sequence lives (the same blocks, below its length),
     and the positions it holds past a row's end are finite copies that the decode mask hides, so attention reads
     exactly the values the gather would give (bit-identical outputs).
@@ -304,8 +305,14 @@ class KeptDecodeKV:
         blocks_needed = -(-seq_lens // block_size)  # [Bd]
         nb = int(blocks_needed.max())
         last = self._last
-        continues = last is not None and self._extends(last, seq_lens, tables, block_size)
-        capacity = last.capacity if continues else (nb + max(2, nb // 2)) * block_size
+        same_rows = last is not None and self._extends(last, seq_lens, tables, block_size)
+        continues = same_rows and nb * block_size <= last.capacity
+        if continues:
+            capacity = last.capacity
+        elif same_rows:  # a steady batch outgrew its buffers: leave room for the next blocks of its sequences
+            capacity = (nb + max(2, nb // 2)) * block_size
+        else:  # a new batch: exactly the blocks it reads (a batch that changes every step gathers no more than
+            capacity = nb * block_size  # without KeptDecodeKV)
         if num_seqs * capacity * self.kv_bytes_per_token > self.max_bytes:
             self._last = None
             return None
@@ -320,11 +327,8 @@ class KeptDecodeKV:
 
     @staticmethod
     def _extends(last: _HostDecodeLayout, seq_lens, tables, block_size: int) -> bool:
-        """Whether these rows are last's, one token longer each, on the blocks last gathered and within its
-        capacity."""
+        """Whether these rows are last's, one token longer each, on the blocks last gathered."""
         if len(seq_lens) != len(last.seq_lens) or not np.array_equal(seq_lens, last.seq_lens + 1):
-            return False
-        if int(seq_lens.max()) > last.capacity:
             return False
         held = last.tables.shape[1]
         if tables.shape[1] < held:

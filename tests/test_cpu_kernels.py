@@ -149,9 +149,10 @@ def test_kept_decode_kv_gives_the_gathered_results_bit_for_bit_across_steps():
 
     everyone = np.arange(4)
     first = step(everyone, [1] * 4)
-    assert first.continues is None  # nothing kept yet: every layer gathers
-    extends = [step(everyone, [1] * 4).continues is not None for _ in range(16)]
-    assert extends.count(False) == 1 and extends[-1]  # one token each: in place, but once a row outgrew the buffers
+    assert first.continues is None and first.capacity == first.num_keys  # a new batch: exactly its blocks
+    extends = [step(everyone, [1] * 4) for _ in range(15)]  # one token each: in place, until a row outgrows them
+    assert extends[-1].continues is not None and sum(s.continues is None for s in extends) == 1
+    assert max(s.capacity - s.num_keys for s in extends) == 2 * block_size  # outgrown: room for 2 more blocks
     step(everyone, [1] * 4, run=False)  # planned, never run: the next step names it, and so gathers afresh
     assert step(everyone, [1] * 4).continues is not None
     assert step(np.array([0, 2, 3]), [1] * 3).continues is None  # a sequence left
