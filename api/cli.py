@@ -37,6 +37,7 @@ from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, c
 from asyncengine.api.reasoning import REASONING_PARSERS
 from asyncengine.api.tool_calls import TOOL_PARSERS
 from asyncengine.engine_core import leave_a_core_for_the_event_loop
+from asyncengine.quantization import QUANTIZATION_METHODS
 
 logger = logging.getLogger("asyncengine.api")
 
@@ -154,9 +155,9 @@ def _engine_args(engine) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of the GPU's memory the engine may use (weights, activations, KV cache)")
     engine.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    engine.add_argument("--quantization", "-q", default=None, choices=["awq", "gptq", "fp8", "compressed-tensors"],
-                        help="weight format (default: the checkpoint's quantization_config); fp8 on an unquantized "
-                             "checkpoint quantizes its weights at load time")
+    engine.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                        help="weight format (default: the checkpoint's quantization_config); fp8 (and int8, on CPU) "
+                             "on an unquantized checkpoint quantize its weights at load time")
     engine.add_argument("--kv-cache-dtype", default="auto",
                         help="KV cache storage: auto (the model's dtype), fp8 or fp8_e4m3 (e4m3 with the "
                              "checkpoint's per-layer k/v scales, else 1.0: half the memory of bf16, twice the "
