@@ -11,8 +11,8 @@ int8 weights in pairs summed into int16 (vpmaddubsw), which saturates above 3276
 * 2 does not (measured: 8-bit weights with full-range activations were 8-17% off the exact product, 7-bit weights
 within 1%).
 
-Measured on the default model (64 prompts x 64 greedy tokens, 1 torch thread, interleaved with float32 in one
-process, loadtest/RESULTS.md, issue 17): float32 took 1.10x its CPU time and 1.20x its wall time;
+Measured on the default model (64 prompts x 64 greedy tokens, interleaved with float32 in one process,
+loadtest/RESULTS.md, issue 17): float32 took 1.13x its wall time on 2 threads (1.20x on 1 thread);
 33 of the 64 greedy outputs are identical to float32's, the other 31 diverge somewhere in their 64 tokens (the
 model is tiny and its top logits are close). fbgemm derives its one scale and zero point from the scaled
 tensor's min and max, which are -1 and 1 when some row's largest magnitude is negative and some positive (the
