@@ -23,19 +23,26 @@ def seeded():
     torch.manual_seed(1234)
 
 
+def shuffled_block_tables(seq_lens, block_size: int, spare_blocks: int, spare_columns: int):
+    """(tables [B, max blocks + spare_columns] int32, num_blocks): each sequence's blocks drawn without repeats from
+    a shuffled pool of what they need plus spare_blocks; the unused entries point at random valid blocks."""
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    order = torch.randperm(num_blocks)
+    tables = torch.randint(0, num_blocks, (len(seq_lens), max(blocks_per_seq) + spare_columns), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = order[used : used + n]
+        used += n
+    return tables, num_blocks
+
+
 def paged_batch(q_lens, seq_lens, *, heads, kv_heads, head_dim=32, block_size=16, dtype=torch.float32,
                 heads_major=False):
     """A random step: q [T, H, D], this step's new key/value [T, KVH, D], caches holding random prefixes, shuffled
     block tables (unused entries pointing at random valid blocks), and the layout as numpy (qsl, lens, tables).
     heads_major: the caches stored as the engine allocates them on CPU (`cpu.allocate_kv_cache`)."""
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 5
-    order = torch.randperm(num_blocks)
-    tables = torch.randint(0, num_blocks, (len(seq_lens), max(blocks_per_seq) + 2), dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(blocks_per_seq):
-        tables[b, :n] = order[used : used + n]
-        used += n
+    tables, num_blocks = shuffled_block_tables(seq_lens, block_size, spare_blocks=5, spare_columns=2)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache, v_cache = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
     if heads_major:

@@ -45,6 +45,8 @@ from asyncengine.kernels import cpu, reference  # noqa: E402
 from asyncengine.kernels.cache import _round_to_e4m3  # noqa: E402
 from checkpoints import ARCHITECTURES  # noqa: E402
 from conftest import assert_no_leaks  # noqa: E402
+from test_cpu_kernels import shuffled_block_tables  # noqa: E402
+from test_kernels import fresh_seed  # noqa: E402,F401 - autouse: a fresh seed per test
 
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,11 +69,6 @@ def nan_poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-@pytest.fixture(autouse=True)
-def fresh_seed():
-    seed = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
-    return seed
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -160,14 +157,7 @@ def test_reshape_and_cache_fp8_equals_reference_bit_for_bit_and_skips_padding(dt
 
 def make_fp8_batch(q_lens, seq_lens, *, heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32):
     """Random q [T, H, D] and e4m3 caches with shuffled block tables (unused entries point at valid blocks)."""
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    order = torch.randperm(num_blocks)
-    tables = torch.randint(0, num_blocks, (len(seq_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(blocks_per_seq):
-        tables[b, :n] = order[used: used + n]
-        used += n
+    tables, num_blocks = shuffled_block_tables(seq_lens, block_size, spare_blocks=3, spare_columns=1)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(qsl[-1]), heads, head_dim, dtype=dtype, device=DEVICE)
