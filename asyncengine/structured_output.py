@@ -53,7 +53,12 @@ from asyncengine.sampling_params import StructuredOutputsParams, ThinkingTokens
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENTRIES = 512  # compiled grammars kept (by constraint key), least recently used dropped first
+# The one cache of compiled grammars (by constraint key; xgrammar's own, unbounded by default, is off): the least
+# recently used go first once it holds more than CACHE_ENTRIES grammars or more than CACHE_BYTES of them (xgrammar's
+# memory_size_bytes: the grammar and its token masks, which grow with the vocabulary). A grammar larger than
+# CACHE_BYTES on its own stays until the next one arrives.
+CACHE_ENTRIES = 512
+CACHE_BYTES = 256 * 2**20
 COMPILE_THREADS = 2
 
 
@@ -90,6 +95,7 @@ class StructuredOutputManager:
         self._compiler_lock = threading.Lock()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._cache_sizes: dict[tuple, int] = {}  # bytes of each cached grammar compiled successfully
         self._cache_lock = threading.Lock()
 
     @property
@@ -102,7 +108,7 @@ class StructuredOutputManager:
                 xgr = _xgrammar()
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
                                                           stop_token_ids=self._stop_token_ids or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def submit(self, constraint: StructuredOutputsParams) -> Future:
@@ -116,11 +122,38 @@ class StructuredOutputManager:
                 return future
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="asyncengine-grammar")
-            future = self._executor.submit(self._compile, constraint)
+            future = self._executor.submit(self._compile_and_count, key, constraint)
             self._cache[key] = future
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            self._evict()
             return future
+
+    @property
+    def cached_bytes(self) -> int:
+        """Memory of the compiled grammars in the cache (those compiled so far)."""
+        with self._cache_lock:
+            return sum(self._cache_sizes.values())
+
+    @property
+    def cached_entries(self) -> int:
+        with self._cache_lock:
+            return len(self._cache)
+
+    def _compile_and_count(self, key: tuple, constraint: StructuredOutputsParams):
+        """Compile (in the pool); the grammar's bytes count against CACHE_BYTES before its Future is done (a
+        failure, which holds only its error, is not counted)."""
+        compiled = self._compile(constraint)
+        with self._cache_lock:
+            if key in self._cache:  # not evicted meanwhile
+                self._cache_sizes[key] = compiled.memory_size_bytes
+                self._evict()
+        return compiled
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars beyond the bounds (call with the lock held)."""
+        while len(self._cache) > CACHE_ENTRIES or (
+                len(self._cache) > 1 and sum(self._cache_sizes.values()) > CACHE_BYTES):
+            key, _ = self._cache.popitem(last=False)
+            self._cache_sizes.pop(key, None)
 
     def compile(self, constraint: StructuredOutputsParams):
         """Compile now (or wait for a compilation under way); ValueError when it does not compile."""
