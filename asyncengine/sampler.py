@@ -6,7 +6,7 @@ Order of operations (as in vLLM):
   3. penalties: repetition (over prompt and output: positive logits divided, negative multiplied),
      frequency (minus f * count in output) and presence (minus p * [count > 0])
   3b. structured outputs: tokens the row's grammar forbids become -inf (constrained rows only)
-  4. greedy rows (temperature 0) take the argmax here
+  4. greedy rows (temperature below 1e-5, SamplingParams.greedy) take the argmax here
   5. other rows: divide by temperature, keep the top_k, keep the smallest set with mass >= top_p,
      drop tokens with prob < min_p * max prob, then sample by the exponential race argmax(p / q), q ~ Exp(1),
      which needs no host sync. Rows with a seed draw q from their own generator, so a seeded request samples
@@ -63,8 +63,8 @@ class SamplingBatch:
               inflight: Optional[list[bool]] = None) -> "SamplingBatch":
         """inflight[row]: the row's last input token is in flight (lookahead), not yet among its tokens."""
         params = [r.params for r in requests]
-        temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-        greedy = [p.temperature == 0 for p in params]
+        greedy = [p.greedy for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
 
         def optional(values, neutral, dtype):
             if all(v == neutral for v in values):

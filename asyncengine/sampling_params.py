@@ -19,6 +19,8 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (SamplingParams.greedy)
+
 
 class RequestOutputKind(enum.Enum):
     """What each output of a streaming request carries."""
@@ -265,7 +267,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature below GREEDY_TEMPERATURE samples as greedy (vLLM's rule): dividing logits by a temperature
+        that small overflows them to inf, and the NaN probabilities that follow picked token 0 every time."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

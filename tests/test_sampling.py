@@ -133,6 +133,16 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     assert len(set(tokens[1::2].tolist())) == 6
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature):
+    """logits / 1e-40 overflow to inf and the probabilities to NaN, which used to pick token 0 every time; below
+    1e-5 the row is greedy (vLLM's rule). Here the argmax is token 2, not 0."""
+    row = torch.tensor([0.1, 0.3, 5.0, 1.0, -2.0, 0.0])
+    assert SamplingParams(temperature=temperature).greedy
+    assert (sample_many(SamplingParams(temperature=temperature), row, n=64) == 2).all()
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 # Mixed signs on seen tokens: 0, 2, 5 positive; 1, 3 negative; 4, 6, 7 unseen.
 PEN_LOGITS = torch.tensor([2.0, -1.0, 1.5, -0.5, 0.7, 3.0, -2.0, 0.0])
 PROMPT, OUTPUT = [0, 1], [2, 3, 3, 5]
