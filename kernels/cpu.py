@@ -63,8 +63,6 @@ class AttentionPlan:
     prefills: list[PrefillPlan]
     # the step's host layout (query_start_loc, seq_lens, block_tables, block_size), for the windowed variants
     layout: Optional[tuple] = None
-    # the decode rows' K/V kept across steps per layer (None: gathered from the cache by every layer of the step)
-    kept: Optional["KeptDecodeStep"] = None
     # gather buffers for the decode rows, allocated on first use and reused by every layer of the step
     _buffers: dict = field(default_factory=dict)
     _windowed: dict = field(default_factory=dict)
@@ -116,12 +114,10 @@ def heads_major(cache: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def plan_attention(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                   block_size: int, sliding_window: Optional[int] = None,
-                   kept: Optional["KeptDecodeKV"] = None) -> AttentionPlan:
+                   block_size: int, sliding_window: Optional[int] = None) -> AttentionPlan:
     """The plan of a step from its host-side layout: query_start_loc [B + 1], seq_lens [B], block_tables
     [B, max_blocks] (numpy ints). With a sliding window, each sequence reads only from the first block that one
-    of its queries sees (earlier blocks may have been freed). `kept` (the runner's, one for all its steps, in
-    the order they run): the decode rows read their K/V from it instead of gathering them (no sliding window)."""
+    of its queries sees (earlier blocks may have been freed)."""
     q_lens = np.diff(query_start_loc)
     decode = np.flatnonzero(q_lens == 1)
     num_decode = len(decode)
@@ -136,10 +132,7 @@ def plan_attention(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tabl
         start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
         prefills.append(_plan_prefill(start, end, seq_len, block_tables[b], block_size, sliding_window))
     layout = (query_start_loc, seq_lens, block_tables, block_size)
-    kept_step = None
-    if kept is not None and num_decode and sliding_window is None:
-        kept_step = kept.plan_step(seq_lens[decode].astype(np.int64), block_tables[decode], block_size)
-    return AttentionPlan(num_decode, rows, blocks, mask, prefills, layout, kept_step)
+    return AttentionPlan(num_decode, rows, blocks, mask, prefills, layout)
 
 
 def _plan_decode(lens: np.ndarray, tables: np.ndarray, block_size: int, sliding_window: Optional[int]):
@@ -186,16 +179,12 @@ def cache_and_attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_
     write_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     plan = plan.for_window(sliding_window)
     scales = (k_scale, v_scale)
-    kept_kv = None
-    if plan.kept is not None:
-        kept_kv = plan.kept.keys_values(key, value, k_cache, v_cache, plan.decode_rows)
     if not plan.prefills:  # decode only: the output is the decode output, no scatter
-        return decode_attention(q, k_cache, v_cache, plan, scale, softcap, *scales, kept_kv=kept_kv)
+        return decode_attention(q, k_cache, v_cache, plan, scale, softcap, *scales)
     out = torch.empty_like(q)
     if plan.num_decode:
         out.index_copy_(0, plan.decode_rows, decode_attention(q.index_select(0, plan.decode_rows), k_cache,
-                                                              v_cache, plan, scale, softcap, *scales,
-                                                              kept_kv=kept_kv))
+                                                              v_cache, plan, scale, softcap, *scales))
     for p in plan.prefills:
         out[p.start:p.end] = prefill_attention(q[p.start:p.end], key[p.start:p.end], value[p.start:p.end],
                                                k_cache, v_cache, p, scale, softcap, *scales)
@@ -238,161 +227,14 @@ def gather_buffer_shape(cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]
     return (num_blocks, *cache.shape[1:])
 
 
-# -- the decode rows' K/V, kept across steps -----------------------------------------------------------------------
-@dataclass
-class KeptDecodeStep:
-    """One step's decode rows as `KeptDecodeKV` holds them (built with the step's plan, on the host).
-
-    serial: this step's number; continues: the number of the step it extends by exactly one token per row (same
-    sequences in the same rows, same blocks), or None (every layer gathers its rows afresh);
-    num_keys: L, the keys per row attention reads (the plan's padded nb * block_size, as the gather path's);
-    capacity: keys per row in the buffers (>= num_keys, so that the next steps can extend them in place);
-    blocks: [Bd * capacity / block_size] int64 the blocks of a fresh gather (row-major, padded with block 0);
-    write_slots: [Bd] int64 row * capacity + (seq_len - 1), where each row's new key goes in the buffers.
-    """
-
-    store: "KeptDecodeKV"
-    serial: int
-    continues: Optional[int]
-    num_keys: int
-    capacity: int
-    blocks: torch.Tensor
-    write_slots: torch.Tensor
-
-    def keys_values(self, key, value, k_cache, v_cache, decode_rows: Optional[torch.Tensor]):
-        """The decode rows' keys and values of this layer, each [Bd, KVH, L, D] (see `KeptDecodeKV`)."""
-        return self.store.keys_values(self, key, value, k_cache, v_cache, decode_rows)
-
-
-@dataclass
-class _HostDecodeLayout:
-    serial: int
-    seq_lens: np.ndarray  # [Bd] int64
-    tables: np.ndarray  # [Bd, capacity / block_size] the blocks gathered (0 past each row's end)
-    capacity: int
-
-
-class KeptDecodeKV:
-    """The decode rows' keys and values of every layer, kept from one step to the next (issue 17).
-
-    Without it, each layer of each decode step gathers every sequence's blocks from the paged cache into a
-    [Bd, KVH, L, D] buffer (13-16% of a 64 x 64 greedy run's time on the default model, profiled). Consecutive
-    decode steps of the same sequences differ by one key per sequence, so a layer's buffer of the previous step
-    becomes this step's by writing its one new row; only a step whose batch changed (a sequence finished or
-    joined, a row outgrew the buffer's capacity) gathers afresh: a new batch exactly its blocks (as without this
-    class), a steady batch that outgrew its buffers half as many blocks again, room for the steps to come.
-    The paged cache stays the source of truth: a buffer holds copies of cache slots that cannot change while
-    their sequence lives (the same blocks, below its length), and the positions it holds past a row's end are
-    finite copies that the decode mask hides, so attention reads exactly the values the gather would give
-    (bit-identical outputs). Measured: 1.03x the whole 64 x 64 run's throughput (loadtest/RESULTS.md).
-
-    One instance per model runner; plan steps in the order they run (`plan_step`), and each layer's buffers
-    remember which step they hold, so a planned step that never ran only costs a fresh gather. Buffers take at
-    most `max_bytes` in all (all layers, K and V); a larger batch is gathered per step as before.
-    """
-
-    def __init__(self, kv_bytes_per_token: int, max_bytes: int):
-        self.kv_bytes_per_token = kv_bytes_per_token  # every layer's K and V of one token
-        self.max_bytes = max_bytes
-        self._last: Optional[_HostDecodeLayout] = None
-        self._serial = 0
-        self._layers: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # cache data_ptr -> (serial, k, v)
-
-    def plan_step(self, seq_lens: np.ndarray, tables: np.ndarray, block_size: int) -> Optional[KeptDecodeStep]:
-        """The step of decode rows with these seq_lens [Bd] (after the step) and block tables [Bd, max_blocks];
-        None when its buffers would exceed max_bytes."""
-        self._serial += 1
-        num_seqs = len(seq_lens)
-        blocks_needed = -(-seq_lens // block_size)  # [Bd]
-        nb = int(blocks_needed.max())
-        last = self._last
-        same_rows = last is not None and self._extends(last, seq_lens, tables, block_size)
-        continues = same_rows and nb * block_size <= last.capacity
-        if continues:
-            capacity = last.capacity
-        elif same_rows:  # a steady batch outgrew its buffers: leave room for the next blocks of its sequences
-            capacity = (nb + max(2, nb // 2)) * block_size
-        else:  # a new batch: exactly the blocks it reads (a batch that changes every step gathers no more than
-            capacity = nb * block_size  # without KeptDecodeKV)
-        if num_seqs * capacity * self.kv_bytes_per_token > self.max_bytes:
-            self._last = None
-            return None
-        cols = np.arange(capacity // block_size)[None, :]
-        gathered = np.where(cols < blocks_needed[:, None],
-                            np.take_along_axis(tables, np.minimum(cols, tables.shape[1] - 1), axis=1), 0)
-        self._last = _HostDecodeLayout(self._serial, seq_lens, gathered, capacity)
-        slots = np.arange(num_seqs, dtype=np.int64) * capacity + seq_lens - 1
-        return KeptDecodeStep(self, self._serial, last.serial if continues else None, nb * block_size, capacity,
-                              torch.from_numpy(np.ascontiguousarray(gathered, dtype=np.int64).reshape(-1)),
-                              torch.from_numpy(slots))
-
-    @staticmethod
-    def _extends(last: _HostDecodeLayout, seq_lens, tables, block_size: int) -> bool:
-        """Whether these rows are last's, one token longer each, on the blocks last gathered."""
-        if len(seq_lens) != len(last.seq_lens) or not np.array_equal(seq_lens, last.seq_lens + 1):
-            return False
-        held = last.tables.shape[1]
-        if tables.shape[1] < held:
-            tables = np.pad(tables, ((0, 0), (0, held - tables.shape[1])))
-        used = np.arange(held)[None, :] < -(-last.seq_lens[:, None] // block_size)
-        return bool(np.all((tables[:, :held] == last.tables) | ~used))
-
-    def keys_values(self, step: KeptDecodeStep, key, value, k_cache, v_cache, decode_rows):
-        """This layer's decode keys and values, [Bd, KVH, L, D] each: its buffers of the step before with this
-        step's rows written in (key, value [T, KVH, D] this step's; decode_rows [Bd] or None for all), or, when
-        they hold another step, gathered afresh from the caches (already holding this step's rows). None for
-        caches in the plain layout (not from `allocate_kv_cache`) and FP8 caches: the caller gathers."""
-        k_storage, v_storage = heads_major(k_cache), heads_major(v_cache)
-        if k_storage is None or v_storage is None or reference.is_fp8(k_cache):
-            return None
-        kv_heads, _, block_size, head_dim = k_storage.shape
-        num_seqs = step.write_slots.shape[0]
-        shape = (kv_heads, num_seqs * step.capacity, head_dim)  # each buffer's view this step
-        layer = k_cache.data_ptr()
-        held = self._layers.get(layer)
-        if held is not None and step.continues is not None and held[0] == step.continues:
-            bufs = [memory[: _numel(shape)].view(shape) for memory in held[1:]]
-            for new, buf in zip((key, value), bufs):
-                rows = new if decode_rows is None else new.index_select(0, decode_rows)  # [Bd, KVH, D]
-                buf.index_copy_(1, step.write_slots, rows.transpose(0, 1).to(buf.dtype))
-            memories = held[1:]
-        else:
-            olds = (None, None) if held is None else held[1:]
-            memories = [_at_least(old, _numel(shape), cache.dtype) for old, cache in zip(olds, (k_cache, v_cache))]
-            bufs = []
-            for storage, memory in zip((k_storage, v_storage), memories):
-                out = memory[: _numel(shape)].view(kv_heads, -1, block_size, head_dim)
-                bufs.append(torch.index_select(storage, 1, step.blocks, out=out).view(shape))
-        self._layers[layer] = (step.serial, *memories)
-        return tuple(buf.view(kv_heads, num_seqs, step.capacity, head_dim)[:, :, :step.num_keys].transpose(0, 1)
-                     for buf in bufs)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape))
-
-
-def _at_least(memory: Optional[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """memory (1-D) when it holds numel elements, else a new 1-D tensor of numel (contents undefined)."""
-    if memory is not None and memory.numel() >= numel:
-        return memory
-    return torch.empty(numel, dtype=dtype)
-
-
 def decode_attention(q, k_cache, v_cache, plan: AttentionPlan, scale: float,
-                     softcap: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                     kept_kv=None) -> torch.Tensor:
-    """q: [Bd, H, D], one query per sequence at its last position -> [Bd, H, D]. kept_kv: the decode rows' keys
-    and values ([Bd, KVH, L, D] each, L = the plan's padded key count) when `KeptDecodeKV` holds them; None:
-    gathered from the caches."""
+                     softcap: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """q: [Bd, H, D], one query per sequence at its last position -> [Bd, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    if kept_kv is not None:
-        keys, values = kept_kv
-    else:
-        shape = gather_buffer_shape(k_cache, plan.decode_blocks.shape[0])
-        keys = gather_blocks(k_cache, plan.decode_blocks, num_seqs, plan.gather_buffer("k", shape, k_cache))
-        values = gather_blocks(v_cache, plan.decode_blocks, num_seqs, plan.gather_buffer("v", shape, v_cache))
+    shape = gather_buffer_shape(k_cache, plan.decode_blocks.shape[0])
+    keys = gather_blocks(k_cache, plan.decode_blocks, num_seqs, plan.gather_buffer("k", shape, k_cache))
+    values = gather_blocks(v_cache, plan.decode_blocks, num_seqs, plan.gather_buffer("v", shape, v_cache))
     if reference.is_fp8(k_cache):  # [Bd, KVH, L, D] e4m3 -> q's dtype
         keys = reference.dequantize_kv(keys, k_scale, q.dtype)
         values = reference.dequantize_kv(values, v_scale, q.dtype)

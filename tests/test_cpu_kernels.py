@@ -122,51 +122,6 @@ def test_gather_buffers_are_reused_by_every_layer_of_a_step():
     assert plan.gather_buffer("k", shape, k_cache).data_ptr() == first
 
 
-def test_kept_decode_kv_gives_the_gathered_results_bit_for_bit_across_steps():
-    """Decode steps of 3 layers with `KeptDecodeKV` against the same steps gathering from the cache: identical
-    outputs through steps that extend the last (in place), outgrow the buffers' capacity, drop a sequence, add
-    a prefill beside the decodes, and follow a planned step that never ran."""
-    block_size, kv_heads, heads, head_dim, layers = 4, 2, 4, 16, 3
-    shape = (64, block_size, kv_heads, head_dim)
-    caches = [tuple(cpu.allocate_kv_cache(shape, torch.float32).normal_() for _ in range(2)) for _ in range(layers)]
-    twins = [tuple(c.clone() for c in pair) for pair in caches]
-    tables = np.random.default_rng(0).permutation(64)[:40].reshape(4, 10).astype(np.int32)
-    kept = cpu.KeptDecodeKV(2 * layers * kv_heads * head_dim * 4, max_bytes=1 << 20)
-    lens = np.array([3, 9, 5, 12], dtype=np.int32)  # context before each step
-
-    def step(rows, q_lens, run=True):
-        """rows of `tables` this step, with q_lens new tokens each; lens advance by q_lens."""
-        new_lens = lens[rows] + np.asarray(q_lens)
-        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        layout = (qsl, new_lens.astype(np.int32), tables[rows], block_size)
-        plan_kept, plan = cpu.plan_attention(*layout, kept=kept), cpu.plan_attention(*layout)
-        if not run:  # (its tokens are missing from both caches alike)
-            lens[rows] = new_lens
-            return plan_kept.kept
-        positions = np.concatenate([np.arange(e - n, e) for n, e in zip(q_lens, new_lens)])
-        slots = torch.from_numpy(tables[np.repeat(rows, q_lens), positions // block_size].astype(np.int64)
-                                 * block_size + positions % block_size)
-        for (k, v), (k2, v2) in zip(caches, twins):
-            q, key, value = torch.randn(len(slots), heads, head_dim), *torch.randn(2, len(slots), kv_heads, head_dim)
-            out = cpu.cache_and_attend(q, key, value, k, v, slots, plan_kept, 0.25)
-            expected = cpu.cache_and_attend(q, key, value, k2, v2, slots, plan, 0.25)
-            assert torch.equal(out, expected)
-        lens[rows] = new_lens
-        return plan_kept.kept
-
-    everyone = np.arange(4)
-    first = step(everyone, [1] * 4)
-    assert first.continues is None and first.capacity == first.num_keys  # a new batch: exactly its blocks
-    extends = [step(everyone, [1] * 4) for _ in range(15)]  # one token each: in place, until a row outgrows them
-    assert extends[-1].continues is not None and sum(s.continues is None for s in extends) == 1
-    assert max(s.capacity - s.num_keys for s in extends) == 2 * block_size  # outgrown: room for 2 more blocks
-    step(everyone, [1] * 4, run=False)  # planned, never run: the next step names it, and so gathers afresh
-    assert step(everyone, [1] * 4).continues is not None
-    assert step(np.array([0, 2, 3]), [1] * 3).continues is None  # a sequence left
-    assert step(np.array([0, 2, 3]), [1] * 3).continues is not None
-    assert step(np.array([0, 1, 2, 3]), [1, 3, 1, 1]) is not None  # a prefill beside the decodes (rows 0, 2, 3)
-
-
 def poison_freed_blocks(k_cache, v_cache, tables, q_lens, seq_lens, window):
     """NaN in the blocks wholly before each sequence's first visible key (the engine may have freed them), every
     unused table entry pointed at a clean block: reading a freed block, even masked, gives NaN."""
