@@ -33,6 +33,12 @@ FLOAT_DTYPES = [torch.float32, torch.bfloat16]
 @pytest.fixture(autouse=True)
 def nan_poisoned_empty(monkeypatch):
     """Make every floating torch.empty return NaNs, so unwritten outputs (and workspaces) show up."""
+    # `with torch.device(...)` finds constructors in a set torch builds once, on first use: built while the
+    # wrapper below stands in for torch.empty, it would miss the real one and place nothing (an engine built in a
+    # poisoned test landed on the CPU). Build it now, with the real torch.empty.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     real_empty = torch.empty
 
     def empty(*args, **kwargs):
@@ -42,6 +48,12 @@ def nan_poisoned_empty(monkeypatch):
         return tensor
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+def test_nan_poisoned_empty_leaves_device_contexts_placing_tensors():
+    """Run alone in a fresh process, this failed before the fixture built torch's constructor set first."""
+    with torch.device("meta"):
+        assert torch.empty(2).device.type == "meta"
 
 
 @pytest.fixture(autouse=True)

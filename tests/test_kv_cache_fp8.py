@@ -58,6 +58,12 @@ FP8_VS_FULL_PRECISION = 0.08  # relative error of attention over an e4m3 cache a
 @pytest.fixture(autouse=True)
 def nan_poisoned_empty(monkeypatch):
     """Every floating torch.empty returns NaNs, so an output (or workspace) element left unwritten shows up."""
+    # `with torch.device(...)` finds constructors in a set torch builds once, on first use: built while the
+    # wrapper below stands in for torch.empty, it would miss the real one and place nothing (an engine built in a
+    # poisoned test landed on the CPU). Build it now, with the real torch.empty.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     real_empty = torch.empty
 
     def empty(*args, **kwargs):

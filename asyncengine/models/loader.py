@@ -92,7 +92,6 @@ def load_model(model_config: ModelConfig, device: torch.device, max_positions: i
     quant = _quantization_kwargs(model_config, cls, device)
     with torch.device(device):
         model = cls(model_config.hf_config, model_config.dtype, max_positions, **quant)
-    _place_on(model, device)
     if load_format == "dummy":
         fill_random(model, seed)
     else:
@@ -108,22 +107,6 @@ def load_model(model_config: ModelConfig, device: torch.device, max_positions: i
         if isinstance(module, LinearBase):
             module.linear_method.process_weights_after_loading(module)
     return model.eval()
-
-
-def _place_on(model: torch.nn.Module, device: torch.device) -> None:
-    """Make sure every parameter and buffer is on `device`. `with torch.device(device)` places what a constructor
-    creates through a torch function mode; in a process where something has disabled those modes
-    (torch._C._is_torch_function_mode_enabled() is False: seen under pytest on a GPU machine) the model is built on
-    the CPU instead, and is moved here (slower start-up, the weights pass through host memory: logged)."""
-    def placed(t: torch.Tensor) -> bool:  # "cuda" means the current device: any index counts
-        return t.device.type == device.type and (device.index is None or t.device.index == device.index)
-
-    if all(placed(t) for t in (*model.parameters(), *model.buffers())):
-        return
-    logger.warning("the model was built on the CPU, not %s (torch function modes are %s in this process, so "
-                   "`with torch.device(...)` had no effect); moving it: start-up is slower and uses host memory",
-                   device, "enabled" if torch._C._is_torch_function_mode_enabled() else "disabled")
-    model.to(device)
 
 
 @torch.no_grad()
