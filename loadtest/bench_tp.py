@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -105,12 +104,6 @@ def greedy_tokens(folder: Path, tp: int, args, tiny: bool) -> list[list[int]]:
 
 
 # -- the collectives alone ---------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _graph_us(fn, repeat: int = 200) -> float:
     """Microseconds per call of fn() with `repeat` calls captured in one CUDA graph (as the engine's decode graphs
     hold the collectives), replayed; median of 10 replays."""
@@ -186,7 +179,9 @@ def allreduce_microseconds(world: int, hidden_sizes: list[int]) -> dict:
     shapes = sorted({(m, h) for h in hidden_sizes for m in (1, 16, 256)})
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    from asyncengine.distributed.executor import free_port
+
+    port = free_port("127.0.0.1")
     procs = [ctx.Process(target=_allreduce_rank, args=(r, world, port, shapes, queue)) for r in range(world)]
     for p in procs:
         p.start()

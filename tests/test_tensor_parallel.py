@@ -173,22 +173,31 @@ def _gone(pid: int) -> bool:
     return False
 
 
+async def _signal_a_worker_mid_stream(engine, pid: int, sig: int, timeout_s: float):
+    """Two greedy streams of 200 tokens; after stream "a"'s third output the worker `pid` gets `sig`. Returns
+    (each stream's token count or exception, when the signal was sent)."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    signalled_at = []
+
+    async def consume(request_id):
+        got = 0
+        async for _ in engine.generate(PROMPTS[0], params, request_id):
+            got += 1
+            if got == 3 and request_id == "a":
+                os.kill(pid, sig)
+                signalled_at.append(time.monotonic())
+        return got
+
+    results = await asyncio.wait_for(asyncio.gather(consume("a"), consume("b"), return_exceptions=True), timeout_s)
+    return results, signalled_at[0]
+
+
 def test_killing_a_worker_mid_stream_ends_the_streams_with_an_error(checkpoints):
     async def run():
         engine = AsyncLLMEngine(EngineConfig(model=str(checkpoints["one_kv_head"]), tensor_parallel_size=2,
                                              max_model_len=256, seed=0))
         pids = _worker_pids(engine)
-        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-
-        async def consume(request_id):
-            got = 0
-            async for _ in engine.generate(PROMPTS[0], params, request_id):
-                got += 1
-                if got == 3 and request_id == "a":
-                    os.kill(pids[0], signal.SIGKILL)
-            return got
-
-        results = await asyncio.wait_for(asyncio.gather(consume("a"), consume("b"), return_exceptions=True), 60)
+        results, _ = await _signal_a_worker_mid_stream(engine, pids[0], signal.SIGKILL, timeout_s=60)
         assert all(isinstance(r, Exception) for r in results), results
         with pytest.raises(Exception):
             engine.check_health()
@@ -220,20 +229,8 @@ def test_a_hung_worker_ends_the_streams_within_the_step_timeout(checkpoints):
         assert len([o async for o in engine.generate(PROMPTS[1], short, "warm")][-1].outputs[0].token_ids) == 4
         await asyncio.sleep(step_timeout + 0.5)  # idle past the step timeout
         engine.check_health()
-        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        stopped_at = []
-
-        async def consume(request_id):
-            got = 0
-            async for _ in engine.generate(PROMPTS[0], params, request_id):
-                got += 1
-                if got == 3 and request_id == "a":
-                    os.kill(pids[0], signal.SIGSTOP)
-                    stopped_at.append(time.monotonic())
-            return got
-
-        results = await asyncio.wait_for(asyncio.gather(consume("a"), consume("b"), return_exceptions=True), 30)
-        waited = time.monotonic() - stopped_at[0]
+        results, stopped_at = await _signal_a_worker_mid_stream(engine, pids[0], signal.SIGSTOP, timeout_s=30)
+        waited = time.monotonic() - stopped_at
         assert all(isinstance(r, Exception) for r in results), results
         assert all("hung" in repr(r) or "hung" in repr(r.__cause__) for r in results), results
         assert step_timeout <= waited < step_timeout + 10, waited
