@@ -22,7 +22,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 rc=0
 if [[ $what == tests || $what == all ]]; then
-  timeout 480 python3 -m pytest -q -s -m gpu tests/test_kernels.py tests/test_gpu_*.py tests/test_embeddings.py tests/test_mixed_pooling.py -p no:cacheprovider 2>&1 \
+  # every test file with a GPU-marked test, except the tensor-parallel ones (`tp N` runs those on N GPUs)
+  gpu_files=$(grep -l "mark.gpu" tests/test_*.py | grep -v test_tensor_parallel)
+  timeout "${GPU_TESTS_TIMEOUT:-480}" python3 -m pytest -q -s -m gpu $gpu_files -p no:cacheprovider 2>&1 \
     | grep -v "rope_parameters\|Loading weights\|Writing model" | tee "$OUT/gpu_tests.log" | tail -12
   rc=${PIPESTATUS[0]}
 fi
