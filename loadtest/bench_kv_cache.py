@@ -20,6 +20,13 @@ import torch
 CACHE_DTYPES = ("auto", "fp8")
 
 
+def cache_shape(runner) -> dict:
+    """The KV cache's dtype, blocks, bytes per block and tokens held (a function, so that no local name keeps the
+    runner, and with it the engine's GPU memory, alive past `del llm`: run 1 of session 8 ran OOM so)."""
+    return dict(kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."), kv_blocks=runner.num_blocks,
+                bytes_per_block=runner.bytes_per_block(), kv_tokens=runner.num_blocks * runner.block_size)
+
+
 def measure(folder, w2, warm_up, **engine_args) -> dict:
     """{cache dtype: blocks, bytes per block, tokens the cache holds, W2 result} for the bf16 and the fp8 cache."""
     from asyncengine import LLM
@@ -31,10 +38,7 @@ def measure(folder, w2, warm_up, **engine_args) -> dict:
     for kv in CACHE_DTYPES:
         t0 = time.perf_counter()
         llm = LLM(str(folder), dtype="bfloat16", kv_cache_dtype=kv, **engine_args)
-        runner = llm.engine.runner
-        res = dict(init_s=time.perf_counter() - t0, kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
-                   kv_blocks=runner.num_blocks, bytes_per_block=runner.bytes_per_block(),
-                   kv_tokens=runner.num_blocks * runner.block_size)
+        res = dict(init_s=time.perf_counter() - t0, **cache_shape(llm.engine.runner))
         run_engine(llm, *warm_up)
         res["W2"] = run_engine(llm, *w2)
         results[kv] = res
