@@ -66,10 +66,11 @@ def test_gpu_fp8_per_token_quantization_matches_reference_within_one_step():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 4, 16, 40, 64])
-@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("k, n", SHAPES + [LM_HEAD])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_decode_gemv_at_llama_8b_sizes(m, k, n, fp8):
-    """bf16 weights, or FP8 weights with per-channel scales (weight-only), against the reference."""
+    """bf16 weights, or FP8 weights with per-channel scales (weight-only), against the reference; the LM head's
+    shape too (the head takes our GEMV where it measures faster)."""
     from asyncengine.kernels import quant_gemv, quant_reference
 
     if fp8 and torch.cuda.get_device_capability() < (8, 9):

@@ -206,3 +206,18 @@ def test_quantization_of_a_moe_family_is_refused_at_start_up(checkpoint_dir):
     """MoE families build their own feed-forward blocks (the experts), which take no quantized weights yet."""
     with pytest.raises(ValueError, match="not supported for MixtralForCausalLM .*dense Llama family"):
         LLM(str(checkpoint_dir("MixtralForCausalLM")), quantization="fp8")
+
+
+def test_lm_head_logits_through_the_decode_gemv_equal_the_library_product():
+    """vocab_parallel_logits takes the decode GEMV (on CPU its reference) for S <= gemv_max_m and F.linear above;
+    both give the same logits (float32, 1e-5 relative), and CPU start-up never picks the GEMV for the head."""
+    from asyncengine.models.layers import head_gemv_max_m, vocab_parallel_logits
+
+    gen = torch.Generator().manual_seed(17)
+    weight = torch.randn(300, 64, generator=gen)
+    hidden = torch.randn(3, 64, generator=gen)
+    expected = torch.nn.functional.linear(hidden, weight)
+    for threshold in (0, 2, 3, 16):
+        logits = vocab_parallel_logits(hidden, weight, 300, gemv_max_m=threshold)
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert head_gemv_max_m(weight) == 0

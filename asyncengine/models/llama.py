@@ -27,6 +27,7 @@ from asyncengine.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    head_gemv_max_m,
     kv_heads_per_rank,
     vocab_parallel_logits,
     load_checkpoint_tensor,
@@ -173,11 +174,20 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    head_gemv_max_m = 0  # decode batches up to this size take our GEMV for the head (process_weights_after_loading)
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's rows on this rank [vocab_per_rank, hidden] (the embedding's when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def process_weights_after_loading(self) -> None:
+        """After every weight is loaded (and the linear layers processed): measure the head's GEMV threshold."""
+        self.head_gemv_max_m = head_gemv_max_m(self.head_weight())
+
     def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden: [S, hidden] -> logits [S, vocab] in float32, written into `out` ([S, vocab] float32) if given.
         With several ranks every rank computes its vocabulary slice and gets the gathered logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = vocab_parallel_logits(hidden, weight, self.config.vocab_size)
+        logits = vocab_parallel_logits(hidden, self.head_weight(), self.config.vocab_size, self.head_gemv_max_m)
         if out is None:
             return logits.float()
         return out.copy_(logits)

@@ -106,6 +106,8 @@ def load_model(model_config: ModelConfig, device: torch.device, max_positions: i
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.linear_method.process_weights_after_loading(module)
+    if hasattr(model, "process_weights_after_loading"):  # the whole model's own step (e.g. the LM head's GEMV)
+        model.process_weights_after_loading()
     return model.eval()
 
 
