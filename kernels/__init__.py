@@ -4,9 +4,11 @@
     activation.py  silu_and_mul
     rotary.py      rotary_embedding (neox style, in place)
     cache.py       reshape_and_cache (paged KV write, slot < 0 skipped)
+    rotary_cache.py  rotary_and_cache (rotary of q and k fused with the paged KV write)
     attention.py   paged_attention (2D kernel for prefill / mixed batches, split-KV kernel for decode)
     moe.py         fused_moe (mixture of experts: tokens grouped by expert, one grouped GEMM per projection)
     reference.py   the torch definition of every kernel above
+    pdl.py         whether launches use programmatic dependent launch (Hopper+), and the rule its kernels keep
 
 Each Triton module has the signature of its counterpart in `reference.py`. Nothing in this package imports the
 engine; `asyncengine.ops` is the adapter that picks a Triton kernel or the reference per call. Importing a Triton

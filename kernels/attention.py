@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from asyncengine.kernels import interpreting
+from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
 from asyncengine.kernels.reference import FP8_KV_DTYPE, is_fp8
 
 LOG2E = 1.4426950408889634
@@ -346,7 +347,9 @@ def _decode_partial_kernel(
     SLIDING_WINDOW: tl.constexpr,  # > 0: the query (at seq_len - 1) sees only the last SLIDING_WINDOW keys
     SOFTCAP: tl.constexpr,  # > 0: cap the scores (qk_scale is then the plain scale)
     KV_FP8: tl.constexpr,  # the caches are e4m3: the partial output is scaled by v_scale
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): the wait comes before the early return
 ):
+    wait_for_prior_grids(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -410,7 +413,9 @@ def _decode_reduce_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): the wait comes before the early return
 ):
+    wait_for_prior_grids(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -558,6 +563,7 @@ def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     part_acc = workspace[: parts * head_dim_pad]
     part_max = workspace[parts * head_dim_pad : parts * (head_dim_pad + 1)]
     part_sum = workspace[parts * (head_dim_pad + 1) :]
+    pdl = pdl_enabled(q.device)
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         part_acc, part_max, part_sum, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         _score_scale(scale, softcap, k_cache, k_scale), v_scale, num_heads,
@@ -568,12 +574,13 @@ def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         NUM_SPLITS=num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         DOT_F32=_dot_f32(q), PRECISION=_precision(), SLIDING_WINDOW=sliding_window or 0,
-        SOFTCAP=float(softcap or 0.0), KV_FP8=is_fp8(k_cache), num_warps=num_warps, num_stages=num_stages,
+        SOFTCAP=float(softcap or 0.0), KV_FP8=is_fp8(k_cache), USE_PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_acc, part_max, part_sum, query_start_loc, num_heads, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
