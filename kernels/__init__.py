@@ -36,6 +36,25 @@ def available() -> bool:
     return interpreting() or torch.cuda.is_available()
 
 
+_arrival_counters: dict = {}
+
+
+def arrival_counters(owner: str, device, slots: int):
+    """A zeroed int32 buffer [slots] of arrival counters for the kernels of `owner` on `device` (split-K and split-KV
+    reductions done by the last program to arrive, which resets its counter: the kernels leave the buffer zeroed).
+    Made by the first call, which must run eagerly: zeros made inside a CUDA-graph capture would only be zeroed when
+    that graph is replayed."""
+    import torch
+
+    key = (owner, device.type, device.index)
+    if key not in _arrival_counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{owner}: the first call on a device must run outside CUDA-graph capture (it makes "
+                               "the arrival counters); run the model once eagerly before capturing")
+        _arrival_counters[key] = torch.zeros(slots, dtype=torch.int32, device=device)
+    return _arrival_counters[key]
+
+
 @functools.cache
 def sm_count(device_index) -> int:
     """Streaming multiprocessors of a CUDA device (asked once: kernels size split-K grids by it on every call)."""

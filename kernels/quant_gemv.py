@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting, sm_count
+from . import arrival_counters, interpreting, sm_count
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
 
 MAX_M = 64
@@ -308,20 +308,10 @@ def _fit(config: GemvConfig, k: int, group_size: Optional[int]) -> _Launch:
     return _Launch(config, block_k, k_per_split, triton.cdiv(k, k_per_split))
 
 
-_counters: dict = {}
-
-
 def _counter_buffer(device: torch.device) -> torch.Tensor:
-    """The split-K arrival counters of a device: zeroed once, left zeroed by every call (kernel docstring). Made
-    by the first call, which must run eagerly: zeros made inside a CUDA-graph capture would only be zeroed when
-    that graph is replayed."""
-    key = (device.type, device.index)
-    if key not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the decode GEMV's first call on a device must run outside CUDA-graph capture "
-                               "(it makes the split-K counters); run the model once eagerly before capturing")
-        _counters[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _counters[key]
+    """The split-K arrival counters of a device: zeroed once, left zeroed by every call (kernel docstring); the
+    first call must run eagerly (`kernels.arrival_counters`)."""
+    return arrival_counters("the decode GEMV", device, _COUNTER_SLOTS)
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, group_size: Optional[int],

@@ -326,7 +326,8 @@ def compile_kernel(fn, types, constants):
     return "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 decode = dict(NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
-              DOT_F32=False, PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=False)
+              DOT_F32=False, PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=False, FUSED_REDUCE=True,
+              SPLITS_PAD=4)
 kernels = [
     (norm._rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096, ROWS=1)),
     (norm._fused_add_rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096)),
@@ -338,7 +339,7 @@ kernels = [
     (rotary_cache._rotary_cache_kernel, dict(positions_ptr=i64, cos_sin_ptr=f32, k_cache_ptr=fp8, v_cache_ptr=fp8,
                                              slot_ptr=i64, k_inv_scale="fp32", v_inv_scale="fp32"),
      dict(HALF=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=64, BLOCK_SIZE=16, QUANT=True)),
-    (attention._decode_partial_kernel, dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32,
+    (attention._decode_partial_kernel, dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, counter_ptr=i32,
                                             query_start_loc_ptr=i32, seq_lens_ptr=i32, block_tables_ptr=i32,
                                             qk_scale="fp32", v_scale="fp32"), decode),
     (attention._decode_reduce_kernel, dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32,
@@ -366,3 +367,116 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
     assert "with griddepcontrol 10 of 10" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Split-KV decode attention in one launch (the last split to arrive merges)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def decode_batch(seq_lens, *, heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+                 cache_dtype=None, device=DEVICE):  # fmt: skip
+    """q [B, H, D] (one query per sequence, strided as in a fused qkv), caches over shuffled block tables."""
+    tables, num_blocks = shuffled_block_tables(seq_lens, block_size, spare_blocks=3, spare_columns=1)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    if cache_dtype == FP8:
+        k_cache, v_cache = random_fp8(shape, device), random_fp8(shape, device)
+    else:
+        k_cache, v_cache = (torch.randn(shape, dtype=dtype, device=device) for _ in range(2))
+    qkv = torch.randn(len(seq_lens), heads + 2 * kv_heads, head_dim, dtype=dtype, device=device)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return qkv[:, :heads], k_cache, v_cache, qsl, lens, tables.to(device)
+
+
+def decode(batch, num_splits, fused, **kwargs):
+    from asyncengine.kernels import attention
+
+    return attention.paged_attention_decode(*batch, 0.125, num_splits, fused_reduce=fused, **kwargs)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, FP8)])
+def test_fused_split_kv_decode_equals_the_two_kernels_bit_for_bit(num_splits, dtype, cache_dtype):
+    from asyncengine.kernels import arrival_counters
+
+    # e4m3 values reach ~300: k_scale keeps the scores in a realistic range (else one key takes all the weight)
+    scales = dict(k_scale=0.01, v_scale=0.02) if cache_dtype == FP8 else {}
+    batch = decode_batch([700, 5, 257, 64], dtype=dtype, cache_dtype=cache_dtype)  # some segments empty
+    two = decode(batch, num_splits, False, **scales)
+    fused = decode(batch, num_splits, True, **scales)
+    assert same(fused, two)
+    q, k_cache, v_cache, qsl, lens, tables = batch
+    ref = reference.paged_attention(q, k_cache, v_cache, qsl, lens, tables, 0.125, None, None,
+                                    scales.get("k_scale", 1.0), scales.get("v_scale", 1.0))
+    assert_matches(fused, ref, ATTENTION_TOLERANCE)
+    again = decode(batch, num_splits, True, **scales)  # the counters were left zeroed: the same result again
+    assert same(again, fused)
+    assert not arrival_counters("split-KV decode", q.device, 1).any(), "arrival counters not reset"
+
+
+@pytest.mark.parametrize("window,softcap", [(40, None), (None, 30.0), (100, 20.0)])
+def test_fused_split_kv_decode_with_window_and_softcap(window, softcap):
+    batch = decode_batch([300, 17, 129])
+    kwargs = dict(sliding_window=window, softcap=softcap)
+    assert same(decode(batch, 4, True, **kwargs), decode(batch, 4, False, **kwargs))
+
+
+def test_fused_split_kv_decode_of_a_sequence_does_not_depend_on_its_batch():
+    """Batch invariance at a fixed split count: each sequence alone gives the bits it gets inside the batch."""
+    seq_lens = [650, 33, 300]
+    q, k_cache, v_cache, qsl, lens, tables = decode_batch(seq_lens)
+    together = decode((q, k_cache, v_cache, qsl, lens, tables), 5, True)
+    for b in range(len(seq_lens)):
+        alone = decode((q[b : b + 1], k_cache, v_cache, qsl[:2], lens[b : b + 1], tables[b : b + 1]), 5, True)
+        assert same(alone, together[b : b + 1]), f"sequence {b} changed with its batch"
+
+
+def test_fused_split_kv_decode_skips_sequences_without_a_query():
+    q, k_cache, v_cache, _, lens, tables = decode_batch([100, 60, 90])
+    qsl = torch.tensor([0, 1, 1, 2], dtype=torch.int32, device=DEVICE)  # sequence 1 has no query this step
+    out = torch.full((3, 4, 64), 7.0, device=DEVICE)
+    batch = (q, k_cache, v_cache, qsl, lens, tables)
+    from asyncengine.kernels import attention
+
+    attention.paged_attention_decode(*batch, 0.125, 3, out=out)
+    assert (out[2] == 7.0).all(), "a row past the last query was written"
+    ref = reference.paged_attention(q[:2], k_cache, v_cache, qsl, lens, tables, 0.125)
+    assert_matches(out[:2], ref, ATTENTION_TOLERANCE)
+    assert same(decode(batch, 3, True), decode(batch, 3, True))  # and the counters of sequence 1 stayed zero
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fused_split_kv_decode_at_llama_sizes_in_a_cuda_graph():
+    """64 sequences and one long one at 8B shapes (bf16 and FP8 caches): fused == two kernels bit for bit, and a
+    captured graph replayed on new contexts keeps matching (the counters reset on every replay)."""
+    from asyncengine.kernels import attention
+
+    for cache_dtype in (None, FP8):
+        scales = dict(k_scale=0.05, v_scale=0.04) if cache_dtype == FP8 else {}
+        seq_lens = torch.randint(1, 4000, (64,)).tolist()
+        batch = decode_batch(seq_lens, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16,
+                             cache_dtype=cache_dtype, device="cuda")
+        for splits in (1, 4, attention.DECODE_MAX_SPLITS):
+            assert same(decode(batch, splits, True, **scales), decode(batch, splits, False, **scales))
+        one = decode_batch([3500], heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16,
+                           cache_dtype=cache_dtype, device="cuda")
+        q, k_cache, v_cache, qsl, lens, tables = one
+        out = torch.empty_like(q)
+
+        def step():
+            attention.paged_attention(q, k_cache, v_cache, qsl, lens, tables, 0.125, max_query_len=1,
+                                      max_seq_len=4096, out=out, **scales)
+
+        step()  # compile and make the counters outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(3):
+            lens.copy_(torch.randint(1, 3500, (1,), device="cuda", dtype=lens.dtype))
+            q.copy_(torch.randn_like(q))
+            graph.replay()
+            splits = attention.decode_num_splits(1, KV_HEADS, 4096, torch.cuda.get_device_properties(0)
+                                                 .multi_processor_count)
+            assert same(out, decode(one, splits, False, **scales))

@@ -262,10 +262,12 @@ results = [
                    dict(shape, GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64, DOT_F32=False, PRECISION="tf32x3",
                         CAUSAL=True, SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=True)),
     compile_kernel(attention._decode_partial_kernel,
-                   dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, q_ptr=bf16, k_cache_ptr=fp8,
-                        v_cache_ptr=fp8, query_start_loc_ptr=i32, seq_lens_ptr=i32, block_tables_ptr=i32),
+                   dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, out_ptr=bf16, counter_ptr=i32,
+                        q_ptr=bf16, k_cache_ptr=fp8, v_cache_ptr=fp8, query_start_loc_ptr=i32, seq_lens_ptr=i32,
+                        block_tables_ptr=i32),
                    dict(shape, **pdl, NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, DOT_F32=False,
-                        PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=True)),
+                        PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=True, FUSED_REDUCE=True,
+                        SPLITS_PAD=4)),
 ]
 print("compiled", sum(results), "of", len(results))
 """
