@@ -26,13 +26,13 @@ def _triton_kernels():
     """The Triton kernel modules, or None when Triton cannot run here. Asked only for CUDA tensors, once: a
     failure is logged as an error, since the torch references are far slower on a GPU."""
     try:
-        from asyncengine.kernels import activation, attention, cache, moe, norm, rotary
+        from asyncengine.kernels import activation, attention, cache, moe, norm, rotary, rotary_cache
     except Exception:  # Triton missing or broken: fall back to the references, loudly
         logger.exception("the Triton kernels failed to import on a CUDA device; every kernel falls back to its "
                          "torch reference (correct, but much slower). Install a Triton that matches torch.")
         return None
     return {"activation": activation, "attention": attention, "cache": cache, "moe": moe, "norm": norm,
-            "rotary": rotary}
+            "rotary": rotary, "rotary_cache": rotary_cache}
 
 
 def _impl(x: torch.Tensor, family: str):
@@ -89,10 +89,21 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale: float
 
 
 def cache_and_attend(q, k, v, k_cache, v_cache, metadata, scale: float, sliding_window=None,
-                     softcap=None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                     softcap=None, k_scale: float = 1.0, v_scale: float = 1.0, rotary=None) -> torch.Tensor:
     """reshape_and_cache(k, v, ...) then paged_attention(q, ...): q [T, H, D], k, v [T, KVH, D] -> [T, H, D].
     On CPU with the step's plan (metadata.cpu_plan) one fused call, which can skip reading back what it wrote.
-    k_scale / v_scale: the layer's FP8 KV scales (read only when the caches are e4m3)."""
+    k_scale / v_scale: the layer's FP8 KV scales (read only when the caches are e4m3).
+    rotary: None, or (positions [T], cos_sin_cache [max_pos, D]) to rotate q and k first (rotary_embedding); on
+    CUDA the rotation and the cache write are one kernel (kernels/rotary_cache.py). q and k may be rotated in
+    place."""
+    if rotary is not None:
+        positions, cos_sin_cache = rotary
+        if q.is_cuda:
+            q, k = _impl(q, "rotary_cache").rotary_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                                             metadata.slot_mapping, k_scale, v_scale)
+            return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, softcap, k_scale, v_scale)
+        q_rot, k_rot = rotary_embedding(positions, q.flatten(1), k.flatten(1), cos_sin_cache, q.shape[-1])
+        q, k = q_rot.view(q.shape), k_rot.view(k.shape)
     if CPU_FAST_PATH and metadata.cpu_plan is not None and q.device.type == "cpu":
         return cpu.cache_and_attend(q, k, v, k_cache, v_cache, metadata.slot_mapping, metadata.cpu_plan, scale,
                                     sliding_window, softcap, k_scale, v_scale)

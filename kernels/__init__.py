@@ -4,9 +4,11 @@
     activation.py  silu_and_mul
     rotary.py      rotary_embedding (neox style, in place)
     cache.py       reshape_and_cache (paged KV write, slot < 0 skipped)
+    rotary_cache.py  rotary_and_cache (rotary of q and k fused with the paged KV write)
     attention.py   paged_attention (2D kernel for prefill / mixed batches, split-KV kernel for decode)
     moe.py         fused_moe (mixture of experts: tokens grouped by expert, one grouped GEMM per projection)
     reference.py   the torch definition of every kernel above
+    pdl.py         whether launches use programmatic dependent launch (Hopper+), and the rule its kernels keep
 
 Each Triton module has the signature of its counterpart in `reference.py`. Nothing in this package imports the
 engine; `asyncengine.ops` is the adapter that picks a Triton kernel or the reference per call. Importing a Triton
@@ -32,6 +34,25 @@ def available() -> bool:
     except Exception:  # Triton missing or broken
         return False
     return interpreting() or torch.cuda.is_available()
+
+
+_arrival_counters: dict = {}
+
+
+def arrival_counters(owner: str, device, slots: int):
+    """A zeroed int32 buffer [slots] of arrival counters for the kernels of `owner` on `device` (split-K and split-KV
+    reductions done by the last program to arrive, which resets its counter: the kernels leave the buffer zeroed).
+    Made by the first call, which must run eagerly: zeros made inside a CUDA-graph capture would only be zeroed when
+    that graph is replayed."""
+    import torch
+
+    key = (owner, device.type, device.index)
+    if key not in _arrival_counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{owner}: the first call on a device must run outside CUDA-graph capture (it makes "
+                               "the arrival counters); run the model once eagerly before capturing")
+        _arrival_counters[key] = torch.zeros(slots, dtype=torch.int32, device=device)
+    return _arrival_counters[key]
 
 
 @functools.cache

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enabled as pdl_enabled, wait_for_prior_grids
+
 BLOCK_I = 1024  # columns per program
 
 
@@ -20,7 +22,9 @@ def _silu_and_mul_kernel(
     stride_x,
     I,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
+    wait_for_prior_grids(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -41,5 +45,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(BLOCK_I, triton.next_power_of_2(inter))
     grid = (tokens, triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](out, x, out.stride(0), x.stride(0), inter, BLOCK=block, num_warps=4)
+    pdl = pdl_enabled(x.device)
+    _silu_and_mul_kernel[grid](out, x, out.stride(0), x.stride(0), inter, BLOCK=block, USE_PDL=pdl, num_warps=4,
+                               launch_pdl=pdl)
     return out

@@ -14,7 +14,9 @@ Paths:
     query_start_loc[b] // BLOCK_Q + b on, and a program finds its sequence by binary search. The KV loop runs in
     two phases: tiles every row may see (no mask), then the diagonal tiles (causal mask).
   * split-KV decode (every q_len <= 1): one program per (sequence, kv head, KV segment) writes a partial
-    (max, sum, unnormalised acc) to a float32 workspace; a reduction kernel merges the segments. The number of
+    (max, sum, unnormalised acc) to a float32 workspace; the last segment of a (sequence, kv head) to finish
+    (an atomic arrival counter, reset by it) merges the segments of its heads in split order, so decode is one
+    launch (the separate reduction kernel, which merges the same way, remains for tests). The number of
     segments is a host-side function of B, KVH and an upper bound of the context length (max_seq_len, else the
     width of block_tables), never of device values, so the launch can be captured in a CUDA graph.
 
@@ -35,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncengine.kernels import interpreting
+from asyncengine.kernels import arrival_counters, interpreting
+from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
 from asyncengine.kernels.reference import FP8_KV_DTYPE, is_fp8
 
 LOG2E = 1.4426950408889634
@@ -51,6 +54,7 @@ DECODE_BLOCK_N = 64  # keys per KV step in the split-KV kernel
 DECODE_MIN_SEGMENT = 64  # fewest keys worth a segment of their own
 DECODE_MAX_SPLITS = 32
 DECODE_PROGRAMS_PER_SM = 2  # split until about this many programs per multiprocessor
+DECODE_COUNTER_SLOTS = 1 << 16  # arrival counters of the fused split-KV reduction, one per (sequence, kv head)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -316,6 +320,8 @@ def _decode_partial_kernel(
     part_acc_ptr,  # [B, H, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalised
     part_max_ptr,  # [B, H, NUM_SPLITS] float32 (log2 domain)
     part_sum_ptr,  # [B, H, NUM_SPLITS] float32
+    out_ptr,  # [T, H, D] (FUSED_REDUCE)
+    counter_ptr,  # [>= B * KVH] int32 arrival counters, zero between calls (FUSED_REDUCE)
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [NB, BS, KVH, D]
     v_cache_ptr,  # [NB, BS, KVH, D]
@@ -327,6 +333,8 @@ def _decode_partial_kernel(
     num_heads,
     stride_qt,
     stride_qh,
+    stride_ot,
+    stride_oh,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -346,7 +354,11 @@ def _decode_partial_kernel(
     SLIDING_WINDOW: tl.constexpr,  # > 0: the query (at seq_len - 1) sees only the last SLIDING_WINDOW keys
     SOFTCAP: tl.constexpr,  # > 0: cap the scores (qk_scale is then the plain scale)
     KV_FP8: tl.constexpr,  # the caches are e4m3: the partial output is scaled by v_scale
+    FUSED_REDUCE: tl.constexpr,  # the last split to finish merges the partials (no reduction kernel)
+    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS (FUSED_REDUCE)
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): the wait comes before the early return
 ):
+    wait_for_prior_grids(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -394,6 +406,56 @@ def _decode_partial_kernel(
     tl.store(part_max_ptr + part, m_i, mask=row_mask)
     tl.store(part_sum_ptr + part, l_i, mask=row_mask)
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_mask[:, None])
+    if FUSED_REDUCE:
+        # The GEMV's split-K pattern (quant_gemv.py): count arrivals per (sequence, kv head); the last split merges
+        # every head of the group and resets the counter, so the next call (or graph replay) finds it zeroed.
+        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        last = True
+        if NUM_SPLITS > 1:
+            tl.debug_barrier()  # every thread's partials stored before the (release) atomic below
+            last = tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1
+        if last:
+            for g in range(GROUP):
+                _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq, kv_head * GROUP + g,
+                              q_start, num_heads, stride_ot, stride_oh, NUM_SPLITS, SPLITS_PAD, HEAD_DIM,
+                              HEAD_DIM_PAD)
+            if NUM_SPLITS > 1:
+                tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _merge_splits(
+    out_ptr,  # [T, H, D]
+    part_acc_ptr,  # [B, H, NUM_SPLITS, HEAD_DIM_PAD] float32
+    part_max_ptr,  # [B, H, NUM_SPLITS] float32
+    part_sum_ptr,  # [B, H, NUM_SPLITS] float32
+    seq,
+    head,
+    q_start,  # the sequence's query row
+    num_heads,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """out[q_start, head] = the NUM_SPLITS partials of (seq, head) merged, in split order (one fixed sum: the
+    result depends on nothing but this head's partials). Partials are read past L1 (.cg): in the fused kernel
+    other programs wrote them."""
+    splits = tl.arange(0, SPLITS_PAD)
+    split_mask = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits  # [SPLITS_PAD]
+    m = tl.load(part_max_ptr + part, mask=split_mask, other=NEG_BIG, cache_modifier=".cg")
+    l = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0, cache_modifier=".cg")
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=split_mask[:, None], other=0.0,
+                  cache_modifier=".cg")  # [SPLITS_PAD, HEAD_DIM_PAD]
+    weight = tl.math.exp2(m - tl.max(m, axis=0))  # [SPLITS_PAD]
+    total = tl.sum(weight * l, axis=0)
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM_PAD]
+    out_off = q_start.to(tl.int64) * stride_ot + head * stride_oh + dims
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 @triton.jit
@@ -410,24 +472,16 @@ def _decode_reduce_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): the wait comes before the early return
 ):
+    wait_for_prior_grids(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == q_start:
         return
-    splits = tl.arange(0, SPLITS_PAD)
-    split_mask = splits < NUM_SPLITS
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits  # [SPLITS_PAD]
-    m = tl.load(part_max_ptr + part, mask=split_mask, other=NEG_BIG)
-    l = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=split_mask[:, None], other=0.0)
-    weight = tl.math.exp2(m - tl.max(m, axis=0))  # [SPLITS_PAD]
-    total = tl.sum(weight * l, axis=0)
-    out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0.0, total, 1.0)  # [HEAD_DIM_PAD]
-    out_off = q_start.to(tl.int64) * stride_ot + head * stride_oh + dims
-    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq, head, q_start, num_heads, stride_ot,
+                  stride_oh, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -544,8 +598,10 @@ def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
 
 
 def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out,
-                   sliding_window=None, softcap=None, k_scale=1.0, v_scale=1.0):
-    """Split-KV partial kernel on a (B, KVH, num_splits) grid, then the reduction on (B, H)."""
+                   sliding_window=None, softcap=None, k_scale=1.0, v_scale=1.0, fused_reduce=True):
+    """Split-KV partial kernel on a (B, KVH, num_splits) grid whose last split per (sequence, kv head) merges the
+    partials (fused_reduce, when B * KVH counters fit), else followed by the reduction kernel on (B, H). Both
+    merge in the same order, to the same bits."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -558,23 +614,29 @@ def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     part_acc = workspace[: parts * head_dim_pad]
     part_max = workspace[parts * head_dim_pad : parts * (head_dim_pad + 1)]
     part_sum = workspace[parts * (head_dim_pad + 1) :]
+    pdl = pdl_enabled(q.device)
+    fused_reduce = fused_reduce and num_seqs * num_kv_heads <= DECODE_COUNTER_SLOTS
+    counters = arrival_counters("split-KV decode", q.device, DECODE_COUNTER_SLOTS) if fused_reduce else part_sum
+    splits_pad = triton.next_power_of_2(num_splits)
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
-        part_acc, part_max, part_sum, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+        part_acc, part_max, part_sum, out, counters, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         _score_scale(scale, softcap, k_cache, k_scale), v_scale, num_heads,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         NUM_SPLITS=num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         DOT_F32=_dot_f32(q), PRECISION=_precision(), SLIDING_WINDOW=sliding_window or 0,
-        SOFTCAP=float(softcap or 0.0), KV_FP8=is_fp8(k_cache), num_warps=num_warps, num_stages=num_stages,
+        SOFTCAP=float(softcap or 0.0), KV_FP8=is_fp8(k_cache), FUSED_REDUCE=fused_reduce, SPLITS_PAD=splits_pad,
+        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
-    _decode_reduce_kernel[(num_seqs, num_heads)](
-        out, part_acc, part_max, part_sum, query_start_loc, num_heads, out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
-    )  # fmt: skip
+    if not fused_reduce:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_max, part_sum, query_start_loc, num_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )  # fmt: skip
 
 
 def _is_decode(q: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int | None) -> bool:
@@ -649,14 +711,16 @@ def paged_attention_decode(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fused_reduce: bool = True,
 ) -> torch.Tensor:
-    """The split-KV decode path with an explicit split count (tests and benchmarks); every q_len must be <= 1."""
+    """The split-KV decode path with an explicit split count (tests and benchmarks); every q_len must be <= 1.
+    fused_reduce=False: the separate reduction kernel (the same bits, one launch more)."""
     _check_inputs(q, k_cache, v_cache, block_tables)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] and seq_lens.shape[0]:
         _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out,
-                       sliding_window, softcap, k_scale, v_scale)
+                       sliding_window, softcap, k_scale, v_scale, fused_reduce)
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
 from asyncengine.kernels.reference import FP8_E4M3_MAX, is_fp8
 
 FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
@@ -54,9 +55,17 @@ def _store_token(
     cols = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads[:, None] < num_kv_heads) & (cols[None, :] < HEAD_DIM)
     x = tl.load(src_ptr + heads[:, None] * stride_src_h + cols[None, :], mask=mask)
+    tl.store(dst_ptr + heads[:, None] * stride_dst_h + cols[None, :], to_cache_dtype(x, dst_ptr, inv_scale, QUANT),
+             mask=mask)
+
+
+@triton.jit
+def to_cache_dtype(x, dst_ptr, inv_scale, QUANT: tl.constexpr):
+    """x (in the model's dtype) as the cache stores it: scaled, saturated and rounded to e4m3 with QUANT, else a
+    plain cast to the cache's dtype (`reference.quantize_kv`)."""
     if QUANT:
         x = _round_to_e4m3(tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX))
-    tl.store(dst_ptr + heads[:, None] * stride_dst_h + cols[None, :], x.to(dst_ptr.dtype.element_ty), mask=mask)
+    return x.to(dst_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -84,7 +93,9 @@ def _reshape_and_cache_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     QUANT: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): the wait comes before the early return
 ):
+    wait_for_prior_grids(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -117,6 +128,15 @@ def _reshape_and_cache_kernel(
     )
 
 
+def check_cache_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """ValueError unless every tensor is contiguous in its last dim and the caches are both FP8 or neither."""
+    for name, x in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    if is_fp8(k_cache) != is_fp8(v_cache):
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must both be FP8 or neither")
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -132,14 +152,11 @@ def reshape_and_cache(
     Values are converted to the cache dtype; an FP8 cache (both caches e4m3) stores them quantized with k_scale /
     v_scale as `reference.quantize_kv` does, bit for bit.
     """
-    for name, x in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim")
-    if is_fp8(k_cache) != is_fp8(v_cache):
-        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must both be FP8 or neither")
+    check_cache_inputs(key, value, k_cache, v_cache)
     tokens, num_kv_heads, head_dim = key.shape
     if tokens == 0:
         return
+    pdl = pdl_enabled(key.device)
     _reshape_and_cache_kernel[(tokens,)](
         key,
         value,
@@ -164,5 +181,7 @@ def reshape_and_cache(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         QUANT=is_fp8(k_cache),
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )

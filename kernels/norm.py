@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enabled as pdl_enabled, wait_for_prior_grids
+
 
 @triton.jit
 def _normalize_row(x_raw, w_ptr, cols, col_mask, H, eps):
@@ -36,7 +38,9 @@ def _rms_norm_kernel(
     eps,
     BLOCK_H: tl.constexpr,  # next power of two >= H
     ROWS: tl.constexpr,  # rows per program
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
+    wait_for_prior_grids(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_H)
     mask = (rows < num_rows)[:, None] & (cols < H)[None, :]
@@ -62,7 +66,9 @@ def _fused_add_rms_norm_kernel(
     H,
     eps,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
+    wait_for_prior_grids(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
@@ -109,9 +115,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     block = triton.next_power_of_2(x.shape[-1])
     rows, warps = _rows_per_program(block)
+    pdl = pdl_enabled(x.device)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         out, x, weight, num_rows, heads, x.stride(0), stride_head, x.shape[-1], eps, BLOCK_H=block, ROWS=rows,
-        num_warps=warps,
+        USE_PDL=pdl, num_warps=warps, launch_pdl=pdl,
     )
     return out
 
@@ -130,6 +137,7 @@ def fused_add_rms_norm(
     if x.shape[0] == 0:
         return out, residual
     block, warps = _launch_config(x.shape[1])
+    pdl = pdl_enabled(x.device)
     _fused_add_rms_norm_kernel[(x.shape[0],)](
         out,
         x,
@@ -141,6 +149,8 @@ def fused_add_rms_norm(
         x.shape[1],
         eps,
         BLOCK_H=block,
+        USE_PDL=pdl,
         num_warps=warps,
+        launch_pdl=pdl,
     )
     return out, residual

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enabled as pdl_enabled, wait_for_prior_grids
 from .quant_reference import FP8_DTYPE, FP8_MAX, _MIN_SCALE
 
 
@@ -28,7 +29,9 @@ def _quantize_per_token_kernel(
     min_scale,
     FP8_MAX_VALUE: tl.constexpr,
     BLOCK_K: tl.constexpr,  # next power of two >= K
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
+    wait_for_prior_grids(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
@@ -44,8 +47,9 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     out = torch.empty(m, k, device=x.device, dtype=FP8_DTYPE)
     scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
+    pdl = pdl_enabled(x.device)
     _quantize_per_token_kernel[(m,)](out, scale, x, x.stride(0), k, _MIN_SCALE, FP8_MAX_VALUE=FP8_MAX,
-                                     BLOCK_K=triton.next_power_of_2(k))
+                                     BLOCK_K=triton.next_power_of_2(k), USE_PDL=pdl, launch_pdl=pdl)
     return out, scale
 
 

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting, sm_count
+from . import arrival_counters, interpreting, sm_count
+from .pdl import enabled as pdl_enabled, wait_for_prior_grids
 
 MAX_M = 64
 _COUNTER_SLOTS = 1 << 16  # one int32 counter per N tile: N / BLOCK_N <= 65536
@@ -200,7 +201,11 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,  # FMA path: inputs summed in-thread per step (8 bf16 / 16 fp8 / 4 fp32: 16 bytes; int4: 8)
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
+    # At the top: the loop loads x (the previous kernel's output) with each weight tile, and the split-K
+    # counters may only be touched once the previous GEMV has finished with them.
+    wait_for_prior_grids(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -303,20 +308,10 @@ def _fit(config: GemvConfig, k: int, group_size: Optional[int]) -> _Launch:
     return _Launch(config, block_k, k_per_split, triton.cdiv(k, k_per_split))
 
 
-_counters: dict = {}
-
-
 def _counter_buffer(device: torch.device) -> torch.Tensor:
-    """The split-K arrival counters of a device: zeroed once, left zeroed by every call (kernel docstring). Made
-    by the first call, which must run eagerly: zeros made inside a CUDA-graph capture would only be zeroed when
-    that graph is replayed."""
-    key = (device.type, device.index)
-    if key not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the decode GEMV's first call on a device must run outside CUDA-graph capture "
-                               "(it makes the split-K counters); run the model once eagerly before capturing")
-        _counters[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _counters[key]
+    """The split-K arrival counters of a device: zeroed once, left zeroed by every call (kernel docstring); the
+    first call must run eagerly (`kernels.arrival_counters`)."""
+    return arrival_counters("the decode GEMV", device, _COUNTER_SLOTS)
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, group_size: Optional[int],
@@ -335,6 +330,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
     counters = _counter_buffer(x2.device)  # made on the first call, split or not (see _counter_buffer)
     int4 = group_size is not None
     stride_scale = 1 if int4 or scale is None else scale.stride(0)
+    pdl = pdl_enabled(x2.device)
     _gemv_kernel[(tiles, fit.split_k)](
         out, workspace, counters, x2, weight, scale if scale is not None else out,
         zeros if zeros is not None else out, bias if bias is not None else out, m, n, k, x2.stride(0),
@@ -344,7 +340,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         DOT_FP32=x2.dtype == torch.float32 or interpreting(), X_HALF=x2.dtype in (torch.bfloat16, torch.float16),
         X_FP16=x2.dtype == torch.float16, BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=8 if int4 else min(16 // weight.element_size(), fit.block_k),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
 

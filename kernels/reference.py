@@ -118,6 +118,27 @@ def reshape_and_cache(
     v_cache[blocks, offsets] = quantize_kv(value[valid], v_scale, v_cache.dtype)
 
 
+def rotary_and_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_embedding of q [T, H, D] and k [T, KVH, D], then reshape_and_cache of the rotated k and v [T, KVH, D];
+    returns the rotated (q, k) as new tensors (the Triton kernel rotates them in place)."""
+    head_dim = q.shape[-1]
+    q_rot, k_rot = rotary_embedding(positions, q.flatten(1), k.flatten(1), cos_sin_cache, head_dim)
+    q_rot, k_rot = q_rot.view(q.shape), k_rot.view(k.shape)
+    reshape_and_cache(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q_rot, k_rot
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len cached tokens of one sequence: [seq_len, num_kv_heads, D]."""
     block_size = cache.shape[1]

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enabled as pdl_enabled, wait_for_prior_grids
+
 
 @triton.jit
 def _rotate_heads(
@@ -21,6 +23,7 @@ def _rotate_heads(
     HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
 ):
+    """Rotates the heads in place; returns the rotated halves [HEADS_PAD, HALF_PAD] as stored (x's dtype)."""
     heads = tl.arange(0, HEADS_PAD)
     cols = tl.arange(0, HALF_PAD)
     mask = (heads[:, None] < num_heads) & (cols[None, :] < HALF)
@@ -29,8 +32,21 @@ def _rotate_heads(
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(first, out1.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+    out1 = out1.to(x_ptr.dtype.element_ty)
+    out2 = out2.to(x_ptr.dtype.element_ty)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """The token's cos and sin rows [HALF_PAD] (float32, zeros past HALF) from the [max_pos, D] cache."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, HALF_PAD)
+    cos = tl.load(cache_ptr + pos * stride_cache + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit
@@ -48,12 +64,11 @@ def _rotary_kernel(
     Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
+    wait_for_prior_grids(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    cols = tl.arange(0, HALF_PAD)
-    cos = tl.load(cache_ptr + pos * stride_cache + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF, HALF_PAD)
     _rotate_heads(q_ptr + token * stride_q, cos, sin, num_heads, HALF, Q_HEADS_PAD, HALF_PAD)
     _rotate_heads(k_ptr + token * stride_k, cos, sin, num_kv_heads, HALF, K_HEADS_PAD, HALF_PAD)
 
@@ -64,6 +79,15 @@ def _heads_view_ok(x: torch.Tensor, head_dim: int) -> bool:
     return flat.dim() == 2 and flat.stride(1) == 1 and flat.shape[1] % head_dim == 0
 
 
+def check_rotary_inputs(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int) -> None:
+    """ValueError unless cos_sin_cache is [max_pos, head_dim] with contiguous rows and q, k hold contiguous heads."""
+    if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim or cos_sin_cache.stride(-1) != 1:
+        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with contiguous rows")
+    for name, x in (("q", q), ("k", k)):
+        if not _heads_view_ok(x, head_dim):
+            raise ValueError(f"{name} must be [T, heads * {head_dim}] with contiguous heads, got {tuple(x.shape)}")
+
+
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,17 +96,14 @@ def rotary_embedding(
     cos_sin_cache: [max_position, D] float32 holding [cos | sin]. Token rows may be strided (slices of a fused
     qkv output); each token's heads must be contiguous.
     """
-    if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim or cos_sin_cache.stride(-1) != 1:
-        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with contiguous rows")
-    for name, x in (("q", q), ("k", k)):
-        if not _heads_view_ok(x, head_dim):
-            raise ValueError(f"{name} must be [T, heads * {head_dim}] with contiguous heads, got {tuple(x.shape)}")
+    check_rotary_inputs(q, k, cos_sin_cache, head_dim)
     tokens = q.shape[0]
     if tokens == 0:
         return q, k
     num_heads = q[0].numel() // head_dim
     num_kv_heads = k[0].numel() // head_dim
     half = head_dim // 2
+    pdl = pdl_enabled(q.device)
     _rotary_kernel[(tokens,)](
         positions,
         q,
@@ -97,6 +118,8 @@ def rotary_embedding(
         Q_HEADS_PAD=triton.next_power_of_2(num_heads),
         K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     return q, k

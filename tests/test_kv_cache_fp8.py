@@ -251,20 +251,23 @@ def compile_kernel(fn, pointers, constants):
 
 fp8, bf16, i32, f32 = "*fp8e4nv", "*bf16", "*i32", "*fp32"
 shape = dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128)
+pdl = dict(USE_PDL=int(sys.argv[1]) >= 90)  # programmatic dependent launch: Hopper's griddepcontrol
 results = [
     compile_kernel(cache._reshape_and_cache_kernel,
                    dict(key_ptr=bf16, value_ptr=bf16, k_cache_ptr=fp8, v_cache_ptr=fp8, slot_ptr="*i64"),
-                   dict(shape, HEADS_PAD=8, QUANT=True)),
+                   dict(shape, **pdl, HEADS_PAD=8, QUANT=True)),
     compile_kernel(attention._prefill_kernel,
                    dict(out_ptr=bf16, q_ptr=bf16, k_cache_ptr=fp8, v_cache_ptr=fp8, query_start_loc_ptr=i32,
                         seq_lens_ptr=i32, block_tables_ptr=i32),
                    dict(shape, GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64, DOT_F32=False, PRECISION="tf32x3",
                         CAUSAL=True, SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=True)),
     compile_kernel(attention._decode_partial_kernel,
-                   dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, q_ptr=bf16, k_cache_ptr=fp8,
-                        v_cache_ptr=fp8, query_start_loc_ptr=i32, seq_lens_ptr=i32, block_tables_ptr=i32),
-                   dict(shape, NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, DOT_F32=False, PRECISION="tf32x3",
-                        SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=True)),
+                   dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, out_ptr=bf16, counter_ptr=i32,
+                        q_ptr=bf16, k_cache_ptr=fp8, v_cache_ptr=fp8, query_start_loc_ptr=i32, seq_lens_ptr=i32,
+                        block_tables_ptr=i32),
+                   dict(shape, **pdl, NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, DOT_F32=False,
+                        PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=True, FUSED_REDUCE=True,
+                        SPLITS_PAD=4)),
 ]
 print("compiled", sum(results), "of", len(results))
 """

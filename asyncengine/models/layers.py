@@ -356,15 +356,20 @@ class PagedAttention(nn.Module):
         # Python floats, fixed after loading: kernel arguments that a captured CUDA graph may bake in.
         self.k_scale, self.v_scale = 1.0, 1.0
 
-    def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata):
-        """q: [T, H*D], k, v: [T, KVH*D] -> [T, H*D]."""
+    def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
+                rotary: Optional[tuple[torch.Tensor, "RotaryEmbedding"]] = None):
+        """q: [T, H*D], k, v: [T, KVH*D] -> [T, H*D]. rotary: (positions [T], the layer's RotaryEmbedding) to
+        rotate q and k first (in place; on CUDA in the same kernel as the cache write)."""
         tokens = q.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
+        if rotary is not None:
+            positions, embedding = rotary
+            rotary = (positions, embedding.cos_sin_cache)
         out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, self.scale, self.sliding_window,
-                                   self.softcap, self.k_scale, self.v_scale)
+                                   self.softcap, self.k_scale, self.v_scale, rotary)
         return out.reshape(tokens, self.num_heads * self.head_dim)
 
 

@@ -90,8 +90,8 @@ class Attention(nn.Module):
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(1)  # [T, heads, D] -> [T, q_size]
             k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(1)
         # q, k, v stay strided views of qkv (rows qkv_size apart): the kernels take row strides, so no copies.
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, metadata)
+        # Rotary is applied inside the attention layer (on CUDA fused with the KV-cache write).
+        out = self.attn(q, k, v, kv_cache, metadata, rotary=(positions, self.rotary_emb))
         return self.o_proj(out)
 
 

@@ -1,0 +1,61 @@
+"""Programmatic dependent launch (PDL, Hopper and later): the one place that decides whether our kernels use it.
+
+A kernel launched with PDL (Triton's `launch_pdl=True`) may be scheduled while the kernel before it on the stream
+is still running; under CUDA-graph capture the dependency becomes a programmatic edge of the graph. The kernel's
+launch, and any prologue that reads only data no earlier kernel writes (a GEMV's weights), then overlap the
+previous kernel's tail instead of following it. `griddepcontrol.wait` (`wait_for_prior_grids` below) blocks until
+the previous grid has COMPLETED and its memory writes are visible.
+
+The rule every PDL kernel of this package keeps (and a new one must keep):
+  1. Before `wait_for_prior_grids` a program reads only tensors that no kernel of the forward pass writes
+     (weights, constant tables) and writes nothing at all: no stores, no atomics (an output buffer may be memory
+     the previous kernel is still reading: the caching allocator reuses it in stream order).
+  2. Every program calls `wait_for_prior_grids` on every path, early exits included (the wait comes before any
+     `return`), even one that reads nothing an earlier kernel wrote.
+Why 2 matters: a kernel C that reads what kernel A wrote, with B in between, only waits for B. B's grid completes
+only after every program of B has passed its own wait, i.e. after A completed; so "C waited for B" implies "A is
+done" exactly when no program of B can finish without waiting. A kernel launched without PDL (cuBLAS, a torch op,
+a memcpy) starts only after its predecessor completes, which keeps the chain intact too.
+
+`launch_dependents` is called right after the wait: it lets the next kernel be scheduled as soon as every program
+of this one has started (all of them are then resident, so the dependents' waiting programs cannot starve this
+grid); the next kernel's own wait still waits for this grid's completion, so the hint is never unsafe.
+
+PDL is used only on CUDA devices of compute capability 9.0 or more, never under Triton's interpreter, and not when
+the environment sets ASYNCENGINE_PDL=0 (read at every launch, so a benchmark or test can compare both; a CUDA
+graph keeps the choice made when it was captured).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+ENV_SWITCH = "ASYNCENGINE_PDL"
+
+
+@functools.cache
+def _capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Should kernels launched on `device` use PDL? (CUDA, capability >= 9, no interpreter, ASYNCENGINE_PDL != 0)"""
+    if device.type != "cuda" or interpreting() or os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def wait_for_prior_grids(USE_PDL: tl.constexpr):
+    """With USE_PDL: wait until the previous kernel on the stream has completed (its writes visible), then let the
+    next kernel launch. Without it: nothing (stream order already waited). See the module docstring's rule."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

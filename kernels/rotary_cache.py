@@ -1,0 +1,133 @@
+"""Rotary embedding fused with the paged KV-cache write: one program per token rotates q IN PLACE, rotates k (in
+place too), and writes the rotated k and v into the caches at the token's slot (slot < 0: padding, not written).
+
+One launch instead of `rotary.rotary_embedding` followed by `cache.reshape_and_cache`, with their exact
+arithmetic: each rotated half is rounded to k's dtype, stored back into k, and converted to the cache's dtype from
+that rounded value (an FP8 cache: scaled by 1 / k_scale, saturated, rounded to e4m3, as `reference.quantize_kv`).
+So the caches, q and k end bit for bit as the two kernels leave them. Cache layout and strides as in cache.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from asyncengine.kernels.cache import _store_token, check_cache_inputs, to_cache_dtype
+from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
+from asyncengine.kernels.reference import is_fp8
+from asyncengine.kernels.rotary import _cos_sin, _rotate_heads, check_rotary_inputs
+
+
+@triton.jit
+def _store_rotated_key(
+    k1,  # [HEADS_PAD, HALF_PAD] first halves of the rotated heads, in k's dtype
+    k2,  # [HEADS_PAD, HALF_PAD] second halves
+    dst_ptr,  # [KVH, D] of one cache slot, head stride stride_dst_h
+    stride_dst_h,
+    num_kv_heads,
+    inv_scale,
+    HALF: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    heads = tl.arange(0, HEADS_PAD)
+    cols = tl.arange(0, HALF_PAD)
+    mask = (heads[:, None] < num_kv_heads) & (cols[None, :] < HALF)
+    first = dst_ptr + heads[:, None] * stride_dst_h + cols[None, :]
+    tl.store(first, to_cache_dtype(k1, dst_ptr, inv_scale, QUANT), mask=mask)
+    tl.store(first + HALF, to_cache_dtype(k2, dst_ptr, inv_scale, QUANT), mask=mask)
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    positions_ptr,  # [T] int
+    q_ptr,  # [T, H * D], token stride stride_q, heads contiguous
+    k_ptr,  # [T, KVH * D], token stride stride_k, heads contiguous
+    v_ptr,  # [T, KVH, D], strides stride_v_t, stride_v_h
+    cos_sin_ptr,  # [max_pos, D] float32 = [cos | sin]
+    k_cache_ptr,  # [NB, BS, KVH, D]
+    v_cache_ptr,  # [NB, BS, KVH, D]
+    slot_ptr,  # [T] int, < 0 = padding
+    stride_q,
+    stride_k,
+    stride_v_t,
+    stride_v_h,
+    stride_cos_sin,
+    stride_kc_b,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_s,
+    stride_vc_h,
+    num_heads,
+    num_kv_heads,
+    k_inv_scale,  # float32 1 / k_scale (read only with QUANT)
+    v_inv_scale,
+    HALF: tl.constexpr,  # D / 2
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache page
+    QUANT: tl.constexpr,  # the caches are e4m3
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
+):
+    wait_for_prior_grids(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cos_sin, HALF, HALF_PAD)
+    _rotate_heads(q_ptr + token * stride_q, cos, sin, num_heads, HALF, Q_HEADS_PAD, HALF_PAD)
+    k1, k2 = _rotate_heads(k_ptr + token * stride_k, cos, sin, num_kv_heads, HALF, K_HEADS_PAD, HALF_PAD)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        _store_rotated_key(k1, k2, k_cache_ptr + block * stride_kc_b + offset * stride_kc_s, stride_kc_h,
+                           num_kv_heads, k_inv_scale, HALF, K_HEADS_PAD, HALF_PAD, QUANT)
+        _store_token(v_ptr + token * stride_v_t, v_cache_ptr + block * stride_vc_b + offset * stride_vc_s,
+                     stride_v_h, stride_vc_h, num_kv_heads, v_inv_scale, 2 * HALF, K_HEADS_PAD,
+                     2 * HALF_PAD, QUANT)
+
+
+def rotary_and_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding(positions, q, k, cos_sin_cache, D)` then `reshape_and_cache(k, v, ...)` in one launch;
+    returns (q, k), rotated IN PLACE (the same tensors).
+
+    q: [T, H, D], k, v: [T, KVH, D] (token strides free, e.g. views of a fused qkv output; each token's q and k
+    heads contiguous, v's last dim contiguous); positions, slot_mapping: [T] int; cos_sin_cache: [max_pos, D]
+    float32 = [cos | sin]; k_cache, v_cache: [NB, BS, KVH, D] in k's dtype or both float8_e4m3fn (then stored
+    divided by k_scale / v_scale, as `reference.quantize_kv`).
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"q must be [T, H, D], k and v [T, KVH, D] matching the caches' [NB, BS, KVH, D]; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
+    head_dim = q.shape[-1]
+    check_rotary_inputs(q, k, cos_sin_cache, head_dim)
+    check_cache_inputs(k, v, k_cache, v_cache)
+    tokens, num_kv_heads = k.shape[0], k.shape[1]
+    if tokens == 0:
+        return q, k
+    half = head_dim // 2
+    pdl = pdl_enabled(q.device)
+    _rotary_cache_kernel[(tokens,)](
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q.stride(0), k.stride(0), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.shape[1], num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
+        HALF=half, Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]), K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1], QUANT=is_fp8(k_cache),
+        USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+    return q, k

@@ -1,0 +1,482 @@
+"""Fused decode-path kernels and programmatic dependent launch (issue 14: fewer, overlapping kernels per token).
+
+- `rotary_cache.rotary_and_cache` (rotary of q and k fused with the paged KV write) leaves q, k and both caches
+  bit for bit as the two kernels it replaces do (`rotary.rotary_embedding`, then `cache.reshape_and_cache`), for a
+  bf16 / float32 cache and an FP8 (e4m3) one, on shuffled slots with padding; and close to the references.
+- `ops.cache_and_attend(..., rotary=...)` (the attention layer's one call) equals rotating first, then caching and
+  attending, on CPU (the references and the fast CPU kernels) and with CUDA (the fused kernel).
+- PDL (kernels/pdl.py): the switch (CUDA, capability >= 9, no interpreter, ASYNCENGINE_PDL != 0), and on a GPU the
+  decode step's kernels captured in a CUDA graph with PDL on and off give identical bits.
+
+Without CUDA the kernels run in Triton's interpreter at small sizes (hence TRITON_INTERPRET before Triton loads).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from asyncengine.kernels import reference  # noqa: E402
+from test_cpu_kernels import shuffled_block_tables  # noqa: E402
+from test_kernels import ATTENTION_TOLERANCE, assert_matches, fresh_seed, nan_poisoned_empty  # noqa: E402,F401
+from test_kv_cache_fp8 import random_fp8, same_bytes  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe, any dtype)."""
+    if a.dtype == FP8:
+        return same_bytes(a, b)
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def qkv_step(tokens, heads, kv_heads, head_dim, num_blocks, block_size, dtype, cache_dtype, device=DEVICE):
+    """One step's inputs: q, k, v as strided views of a fused qkv [T, (H + 2 KVH) * D]; shuffled slots with
+    padding (-1); positions; a random cos/sin table; caches with random (or random e4m3) contents."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+    slots[1::4] = -1  # padding tokens of a CUDA-graph batch
+    positions = torch.randint(0, 4 * block_size, (tokens,), device=device)
+    cos_sin = torch.randn(8 * block_size, head_dim, device=device)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    if cache_dtype == FP8:
+        k_cache, v_cache = random_fp8(shape, device), random_fp8(shape, device)
+    else:
+        k_cache = torch.randn(shape, dtype=cache_dtype, device=device)
+        v_cache = torch.randn_like(k_cache)
+    return qkv, q, k, v, slots, positions, cos_sin, k_cache, v_cache
+
+
+CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8),
+         (torch.float32, FP8)]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", CASES)
+def test_rotary_and_cache_equals_rotary_then_cache_bit_for_bit(dtype, cache_dtype):
+    from asyncengine.kernels import cache, rotary, rotary_cache
+
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
+    scales = (0.37, 1.9) if cache_dtype == FP8 else (1.0, 1.0)
+    qkv, q, k, v, slots, positions, cos_sin, k_cache, v_cache = qkv_step(
+        9, heads, kv_heads, head_dim, 6, block_size, dtype, cache_dtype)
+    two_qkv, two_k_cache, two_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    ref_q, ref_k = reference.rotary_and_cache(positions, q.clone(), k.clone(), v, cos_sin, ref_k_cache, ref_v_cache,
+                                              slots, *scales)
+
+    # The two kernels the fused one replaces, on a copy of the same step.
+    two_q, two_k, two_v = (two_qkv[:, a:b].unflatten(-1, (-1, head_dim)) for a, b in (
+        (0, heads * head_dim), (heads * head_dim, (heads + kv_heads) * head_dim),
+        ((heads + kv_heads) * head_dim, None)))
+    rotary.rotary_embedding(positions, two_q.flatten(1), two_k.flatten(1), cos_sin, head_dim)
+    cache.reshape_and_cache(two_k, two_v, two_k_cache, two_v_cache, slots, *scales)
+
+    out_q, out_k = rotary_cache.rotary_and_cache(positions, q, k, v, cos_sin, k_cache, v_cache, slots, *scales)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    assert same(qkv, two_qkv), "q or k differ from the rotary kernel's (or v was touched)"
+    assert same(k_cache, two_k_cache) and same(v_cache, two_v_cache)
+    assert_matches(q, ref_q)
+    assert_matches(k, ref_k)
+    written = slots[slots >= 0]
+    untouched = torch.ones(k_cache.shape[0] * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    for mine, ref in ((k_cache, ref_k_cache), (v_cache, ref_v_cache)):
+        rows, ref_rows = mine.view(-1, kv_heads, head_dim), ref.view(-1, kv_heads, head_dim)
+        assert same(rows[untouched], ref_rows[untouched]), "a slot outside slot_mapping was written"
+        # The interpreter rounds float32 -> bf16 one ulp off torch: allow that, and its e4m3 step after it.
+        rtol = 0.13 if cache_dtype == FP8 else ATTENTION_TOLERANCE[dtype][1]
+        torch.testing.assert_close(rows[written].float(), ref_rows[written].float(), rtol=rtol, atol=rtol)
+
+
+def test_rotary_and_cache_rejects_mismatched_shapes_naming_them():
+    from asyncengine.kernels import rotary_cache
+
+    _, q, k, v, slots, positions, cos_sin, k_cache, v_cache = qkv_step(3, 4, 2, 64, 2, 16, torch.float32,
+                                                                      torch.float32)
+    with pytest.raises(ValueError, match="k and v"):
+        rotary_cache.rotary_and_cache(positions, q, k, v[:, :1], cos_sin, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        rotary_cache.rotary_and_cache(positions, q, k, v, cos_sin[:, :32], k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="FP8 or neither"):
+        rotary_cache.rotary_and_cache(positions, q, k, v, cos_sin, k_cache, v_cache.to(FP8), slots)
+
+
+def decode_metadata(seq_lens, block_size, device=DEVICE):
+    """AttentionMetadata of a decode step (one new token per sequence) over shuffled block tables, and the slots
+    of the new tokens."""
+    from asyncengine.models.layers import AttentionMetadata
+
+    tables, num_blocks = shuffled_block_tables(seq_lens, block_size, spare_blocks=2, spare_columns=1)
+    slots = torch.tensor([int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for b, n in enumerate(seq_lens)], dtype=torch.int64)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    metadata = AttentionMetadata(qsl.to(device), lens.to(device), tables.to(device), slots.to(device), qsl, lens,
+                                 max_query_len=1, max_seq_len=max(seq_lens))
+    return metadata, num_blocks
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+@pytest.mark.parametrize("fast_cpu", [True, False])
+def test_cache_and_attend_with_rotary_equals_rotating_first(cache_dtype, fast_cpu, monkeypatch):
+    """The layer's one call: rotation inside (fused with the cache write with CUDA) == rotary, then cache+attend."""
+    from asyncengine import ops
+    from asyncengine.kernels import cpu
+
+    monkeypatch.setattr(ops, "CPU_FAST_PATH", fast_cpu)
+    heads, kv_heads, head_dim, block_size, seq_lens = 4, 2, 64, 16, [37, 5, 70]
+    metadata, num_blocks = decode_metadata(seq_lens, block_size)
+    if fast_cpu and DEVICE == "cpu":
+        metadata.cpu_plan = cpu.plan_attention(metadata.query_start_loc_cpu.numpy(), metadata.seq_lens_cpu.numpy(),
+                                               metadata.block_tables.numpy(), block_size)
+    qkv, q, k, v, _, _, cos_sin, k_cache, v_cache = qkv_step(3, heads, kv_heads, head_dim, num_blocks, block_size,
+                                                             torch.float32, cache_dtype)
+    positions = torch.tensor([n - 1 for n in seq_lens], device=DEVICE)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    ref_q, ref_k = reference.rotary_embedding(positions, q.flatten(1), k.flatten(1), cos_sin, head_dim)
+    ref = ops.cache_and_attend(ref_q.view(q.shape), ref_k.view(k.shape), v, ref_k_cache, ref_v_cache, metadata,
+                               0.125, k_scale=0.5, v_scale=2.0)
+    out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, 0.125, k_scale=0.5, v_scale=2.0,
+                               rotary=(positions, cos_sin))
+    assert_matches(out, ref, ATTENTION_TOLERANCE)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PDL: the switch (kernels/pdl.py)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_pdl_is_off_on_cpu_under_the_interpreter_and_by_the_env_switch(monkeypatch):
+    from asyncengine.kernels import interpreting, pdl
+
+    assert not pdl.enabled(torch.device("cpu"))
+    if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert pdl.enabled(torch.device("cuda")) == (hopper and not interpreting())
+        monkeypatch.setenv(pdl.ENV_SWITCH, "0")
+        assert not pdl.enabled(torch.device("cuda"))
+    else:
+        monkeypatch.setenv(pdl.ENV_SWITCH, "1")
+        assert not pdl.enabled(torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: Llama-3-8B sizes (32 heads, 8 kv heads, D = 128, hidden 4096, intermediate 14336), bf16
+# ----------------------------------------------------------------------------------------------------------------
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK = 4096, 32, 8, 128, 14336, 16
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_gpu_rotary_and_cache_at_llama_sizes_equals_the_two_kernels_bit_for_bit(cache_dtype):
+    from asyncengine.kernels import cache, rotary, rotary_cache
+
+    scales = (0.05, 0.03) if cache_dtype == FP8 else (1.0, 1.0)
+    qkv, q, k, v, slots, positions, cos_sin, k_cache, v_cache = qkv_step(
+        300, HEADS, KV_HEADS, HEAD_DIM, 512, BLOCK, torch.bfloat16, cache_dtype, device="cuda")
+    two_qkv, two_k_cache, two_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    sizes = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+    two_q, two_k, two_v = (x.unflatten(-1, (-1, HEAD_DIM)) for x in two_qkv.split(sizes, dim=-1))
+    ref_q, ref_k = reference.rotary_embedding(positions, two_q.flatten(1), two_k.flatten(1), cos_sin, HEAD_DIM)
+    rotary.rotary_embedding(positions, two_q.flatten(1), two_k.flatten(1), cos_sin, HEAD_DIM)
+    cache.reshape_and_cache(two_k, two_v, two_k_cache, two_v_cache, slots, *scales)
+    rotary_cache.rotary_and_cache(positions, q, k, v, cos_sin, k_cache, v_cache, slots, *scales)
+    torch.cuda.synchronize()
+    assert same(qkv, two_qkv) and same(k_cache, two_k_cache) and same(v_cache, two_v_cache)
+    assert_matches(q.flatten(1), ref_q)
+    assert_matches(k.flatten(1), ref_k)
+
+
+def decode_layer_weights(quant: str):
+    """Random weights of one Llama-3-8B layer for the decode GEMV: bf16, FP8 (weight-only, per channel), or int4
+    (the engine's packed layout, group 128)."""
+    def linear(n, k):
+        if quant == "int4":
+            groups = k // 128
+            return dict(qweight=torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda"),
+                        scales=torch.rand(groups, n, dtype=torch.bfloat16, device="cuda") / 64,
+                        zeros=torch.randint(0, 16, (groups, n), device="cuda").to(torch.bfloat16))
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+        if quant == "fp8":
+            return dict(weight=w.to(FP8), w_scale=torch.rand(n, 1, device="cuda") + 0.5)
+        return dict(weight=w)
+
+    return dict(qkv=linear((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), o=linear(HIDDEN, HEADS * HEAD_DIM),
+                gate_up=linear(2 * INTER, HIDDEN), down=linear(HIDDEN, INTER),
+                norm1=torch.rand(HIDDEN, dtype=torch.bfloat16, device="cuda") + 0.5,
+                norm2=torch.rand(HIDDEN, dtype=torch.bfloat16, device="cuda") + 0.5)
+
+
+def gemv(x, params):
+    from asyncengine.kernels import quant_gemv
+
+    if "qweight" in params:
+        return quant_gemv.int4_gemv(x, params["qweight"], params["scales"], params["zeros"], 128)
+    return quant_gemv.dense_gemv(x, params["weight"], w_scale=params.get("w_scale"))
+
+
+def decode_step(state, layers, metadata, cos_sin, k_scale, v_scale):
+    """The decode step's kernels for every layer, as the engine launches them (batch-1 or a few sequences):
+    norm, qkv GEMV, rotary + cache write, decode attention, o GEMV, norm, gate_up GEMV, silu_and_mul, down GEMV."""
+    from asyncengine.kernels import activation, attention, norm, quant_fp8, rotary_cache
+
+    hidden, residual = state["hidden"], state["residual"]
+    tokens = hidden.shape[0]
+    for layer, (weights, (k_cache, v_cache)) in enumerate(zip(layers, state["caches"])):
+        normed, residual = norm.fused_add_rms_norm(hidden, residual, weights["norm1"], 1e-5)
+        qkv = gemv(normed, weights["qkv"])
+        q, k, v = (x.unflatten(-1, (-1, HEAD_DIM)) for x in qkv.split(
+            [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1))
+        rotary_cache.rotary_and_cache(state["positions"], q, k, v, cos_sin, k_cache, v_cache, metadata.slot_mapping,
+                                      k_scale, v_scale)
+        out = attention.paged_attention(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                                        metadata.block_tables, HEAD_DIM**-0.5, max_query_len=1,
+                                        max_seq_len=metadata.max_seq_len, k_scale=k_scale, v_scale=v_scale)
+        hidden = gemv(out.view(tokens, -1), weights["o"])
+        normed, residual = norm.fused_add_rms_norm(hidden, residual, weights["norm2"], 1e-5)
+        hidden = gemv(activation.silu_and_mul(gemv(normed, weights["gate_up"])), weights["down"])
+        state[f"x8_{layer}"] = quant_fp8.quantize_per_token(normed)  # the FP8 path's activation kernel
+    state["out"].copy_(norm.rms_norm(hidden, layers[-1]["norm1"], 1e-5))
+
+
+def run_decode_graph(pdl_on: bool, quant: str, cache_dtype, seed: int, monkeypatch):
+    """Fresh inputs from `seed`, the decode step captured in a CUDA graph with PDL on or off, replayed three
+    times (steps at growing positions); returns the outputs and caches."""
+    from asyncengine.kernels import pdl
+
+    monkeypatch.setenv(pdl.ENV_SWITCH, "1" if pdl_on else "0")
+    assert pdl.enabled(torch.device("cuda")) == pdl_on
+    torch.manual_seed(seed)
+    layers = [decode_layer_weights(quant) for _ in range(2)]
+    seq_lens = [1500, 37, 700]
+    metadata, num_blocks = decode_metadata(seq_lens, BLOCK, device="cuda")
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape, device="cuda").to(cache_dtype), torch.randn(shape, device="cuda").to(cache_dtype))
+              for _ in layers]
+    scales = (0.7, 1.3) if cache_dtype == FP8 else (1.0, 1.0)
+    cos_sin = torch.randn(4096, HEAD_DIM, device="cuda")
+    state = dict(hidden=torch.randn(len(seq_lens), HIDDEN, dtype=torch.bfloat16, device="cuda"),
+                 residual=torch.randn(len(seq_lens), HIDDEN, dtype=torch.bfloat16, device="cuda"),
+                 positions=torch.tensor([n - 1 for n in seq_lens], device="cuda"), caches=caches,
+                 out=torch.empty(len(seq_lens), HIDDEN, dtype=torch.bfloat16, device="cuda"))
+    residual_start = state["residual"].clone()
+    decode_step(state, layers, metadata, cos_sin, *scales)  # compile and make the GEMV counters, eagerly
+    state["residual"].copy_(residual_start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_step(state, layers, metadata, cos_sin, *scales)
+    outputs = []
+    for _ in range(3):
+        graph.replay()
+        outputs.append(state["out"].clone())
+        state["positions"].add_(1)
+        metadata.seq_lens.add_(1)
+        metadata.slot_mapping.add_(1)  # the next offset of each sequence's last block (none is full here)
+    torch.cuda.synchronize()
+    return outputs, [c for pair in caches for c in pair]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("quant,cache_dtype", [("bf16", torch.bfloat16), ("fp8", FP8), ("int4", torch.bfloat16)])
+def test_gpu_decode_step_in_a_cuda_graph_gives_the_same_bits_with_and_without_pdl(quant, cache_dtype, monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0 (Hopper) or later")
+    seed = int.from_bytes(os.urandom(4), "little")
+    with_pdl = run_decode_graph(True, quant, cache_dtype, seed, monkeypatch)
+    without = run_decode_graph(False, quant, cache_dtype, seed, monkeypatch)
+    for a, b in zip(with_pdl[0] + with_pdl[1], without[0] + without[1]):
+        assert not (a.float().isnan().any()), "NaN in a decode output"
+        assert same(a, b), f"PDL changed the results (seed {seed})"
+
+
+AHEAD_OF_TIME = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from asyncengine.kernels import activation, attention, cache, norm, quant_fp8, quant_gemv, rotary, rotary_cache
+
+target = GPUTarget("cuda", 90, 32)
+bf16, i32, i64, f32, fp8 = "*bf16", "*i32", "*i64", "*fp32", "*fp8e4nv"
+
+def compile_kernel(fn, types, constants):
+    signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+                 for a in fn.arg_names}
+    try:
+        ptx = triton.compile(ASTSource(fn, signature, dict(constants, USE_PDL=True)), target=target).asm["ptx"]
+    except Exception as e:
+        print(fn.__name__, "failed:", e)
+        return False
+    return "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+
+decode = dict(NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
+              DOT_F32=False, PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=False, FUSED_REDUCE=True,
+              SPLITS_PAD=4)
+kernels = [
+    (norm._rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096, ROWS=1)),
+    (norm._fused_add_rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096)),
+    (activation._silu_and_mul_kernel, {}, dict(BLOCK=1024)),
+    (rotary._rotary_kernel, dict(positions_ptr=i64, cache_ptr=f32),
+     dict(HALF=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=64)),
+    (cache._reshape_and_cache_kernel, dict(slot_ptr=i64, k_inv_scale="fp32", v_inv_scale="fp32"),
+     dict(BLOCK_SIZE=16, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128, QUANT=False)),
+    (rotary_cache._rotary_cache_kernel, dict(positions_ptr=i64, cos_sin_ptr=f32, k_cache_ptr=fp8, v_cache_ptr=fp8,
+                                             slot_ptr=i64, k_inv_scale="fp32", v_inv_scale="fp32"),
+     dict(HALF=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=64, BLOCK_SIZE=16, QUANT=True)),
+    (attention._decode_partial_kernel, dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, counter_ptr=i32,
+                                            query_start_loc_ptr=i32, seq_lens_ptr=i32, block_tables_ptr=i32,
+                                            qk_scale="fp32", v_scale="fp32"), decode),
+    (attention._decode_reduce_kernel, dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32,
+                                           query_start_loc_ptr=i32),
+     dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128)),
+    (quant_gemv._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=i32, scale_ptr=bf16, zero_ptr=bf16),
+     dict(INT4=True, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
+          X_FP16=False, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, VEC=8)),
+    (quant_fp8._quantize_per_token_kernel, dict(out_ptr=fp8, scale_ptr=f32, min_scale="fp32"),
+     dict(FP8_MAX_VALUE=448.0, BLOCK_K=4096)),
+]
+ok = [compile_kernel(*k) for k in kernels]
+print("with griddepcontrol", sum(ok), "of", len(ok))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run these kernels natively")
+def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
+    """Without a GPU: every decode-path kernel compiled for sm_90 with USE_PDL carries griddepcontrol.wait and
+    launch_dependents in its PTX (and ptxas accepts it). About a minute on 2 loaded cores (a fresh Triton cache)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
+    assert "with griddepcontrol 10 of 10" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Split-KV decode attention in one launch (the last split to arrive merges)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def decode_batch(seq_lens, *, heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+                 cache_dtype=None, device=DEVICE):  # fmt: skip
+    """q [B, H, D] (one query per sequence, strided as in a fused qkv), caches over shuffled block tables."""
+    tables, num_blocks = shuffled_block_tables(seq_lens, block_size, spare_blocks=3, spare_columns=1)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    if cache_dtype == FP8:
+        k_cache, v_cache = random_fp8(shape, device), random_fp8(shape, device)
+    else:
+        k_cache, v_cache = (torch.randn(shape, dtype=dtype, device=device) for _ in range(2))
+    qkv = torch.randn(len(seq_lens), heads + 2 * kv_heads, head_dim, dtype=dtype, device=device)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return qkv[:, :heads], k_cache, v_cache, qsl, lens, tables.to(device)
+
+
+def decode(batch, num_splits, fused, **kwargs):
+    from asyncengine.kernels import attention
+
+    return attention.paged_attention_decode(*batch, 0.125, num_splits, fused_reduce=fused, **kwargs)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, FP8)])
+def test_fused_split_kv_decode_equals_the_two_kernels_bit_for_bit(num_splits, dtype, cache_dtype):
+    from asyncengine.kernels import arrival_counters
+
+    # e4m3 values reach ~300: k_scale keeps the scores in a realistic range (else one key takes all the weight)
+    scales = dict(k_scale=0.01, v_scale=0.02) if cache_dtype == FP8 else {}
+    batch = decode_batch([700, 5, 257, 64], dtype=dtype, cache_dtype=cache_dtype)  # some segments empty
+    two = decode(batch, num_splits, False, **scales)
+    fused = decode(batch, num_splits, True, **scales)
+    assert same(fused, two)
+    q, k_cache, v_cache, qsl, lens, tables = batch
+    ref = reference.paged_attention(q, k_cache, v_cache, qsl, lens, tables, 0.125, None, None,
+                                    scales.get("k_scale", 1.0), scales.get("v_scale", 1.0))
+    assert_matches(fused, ref, ATTENTION_TOLERANCE)
+    again = decode(batch, num_splits, True, **scales)  # the counters were left zeroed: the same result again
+    assert same(again, fused)
+    assert not arrival_counters("split-KV decode", q.device, 1).any(), "arrival counters not reset"
+
+
+@pytest.mark.parametrize("window,softcap", [(40, None), (None, 30.0), (100, 20.0)])
+def test_fused_split_kv_decode_with_window_and_softcap(window, softcap):
+    batch = decode_batch([300, 17, 129])
+    kwargs = dict(sliding_window=window, softcap=softcap)
+    assert same(decode(batch, 4, True, **kwargs), decode(batch, 4, False, **kwargs))
+
+
+def test_fused_split_kv_decode_of_a_sequence_does_not_depend_on_its_batch():
+    """Batch invariance at a fixed split count: each sequence alone gives the bits it gets inside the batch."""
+    seq_lens = [650, 33, 300]
+    q, k_cache, v_cache, qsl, lens, tables = decode_batch(seq_lens)
+    together = decode((q, k_cache, v_cache, qsl, lens, tables), 5, True)
+    for b in range(len(seq_lens)):
+        alone = decode((q[b : b + 1], k_cache, v_cache, qsl[:2], lens[b : b + 1], tables[b : b + 1]), 5, True)
+        assert same(alone, together[b : b + 1]), f"sequence {b} changed with its batch"
+
+
+def test_fused_split_kv_decode_skips_sequences_without_a_query():
+    q, k_cache, v_cache, _, lens, tables = decode_batch([100, 60, 90])
+    qsl = torch.tensor([0, 1, 1, 2], dtype=torch.int32, device=DEVICE)  # sequence 1 has no query this step
+    out = torch.full((3, 4, 64), 7.0, device=DEVICE)
+    batch = (q, k_cache, v_cache, qsl, lens, tables)
+    from asyncengine.kernels import attention
+
+    attention.paged_attention_decode(*batch, 0.125, 3, out=out)
+    assert (out[2] == 7.0).all(), "a row past the last query was written"
+    ref = reference.paged_attention(q[:2], k_cache, v_cache, qsl, lens, tables, 0.125)
+    assert_matches(out[:2], ref, ATTENTION_TOLERANCE)
+    assert same(decode(batch, 3, True), decode(batch, 3, True))  # and the counters of sequence 1 stayed zero
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fused_split_kv_decode_at_llama_sizes_in_a_cuda_graph():
+    """64 sequences and one long one at 8B shapes (bf16 and FP8 caches): fused == two kernels bit for bit, and a
+    captured graph replayed on new contexts keeps matching (the counters reset on every replay)."""
+    from asyncengine.kernels import attention
+
+    for cache_dtype in (None, FP8):
+        scales = dict(k_scale=0.05, v_scale=0.04) if cache_dtype == FP8 else {}
+        seq_lens = torch.randint(1, 4000, (64,)).tolist()
+        batch = decode_batch(seq_lens, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16,
+                             cache_dtype=cache_dtype, device="cuda")
+        for splits in (1, 4, attention.DECODE_MAX_SPLITS):
+            assert same(decode(batch, splits, True, **scales), decode(batch, splits, False, **scales))
+        one = decode_batch([3500], heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16,
+                           cache_dtype=cache_dtype, device="cuda")
+        q, k_cache, v_cache, qsl, lens, tables = one
+        out = torch.empty_like(q)
+
+        def step():
+            attention.paged_attention(q, k_cache, v_cache, qsl, lens, tables, 0.125, max_query_len=1,
+                                      max_seq_len=4096, out=out, **scales)
+
+        step()  # compile and make the counters outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(3):
+            lens.copy_(torch.randint(1, 3500, (1,), device="cuda", dtype=lens.dtype))
+            q.copy_(torch.randn_like(q))
+            graph.replay()
+            splits = attention.decode_num_splits(1, KV_HEADS, 4096, torch.cuda.get_device_properties(0)
+                                                 .multi_processor_count)
+            assert same(out, decode(one, splits, False, **scales))
