@@ -19,6 +19,11 @@ install of it in DIR: `pip install --no-deps --target DIR <source tree>`) in a w
 table then gives engine / transformers, engine / baseline and served / offline, each the median of the trials'
 ratios. Use `--engine-process --client subprocess` for the served side as `asyncengine serve` runs it.
 `--quantization int8` quantizes this run's engine (offline and served; the baseline keeps its own defaults).
+
+CPU seconds (issue 17, session 8): every trial also records the CPU time each side spent, which a shared machine's
+load does not bias the way it biases wall time: offline, this process's; served, this process's (the server, and the
+engine unless --engine-process), the engine process's (--engine-process), and the client process's
+(--client subprocess; its start-up included, about 0.7 s here). The table adds them per output token.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -71,11 +77,11 @@ class Offline:
         self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
 
     def trial(self) -> dict:
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         outputs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        return {"output_tokens": tokens, "seconds": elapsed, "output_tok_s": tokens / elapsed}
+        return {"output_tokens": tokens, "seconds": elapsed, "output_tok_s": tokens / elapsed, "cpu_s": cpu}
 
 
 class TransformersStaticBatch:
@@ -233,8 +239,27 @@ def _metrics_of(metrics: dict) -> dict:
             "itl_ms_median": metrics["latency"]["itl"]["percentiles"]["p50"]}
 
 
-def served_trial(url: str, dataset: str, num: int, max_tokens: int, client: str) -> dict:
-    """One run of `num` concurrent streams through loadtest (in this process or as `python -m loadtest`)."""
+def process_cpu_s(pid: int) -> Optional[float]:
+    """CPU seconds (user + system) a live process has used so far; None where /proc cannot tell (not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the children waited for: the client subprocess
+    return usage.ru_utime + usage.ru_stime
+
+
+def served_trial(url: str, dataset: str, num: int, max_tokens: int, client: str,
+                 engine_pid: Optional[int] = None) -> dict:
+    """One run of `num` concurrent streams through loadtest (in this process or as `python -m loadtest`), with
+    the CPU seconds of this process, of the engine process `engine_pid` (if given) and of the client process."""
+    cpu = {"server": time.process_time(), "client": _children_cpu_s()}
+    engine_cpu = process_cpu_s(engine_pid) if engine_pid is not None else None
     if client == "inprocess":
         metrics = asyncio.run(run_benchmark(_bench_config(url, dataset, num, max_tokens))).metrics.to_dict()
     else:
@@ -245,9 +270,12 @@ def served_trial(url: str, dataset: str, num: int, max_tokens: int, client: str)
                    "--max-concurrency", str(num), "--temperature", "0", "--no-progress", "--result-json", str(out)]
             subprocess.run(cmd, check=True, capture_output=True, timeout=600)
             metrics = json.loads(out.read_text())["metrics"]
+    cpu = {"server": time.process_time() - cpu["server"],
+           "client": _children_cpu_s() - cpu["client"] if client == "subprocess" else None,
+           "engine": None if engine_cpu is None else process_cpu_s(engine_pid) - engine_cpu}
     if metrics["failed"]:
         raise RuntimeError(f"{metrics['failed']} requests failed in a served run")
-    return _metrics_of(metrics)
+    return {**_metrics_of(metrics), "cpu_s": cpu}
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
@@ -270,6 +298,7 @@ def run(args: argparse.Namespace) -> dict:
         hf = TransformersStaticBatch(prompts, args.max_tokens) if args.compare else None
         baseline = BaselineWorker(args.baseline_site, dataset, args.max_tokens) if args.baseline_site else None
         with InProcessServer({**engine_kwargs, "engine_process": args.engine_process}) as server:
+            engine_pid = server.engine.client.process.pid if args.engine_process else None
             served_trial(server.url, dataset, max(1, args.num_prompts // 4), args.max_tokens, args.client)  # warm-up
             for trial in range(args.trials):
                 row = {"trial": trial}
@@ -279,7 +308,7 @@ def run(args: argparse.Namespace) -> dict:
                     row["baseline"] = baseline.trial()
                 row["offline"] = off = offline.trial()
                 row["served"] = served = served_trial(server.url, dataset, args.num_prompts, args.max_tokens,
-                                                      args.client)
+                                                      args.client, engine_pid)
                 row["ratio"] = served["output_tok_s"] / off["output_tok_s"]
                 for peer in ("transformers", "baseline"):
                     if peer in row:
@@ -308,7 +337,21 @@ def run(args: argparse.Namespace) -> dict:
         "offline_tok_s_median": statistics.median(r["offline"]["output_tok_s"] for r in rows),
         "served_tok_s_median": statistics.median(r["served"]["output_tok_s"] for r in rows),
         "ratio_median": statistics.median(r["ratio"] for r in rows),
+        "cpu_us_per_token_median": cpu_per_token(rows),
     }
+
+
+def cpu_per_token(rows: list[dict]) -> dict:
+    """Median over the trials of each side's CPU microseconds per output token (None: not measured)."""
+    def median_of(values: list) -> Optional[float]:
+        return statistics.median(values) if values and None not in values else None
+
+    per_token = {"offline": median_of([1e6 * r["offline"]["cpu_s"] / r["offline"]["output_tokens"] for r in rows])}
+    for side in ("server", "engine", "client"):
+        per_token[side] = median_of([None if r["served"]["cpu_s"][side] is None
+                                     else 1e6 * r["served"]["cpu_s"][side] / r["served"]["output_tokens"]
+                                     for r in rows])
+    return per_token
 
 
 def format_table(report: dict) -> str:
@@ -335,6 +378,16 @@ def format_table(report: dict) -> str:
         lines.append(f"offline engine / {peer}: {ratio:.2f} (median of the trials' ratios; {peer} median "
                      f"{report['peers'][peer]:.1f} tok/s; target >= {target})")
     lines.append(f"LLM() start-up: {report['llm_startup_s']:.1f} s (target < 10)")
+    lines.append("CPU seconds per trial: offline | served: this process (server"
+                 + ("" if c.get("engine_process") else " + engine") + "), engine process, client process "
+                 "(start-up included)")
+    for r in report["runs"]:
+        cpu = r["served"]["cpu_s"]
+        lines.append(f"{r['trial']:>5} {r['offline']['cpu_s']:>8.2f} | " + " ".join(
+            f"{'-' if cpu[k] is None else format(cpu[k], '.2f'):>6}" for k in ("server", "engine", "client")))
+    per_token = report["cpu_us_per_token_median"]
+    lines.append("CPU us per output token (median): " + ", ".join(
+        f"{k} {'-' if v is None else format(v, '.0f')}" for k, v in per_token.items()))
     return "\n".join(lines)
 
 
