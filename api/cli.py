@@ -167,6 +167,9 @@ def _engine_args(engine) -> None:
     engine.add_argument("--min-prefill-batch", type=int, default=None,
                         help="a nearly full batch admits waiting requests in groups of this many (default: "
                              "max-num-seqs / 16; 1: as soon as a slot frees)")
+    engine.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                        help="stream each request's tokens in groups of N (its first token and its end at once): "
+                             "1/N of the host work per token for coarser streams (default 1: every token)")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="prepare and launch the next step before the last one's tokens are read back "
                              "(default: on CUDA)")
@@ -282,6 +285,7 @@ def engine_config(args: argparse.Namespace):
         max_queue_len=args.max_queue_len,
         enable_prefix_caching=args.enable_prefix_caching,
         min_prefill_batch=args.min_prefill_batch,
+        stream_interval=args.stream_interval,
         async_scheduling=args.async_scheduling,
         engine_process=args.engine_process,
         runner=args.runner,

@@ -95,6 +95,10 @@ class EngineConfig:
     # (or the queue holds fewer), so admissions come in groups instead of one small prefill per step (the idea of
     # TGI's waiting_served_ratio). None: max_num_seqs // 16; 1: admit whenever a slot is free.
     min_prefill_batch: Optional[int] = None
+    # Streamed outputs (DELTA, CUMULATIVE) of a request come every this many tokens (vLLM's stream_interval): its
+    # first token and its end at once, the tokens between in groups. 1: every token. Larger values cut the host work
+    # per token (IPC, SSE frames, a client's parsing) by that factor, for coarser streams.
+    stream_interval: int = 1
     # AsyncLLMEngine only: run the engine (scheduler, model, detokenizer) in a process of its own, so that the
     # caller's event loop (HTTP framing of hundreds of streams) and the engine's steps use two cores, not one.
     # The process is spawned: a script that asks for it must guard its entry point (if __name__ == "__main__"),
@@ -151,7 +155,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
         if self.min_prefill_batch is None:
             self.min_prefill_batch = max(1, self.max_num_seqs // 16)
-        self._check_positive("min_prefill_batch")
+        self._check_positive("min_prefill_batch", "stream_interval")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.runner not in ("auto", "generate", "pooling"):

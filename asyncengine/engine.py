@@ -94,7 +94,7 @@ class LLMEngine:
                                           self.runner.kv_sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill, config.min_prefill_batch)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.stop)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.stop, config.stream_interval)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.model_config.eos_token_ids)
         self.awaiting_grammar: list[Request] = []  # constrained requests whose grammar is compiling (not scheduled)
         self.stats_listeners: list[Callable[[StepStats], None]] = []

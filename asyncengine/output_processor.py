@@ -1,6 +1,10 @@
 """OutputProcessor: from booked tokens to `RequestOutput`s, on the engine's thread (book and emit phases). It owns
 the user requests (n `Request` children each), detokenization (text deltas; a stop string found ends the request
-through the `stop` callback, Scheduler.stop), logprob decoding, token timing and each output kind's outputs."""
+through the `stop` callback, Scheduler.stop), logprob decoding, token timing and each output kind's outputs.
+
+Stream interval: a streamed (DELTA or CUMULATIVE) request's output is made at its first token, at its end, and in
+between once `stream_interval` tokens have come since the last one it was sent (any child's count); the tokens
+held back meanwhile arrive in the next output (DELTA slices start where the last report ended)."""
 
 from __future__ import annotations
 
@@ -34,9 +38,10 @@ class UserRequest:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, stop: Callable[[Request, str], None]):
+    def __init__(self, tokenizer, stop: Callable[[Request, str], None], stream_interval: int = 1):
         self.tokenizer = tokenizer
         self._stop = stop
+        self.stream_interval = stream_interval
         self.user_requests: dict[str, UserRequest] = {}
         self.children: dict[str, Request] = {}
 
@@ -85,7 +90,7 @@ class OutputProcessor:
         for user in [u for u in self.user_requests.values() if u.changed]:
             user.changed = False
             finished = user.finished
-            if user.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            if not finished and not self._due(user):
                 continue
             outputs.append(self.output(user, finished))
             if finished:
@@ -94,6 +99,15 @@ class OutputProcessor:
                     stats.finished_reasons.append(child.finish_reason)
                 self.forget(user)
         return outputs
+
+    def _due(self, user: UserRequest) -> bool:
+        """Whether an unfinished user request's output is made this step (see the module docstring)."""
+        if user.kind == RequestOutputKind.FINAL_ONLY:
+            return False
+        if self.stream_interval == 1 or not any(user.sent_tokens):  # every token / the first token
+            return True
+        return any(c.num_output_tokens - sent >= self.stream_interval
+                   for c, sent in zip(user.children, user.sent_tokens))
 
     def output(self, user: UserRequest, finished: Optional[bool] = None) -> RequestOutput:
         """The user request's output now: for DELTA, only what was not reported before. Runs for every request

@@ -19,6 +19,7 @@ install of it in DIR: `pip install --no-deps --target DIR <source tree>`) in a w
 table then gives engine / transformers, engine / baseline and served / offline, each the median of the trials'
 ratios. Use `--engine-process --client subprocess` for the served side as `asyncengine serve` runs it.
 `--quantization int8` quantizes this run's engine (offline and served; the baseline keeps its own defaults).
+`--stream-interval N` streams the served requests' tokens in groups of N (EngineConfig.stream_interval).
 
 CPU seconds (issue 17, session 8): every trial also records the CPU time each side spent, which a shared machine's
 load does not bias the way it biases wall time: offline, this process's; served, this process's (the server, and the
@@ -297,7 +298,8 @@ def run(args: argparse.Namespace) -> dict:
         startup_s = offline.startup_s
         hf = TransformersStaticBatch(prompts, args.max_tokens) if args.compare else None
         baseline = BaselineWorker(args.baseline_site, dataset, args.max_tokens) if args.baseline_site else None
-        with InProcessServer({**engine_kwargs, "engine_process": args.engine_process}) as server:
+        with InProcessServer({**engine_kwargs, "engine_process": args.engine_process,
+                              "stream_interval": args.stream_interval}) as server:
             engine_pid = server.engine.client.process.pid if args.engine_process else None
             served_trial(server.url, dataset, max(1, args.num_prompts // 4), args.max_tokens, args.client)  # warm-up
             for trial in range(args.trials):
@@ -325,7 +327,8 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "bench_cpu_serving",
         "config": {"num_prompts": args.num_prompts, "input_tokens_mean": float(np.mean([len(p) for p in prompts])),
                    "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True, "client": args.client,
-                   "engine": engine_kwargs or "defaults", "engine_process": args.engine_process, "seed": args.seed, "trials": args.trials},
+                   "engine": engine_kwargs or "defaults", "engine_process": args.engine_process,
+                   "stream_interval": args.stream_interval, "seed": args.seed, "trials": args.trials},
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "platform": platform.platform()},
         "runs": rows,
@@ -361,7 +364,8 @@ def format_table(report: dict) -> str:
         f"{c['num_prompts']} prompts of ~{c['input_tokens_mean']:.0f} tokens, max_tokens {c['max_tokens']} "
         f"(greedy, ignore_eos), default model on CPU ({report['machine']['cpus']} cores, "
         f"{report['machine']['torch_threads']} torch threads), client {c['client']}"
-        + (", server's engine in its own process" if c.get("engine_process") else ""),
+        + (", server's engine in its own process" if c.get("engine_process") else "")
+        + (f", stream interval {c['stream_interval']}" if c.get("stream_interval", 1) > 1 else ""),
         f"{'trial':>5} {'offline tok/s':>14} {'served tok/s':>13} {'ratio':>7} {'served TTFT ms':>15} "
         f"{'served ITL ms':>14}",
     ]
@@ -404,6 +408,8 @@ def main(argv=None) -> int:
                         help="torch intra-op threads for both runs (default: torch's choice, one per core)")
     parser.add_argument("--engine-process", action="store_true",
                         help="the server's engine in a process of its own (EngineConfig.engine_process)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the served engine's stream_interval: each stream's tokens in groups of this many")
     parser.add_argument("--compare", action="store_true",
                         help="also time transformers' static-batch generate in every trial")
     parser.add_argument("--baseline-site", default=None,
