@@ -143,18 +143,93 @@ def _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, 
     return acc + tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)
 
 
+# The float32 exponent fields that make a nibble at bit offset p (0, 4, ..., 16) an integer: ORed under the exponent
+# of 2**(23 - p), whose unit in the last place is 2**-p, the nibble's bits read 2**(23 - p) + q exactly.
+_NIBBLE_FLOAT_ASM = tl.constexpr("""{
+    .reg .b32 high;
+    shr.u32 high, $8, 20;
+    lop3.b32 $0, $8, 0x0000000f, 0x4b000000, 0xea;
+    lop3.b32 $1, $8, 0x000000f0, 0x49000000, 0xea;
+    lop3.b32 $2, $8, 0x00000f00, 0x47000000, 0xea;
+    lop3.b32 $3, $8, 0x0000f000, 0x45000000, 0xea;
+    lop3.b32 $4, $8, 0x000f0000, 0x43000000, 0xea;
+    lop3.b32 $5, high, 0x0000000f, 0x4b000000, 0xea;
+    lop3.b32 $6, high, 0x000000f0, 0x49000000, 0xea;
+    lop3.b32 $7, high, 0x00000f00, 0x47000000, 0xea;
+}""")  # lop3 0xea: (a & b) | c, one instruction per nibble (Triton's own & and | give two)
+
+
 @triton.jit
-def _fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, stride_wn, group_size,
-              INT4: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
-    """acc [BK / VEC, BN] plus x's row 0 times W's tile at input k0 as [BK / VEC, VEC, BN]: the products of each
-    VEC inputs (an int4 word; 16 bytes of a dense row) summed in-thread, the rest left for after the loop."""
+def _nibble_floats(words, ASM: tl.constexpr):
+    """The 8 nibbles of each packed word [R, C] as float32 tensors 2**(23 - p_j) + q_j (p_j = 4 * (j % 5): nibbles
+    5..7 are read from the word shifted right by 20, since a mantissa has 23 bits), j = 0 ... 7 in input order."""
+    if ASM:
+        parts = tl.inline_asm_elementwise(_NIBBLE_FLOAT_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.int32,) * 8,
+                                          is_pure=True, pack=1)
+    else:
+        high = words >> 20  # the sign-extended bits above bit 11 are masked off below
+        parts = ()
+        for j in tl.static_range(8):
+            offset = 4 * (j % 5)
+            parts = parts + (((words if j < 5 else high) & (0xF << offset)) | ((150 - offset) << 23),)
+    floats = ()
+    for j in tl.static_range(8):
+        floats = floats + (parts[j].to(tl.float32, bitcast=True),)
+    return floats
+
+
+@triton.jit
+def _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
+                   BLOCK_K: tl.constexpr, ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
+    """acc [BK / 8, BN] plus x's row 0 times W's int4 tile at input k0, scaled once per packed word.
+
+    About three instructions per weight, all exact in float32 up to the FMA's rounding: one LOP3 makes the float
+    2**(23 - p) + q of a nibble (`_nibble_floats`), one subtraction of 2**(23 - p) + z (per column and tile)
+    leaves q - z, one FMA adds x * (q - z) into the word's sum; the group's scale then multiplies each word's
+    8-input sum once (a tile never crosses a group)."""
+    rows = tl.arange(0, BLOCK_K // 8)  # [BK / 8]
+    words_k = k0 // 8 + rows
+    row_mask = words_k < K // 8
+    words = tl.load(w_ptr + words_k[:, None].to(tl.int64) * N + cols[None, :],
+                    mask=row_mask[:, None] & col_mask[None, :], other=0)  # [BK / 8, BN] int32
+    scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)  # [BN] float32 each
+    # zero + 2**(23 - p) per bit offset p (exact: z is an integer below 16)
+    zeros = (zero[None, :] + 8388608.0, zero[None, :] + 524288.0, zero[None, :] + 32768.0, zero[None, :] + 2048.0,
+             zero[None, :] + 128.0)
+    nibbles = _nibble_floats(words, ASM)
+    xs = _x_words(x_ptr, words_k, row_mask, X_BF16_PAIRS)
+    word_sums = None
+    for j in tl.static_range(8):
+        term = xs[j][:, None] * (nibbles[j] - zeros[j % 5])
+        word_sums = term if j == 0 else word_sums + term
+    return acc + word_sums * scale[None, :]
+
+
+@triton.jit
+def _x_words(x_ptr, words_k, row_mask, BF16_PAIRS: tl.constexpr):
+    """x's inputs 8 w + j (w in words_k [R], j = 0 ... 7) as 8 float32 tensors [R]. BF16_PAIRS: x is bf16 at a
+    4-byte aligned address, read as 4 int32 words of two inputs each (half the loads), each widened by one shift or
+    AND (a bf16 is the top half of its float32)."""
+    xs = ()
+    if BF16_PAIRS:
+        pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        for i in tl.static_range(4):
+            pair = tl.load(pair_ptr + 4 * words_k + i, mask=row_mask, other=0)  # [R] inputs 8 w + 2 i, 8 w + 2 i + 1
+            xs = xs + ((pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True))
+    else:
+        for j in tl.static_range(8):
+            xs = xs + (tl.load(x_ptr + 8 * words_k + j, mask=row_mask, other=0.0).to(tl.float32),)
+    return xs
+
+
+@triton.jit
+def _fma_step(acc, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """acc [BK / VEC, BN] plus x's row 0 times a dense W's tile at input k0 as [BK / VEC, VEC, BN]: the products of
+    each 16 bytes of a W row (VEC inputs) summed in-thread, the rest left for after the loop."""
     kv = k0 + tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [BK / VEC, VEC]
     x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)
-    if INT4:  # VEC == 8: W's tile [BK / 8, 8, BN] in the same input order
-        w = _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K, BLOCK_N)
-    else:
-        w = tl.load(w_ptr + cols[None, None, :].to(tl.int64) * stride_wn + kv[:, :, None],
-                    mask=(kv < K)[:, :, None] & col_mask[None, None, :], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols[None, None, :].to(tl.int64) * stride_wn + kv[:, :, None],
+                mask=(kv < K)[:, :, None] & col_mask[None, None, :], other=0.0).to(tl.float32)
     return acc + tl.sum(w * x[:, :, None], axis=1)
 
 
@@ -196,6 +271,8 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,  # tl.dot in float32 (float32 x, or Triton's interpreter), else in x's dtype
     X_HALF: tl.constexpr,  # x in bf16 or fp16
+    ASM: tl.constexpr,  # PTX inline assembly allowed (not in Triton's interpreter)
+    X_BF16_PAIRS: tl.constexpr,  # x in bf16 at a 4-byte aligned address (INT4 FMA path: read in pairs)
     X_FP16: tl.constexpr,  # x in fp16
     BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
@@ -219,9 +296,11 @@ def _gemv_kernel(
         if USE_DOT:
             acc = _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
                             stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N)
+        elif INT4:
+            acc = _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
+                                 BLOCK_K, ASM, X_BF16_PAIRS)
         else:
-            acc = _fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, stride_wn,
-                            group_size, INT4, BLOCK_K, BLOCK_N, VEC)
+            acc = _fma_step(acc, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, BLOCK_K, VEC)
     if not USE_DOT:
         acc = tl.sum(acc, axis=0)[None, :]  # [1, BN]
     scaled = HAS_SCALE and not INT4  # int4 applied its group scales per tile
@@ -338,7 +417,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         fit.k_per_split, fit.split_k,
         INT4=int4, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PARTIAL=partial, USE_DOT=use_dot,
         DOT_FP32=x2.dtype == torch.float32 or interpreting(), X_HALF=x2.dtype in (torch.bfloat16, torch.float16),
-        X_FP16=x2.dtype == torch.float16, BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
+        X_FP16=x2.dtype == torch.float16, ASM=not interpreting(),
+        X_BF16_PAIRS=x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0, BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=8 if int4 else min(16 // weight.element_size(), fit.block_k),
         USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out

@@ -67,7 +67,10 @@ def _tile_shapes(fmt: str, dot: bool, tiny: bool) -> list[tuple[int, int, int, i
         ns, ks = ((32, 64, 128), (64, 128)) if fmt == "int4" else ((16, 32, 64), (64, 128, 256))
         return [(bn, bk, 4, st) for bn in ns for bk in ks for st in (3, 4)]
     # the FMA path's loads are not software-pipelined (num_stages changes nothing there): occupancy hides latency
-    ns, ks = ((32, 64, 128, 256), (64, 128)) if fmt == "int4" else ((16, 32, 64, 128), (128, 256, 512))
+    if fmt == "int4":  # 64 to 256 weights a thread (8 to 32 words): wide N tiles give a thread more columns per x
+        return [(bn, bk, w, 3) for bn in (64, 128, 256, 512, 1024) for bk in (32, 64, 128) for w in (2, 4, 8)
+                if 64 * 32 * w <= bn * bk <= 256 * 32 * w]
+    ns, ks = (16, 32, 64, 128), (128, 256, 512)
     per_thread = 256 if fmt == "fp8" else 128  # weight elements a thread holds per step (about 64 registers)
     return [(bn, bk, w, 3) for bn in ns for bk in ks for w in (4, 8) if bn * bk <= per_thread * 32 * w]
 
