@@ -42,7 +42,8 @@ _COUNTER_SLOTS = 1 << 16  # one int32 counter per N tile: N / BLOCK_N <= 65536
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """One launch configuration. split_k: K slices (1: y written directly). dot: at M == 1, multiply through a
-    16-row tl.dot anyway (M > 1 always does)."""
+    16-row tl.dot anyway (M > 1 always does). slot_dot: int4 with half-precision x on the tl.dot path, block_k
+    >= 128 after `_fit`: one dot per nibble slot on exact q - z codes (`_int4_slot_dot_step`)."""
 
     block_n: int
     block_k: int
@@ -50,6 +51,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = False
+    slot_dot: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -179,30 +181,60 @@ def _nibble_floats(words, ASM: tl.constexpr):
 
 
 @triton.jit
-def _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
-                   BLOCK_K: tl.constexpr, ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
-    """acc [BK / 8, BN] plus x's row 0 times W's int4 tile at input k0, scaled once per packed word.
+def _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K: tl.constexpr,
+                   ASM: tl.constexpr):
+    """W's int4 tile at input k0 as q - z, exactly, in float32: returns (words_k [BK / 8], the words' row mask,
+    a tuple of 8 tensors [BK / 8, BN], element j for input 8 * words_k + j, and the group's scales [BN]).
 
-    About three instructions per weight, all exact in float32 up to the FMA's rounding: one LOP3 makes the float
-    2**(23 - p) + q of a nibble (`_nibble_floats`), one subtraction of 2**(23 - p) + z (per column and tile)
-    leaves q - z, one FMA adds x * (q - z) into the word's sum; the group's scale then multiplies each word's
-    8-input sum once (a tile never crosses a group)."""
-    rows = tl.arange(0, BLOCK_K // 8)  # [BK / 8]
-    words_k = k0 // 8 + rows
+    Two instructions per weight: one LOP3 makes the float 2**(23 - p) + q of a nibble (`_nibble_floats`), one
+    subtraction of 2**(23 - p) + z (per column and tile; exact, z being an integer below 16) leaves q - z."""
+    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8] rows of qweight
     row_mask = words_k < K // 8
     words = tl.load(w_ptr + words_k[:, None].to(tl.int64) * N + cols[None, :],
                     mask=row_mask[:, None] & col_mask[None, :], other=0)  # [BK / 8, BN] int32
     scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)  # [BN] float32 each
-    # zero + 2**(23 - p) per bit offset p (exact: z is an integer below 16)
     zeros = (zero[None, :] + 8388608.0, zero[None, :] + 524288.0, zero[None, :] + 32768.0, zero[None, :] + 2048.0,
-             zero[None, :] + 128.0)
+             zero[None, :] + 128.0)  # z + 2**(23 - p) per bit offset p = 0, 4, 8, 12, 16
     nibbles = _nibble_floats(words, ASM)
-    xs = _x_words(x_ptr, words_k, row_mask, X_BF16_PAIRS)
-    word_sums = None
+    centered = ()
     for j in tl.static_range(8):
-        term = xs[j][:, None] * (nibbles[j] - zeros[j % 5])
-        word_sums = term if j == 0 else word_sums + term
+        centered = centered + (nibbles[j] - zeros[j % 5],)
+    return words_k, row_mask, centered, scale
+
+
+@triton.jit
+def _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
+                   BLOCK_K: tl.constexpr, ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
+    """acc [BK / 8, BN] plus x's row 0 times W's int4 tile at input k0: about three instructions per weight (two in
+    `_int4_centered`, one FMA into the word's 8-input sum), the group's scale multiplying each word's sum once (a
+    tile never crosses a group)."""
+    words_k, row_mask, centered, scale = _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
+                                                        group_size, BLOCK_K, ASM)
+    xs = _x_words(x_ptr, words_k, row_mask, X_BF16_PAIRS)
+    word_sums = xs[0][:, None] * centered[0]
+    for j in tl.static_range(1, 8):
+        word_sums += xs[j][:, None] * centered[j]
     return acc + word_sums * scale[None, :]
+
+
+@triton.jit
+def _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
+                        stride_xm, group_size, DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """acc [BM, BN] plus x's rows times W's int4 tile at input k0 (BLOCK_K >= 128), as 8 tl.dot of K = BLOCK_K / 8:
+    slot j multiplies x's inputs 8 w + j by the words' nibble j, made q - z exactly (`_int4_centered`) and rounded
+    to x's half type (exact: |q - z| < 16). No 3D reshuffle of the nibbles, no x-sum correction; the group's scale
+    multiplies the tile's sum once."""
+    words_k, word_mask, centered, scale = _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
+                                                         group_size, BLOCK_K, ASM)
+    part = tl.zeros(acc.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        x_j = tl.load(x_ptr + rows[:, None] * stride_xm + (8 * words_k + j)[None, :],
+                      mask=row_mask[:, None] & word_mask[None, :], other=0.0)  # [BM, BK / 8]
+        if DOT_FP32:  # Triton's interpreter
+            part = tl.dot(x_j.to(tl.float32), centered[j], part, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            part = tl.dot(x_j, centered[j].to(x_ptr.dtype.element_ty), part, out_dtype=tl.float32)
+    return acc + part * scale[None, :]
 
 
 @triton.jit
@@ -273,6 +305,7 @@ def _gemv_kernel(
     X_HALF: tl.constexpr,  # x in bf16 or fp16
     ASM: tl.constexpr,  # PTX inline assembly allowed (not in Triton's interpreter)
     X_BF16_PAIRS: tl.constexpr,  # x in bf16 at a 4-byte aligned address (INT4 FMA path: read in pairs)
+    SLOT_DOT: tl.constexpr,  # INT4 tl.dot path: one dot per nibble slot (`_int4_slot_dot_step`; BLOCK_K >= 128)
     X_FP16: tl.constexpr,  # x in fp16
     BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
@@ -293,7 +326,10 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        if USE_DOT:
+        if USE_DOT and INT4 and X_HALF and SLOT_DOT:
+            acc = _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N,
+                                      K, stride_xm, group_size, DOT_FP32, BLOCK_K, ASM)
+        elif USE_DOT:
             acc = _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
                             stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N)
         elif INT4:
@@ -418,7 +454,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         INT4=int4, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PARTIAL=partial, USE_DOT=use_dot,
         DOT_FP32=x2.dtype == torch.float32 or interpreting(), X_HALF=x2.dtype in (torch.bfloat16, torch.float16),
         X_FP16=x2.dtype == torch.float16, ASM=not interpreting(),
-        X_BF16_PAIRS=x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0, BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
+        X_BF16_PAIRS=x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0,
+        SLOT_DOT=int4 and config.slot_dot and fit.block_k >= 128, BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=8 if int4 else min(16 // weight.element_size(), fit.block_k),
         USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out

@@ -23,6 +23,32 @@ def test_gpu_int4_at_llama_8b_sizes(m, k, n):
     check_int4(m, k, n, 128, torch.bfloat16)
 
 
+# int4 GEMV tiles beyond the table's: wide N tiles of the M = 1 FMA path (several columns a thread, K cut below a
+# group), and the one-dot-per-nibble-slot tl.dot path (block_k 128)
+INT4_TILES = [(512, 32, 4, 4, False, False), (1024, 32, 2, 8, False, False), (64, 128, 4, 4, True, True),
+              (128, 128, 1, 4, True, True)]  # (block_n, block_k, split_k, num_warps, dot, slot_dot)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("tiles", INT4_TILES)
+@pytest.mark.parametrize("k, n", SHAPES)
+def test_gpu_int4_gemv_tiles_at_llama_8b_sizes(m, tiles, k, n):
+    """Each candidate path and tile of the sweep against the reference in bf16, outputs poisoned (the inline PTX
+    of the FMA path and the slot dots run only here)."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+    from test_quant_kernels import int4_case
+
+    block_n, block_k, split_k, warps, dot, slot_dot = tiles
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, warps, 3, dot, slot_dot)
+    x, qweight, scales, zeros = int4_case(m, k, n, 128, torch.bfloat16)
+    out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 128, config=config)
+    ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 128, 4)
+    assert out.dtype == ref.dtype and not out.isnan().any()
+    assert rel_error(out, ref) < 1e-2, rel_error(out, ref)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 16, 256])

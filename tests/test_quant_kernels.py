@@ -127,6 +127,22 @@ def test_int4_fma_gemv_reads_bf16_x_in_pairs_or_one_by_one_alike(block_n, block_
         assert not out.isnan().any() and rel_error(out, ref) < INT4_REL_ERROR[torch.bfloat16], rel_error(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_int4_gemv_one_dot_per_nibble_slot_matches_reference(dtype, m):
+    """slot_dot: 8 tl.dot per 128-input tile, slot j taking inputs 8 w + j against nibble j of each word made
+    q - z; N odd, K ending in a partial group, K split in slices."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    x, qweight, scales, zeros = int4_case(m, 296, 37, 128, dtype)
+    bias = torch.randn(37, dtype=dtype, device=x.device)
+    config = quant_gemv.GemvConfig(16, 128, 2, dot=True, slot_dot=True)
+    out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 128, bias, config=config)
+    ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 128, 4, bias)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert rel_error(out, ref) < INT4_REL_ERROR[dtype], rel_error(out, ref)
+
+
 def test_int4_fma_gemv_is_exact_for_every_nibble_value_in_every_position():
     """Each of the 16 values in each of the 8 nibble slots of a word, against zero points 0 ... 15: with x one-hot
     per input and unit scales, y is exactly q - z (float32), so a wrong mask, exponent or shift shows as a wrong
