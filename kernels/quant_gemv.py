@@ -43,7 +43,9 @@ _COUNTER_SLOTS = 1 << 16  # one int32 counter per N tile: N / BLOCK_N <= 65536
 class GemvConfig:
     """One launch configuration. split_k: K slices (1: y written directly). dot: at M == 1, multiply through a
     16-row tl.dot anyway (M > 1 always does). slot_dot: int4 with half-precision x on the tl.dot path, block_k
-    >= 128 after `_fit`: one dot per nibble slot on exact q - z codes (`_int4_slot_dot_step`)."""
+    >= 128 after `_fit`: one dot per nibble slot on exact q - z codes (`_int4_slot_dot_step`). half_fma: int4 at
+    M == 1 on the FMA path, where `half_fma_ok(x)`: each word's 8 products summed in bf16x2 (`_int4_half_fma_step`);
+    elsewhere the float32 FMA path."""
 
     block_n: int
     block_k: int
@@ -52,6 +54,7 @@ class GemvConfig:
     num_stages: int = 3
     dot: bool = False
     slot_dot: bool = False
+    half_fma: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -180,6 +183,68 @@ def _nibble_floats(words, ASM: tl.constexpr):
     return floats
 
 
+# One packed word's 8 products summed in bf16x2 arithmetic (sm_80+): the word's nibbles taken two at a time,
+# (j, j + 4) from the two 16-bit halves (one shift and one LOP3: q ORed under the bf16 exponent of 128, whose unit in
+# the last place is 1), an FMA by one minus (128 + z) leaving q - z exactly, an FMA into the two lanes' sums with the
+# inputs (x_j, x_j+4); the lanes added in float32 at the end. $1: the word; $2: -(128 + z) in both halves; $3 ... $6:
+# (x_j, x_j+4) for j = 0 ... 3, bf16x2. About 2.3 instructions per weight; each product and lane sum rounded to bf16.
+_HALF_FMA_WORD_ASM = tl.constexpr("""{
+    .reg .b32 one, minus_zero, nib, d, acc, shifted;
+    .reg .b16 lo, hi;
+    .reg .f32 flo, fhi, total;
+    mov.b32 one, 0x3f803f80;
+    mov.b32 minus_zero, 0x80008000;
+    lop3.b32 nib, $1, 0x000f000f, 0x43004300, 0xea;
+    fma.rn.bf16x2 d, nib, one, $2;
+    fma.rn.bf16x2 acc, d, $3, minus_zero;
+    shr.u32 shifted, $1, 4;
+    lop3.b32 nib, shifted, 0x000f000f, 0x43004300, 0xea;
+    fma.rn.bf16x2 d, nib, one, $2;
+    fma.rn.bf16x2 acc, d, $4, acc;
+    shr.u32 shifted, $1, 8;
+    lop3.b32 nib, shifted, 0x000f000f, 0x43004300, 0xea;
+    fma.rn.bf16x2 d, nib, one, $2;
+    fma.rn.bf16x2 acc, d, $5, acc;
+    shr.u32 shifted, $1, 12;
+    lop3.b32 nib, shifted, 0x000f000f, 0x43004300, 0xea;
+    fma.rn.bf16x2 d, nib, one, $2;
+    fma.rn.bf16x2 acc, d, $6, acc;
+    mov.b32 {lo, hi}, acc;
+    cvt.f32.bf16 flo, lo;
+    cvt.f32.bf16 fhi, hi;
+    add.f32 total, flo, fhi;
+    mov.b32 $0, total;
+}""")
+
+
+@triton.jit
+def _int4_half_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
+                        BLOCK_K: tl.constexpr):
+    """`_int4_fma_step` for bf16 x at a 4-byte aligned address on CUDA, each word's 8 products summed in bf16x2
+    (`_HALF_FMA_WORD_ASM`) instead of float32; the words' sums still scaled and accumulated in float32."""
+    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8]
+    row_mask = words_k < K // 8
+    words = tl.load(w_ptr + words_k[:, None].to(tl.int64) * N + cols[None, :],
+                    mask=row_mask[:, None] & col_mask[None, :], other=0)  # [BK / 8, BN] int32
+    scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)  # [BN] float32 each
+    bits = (-128.0 - zero).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # -(128 + z), exact
+    neg_zero_pair = (bits | (bits << 16))[None, :]  # [1, BN] bf16x2
+    pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    x01 = tl.load(pair_ptr + 4 * words_k + 0, mask=row_mask, other=0)  # [BK / 8] (x0, x1) bf16x2
+    x23 = tl.load(pair_ptr + 4 * words_k + 1, mask=row_mask, other=0)
+    x45 = tl.load(pair_ptr + 4 * words_k + 2, mask=row_mask, other=0)
+    x67 = tl.load(pair_ptr + 4 * words_k + 3, mask=row_mask, other=0)
+    x04 = (x01 & 0xFFFF) | (x45 << 16)  # (x_j, x_j+4): the halves' nibble pairs
+    x15 = ((x01 >> 16) & 0xFFFF) | (x45 & -65536)
+    x26 = (x23 & 0xFFFF) | (x67 << 16)
+    x37 = ((x23 >> 16) & 0xFFFF) | (x67 & -65536)
+    word_sums = tl.inline_asm_elementwise(
+        _HALF_FMA_WORD_ASM, "=r,r,r,r,r,r,r",
+        [words, neg_zero_pair, x04[:, None], x15[:, None], x26[:, None], x37[:, None]], dtype=tl.int32,
+        is_pure=True, pack=1).to(tl.float32, bitcast=True)  # [BK / 8, BN]
+    return acc + word_sums * scale[None, :]
+
+
 @triton.jit
 def _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K: tl.constexpr,
                    ASM: tl.constexpr):
@@ -306,6 +371,7 @@ def _gemv_kernel(
     ASM: tl.constexpr,  # PTX inline assembly allowed (not in Triton's interpreter)
     X_BF16_PAIRS: tl.constexpr,  # x in bf16 at a 4-byte aligned address (INT4 FMA path: read in pairs)
     SLOT_DOT: tl.constexpr,  # INT4 tl.dot path: one dot per nibble slot (`_int4_slot_dot_step`; BLOCK_K >= 128)
+    HALF_FMA: tl.constexpr,  # INT4 FMA path: each word's products summed in bf16x2 (`_int4_half_fma_step`)
     X_FP16: tl.constexpr,  # x in fp16
     BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
@@ -332,6 +398,9 @@ def _gemv_kernel(
         elif USE_DOT:
             acc = _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
                             stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N)
+        elif INT4 and HALF_FMA:
+            acc = _int4_half_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
+                                      BLOCK_K)
         elif INT4:
             acc = _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
                                  BLOCK_K, ASM, X_BF16_PAIRS)
@@ -411,6 +480,12 @@ class _Launch:
     split_k: int
 
 
+def half_fma_ok(x2: torch.Tensor) -> bool:
+    """Whether the half_fma FMA path can take x: bf16 at a 4-byte aligned address, on CUDA (inline PTX; sm_80+)."""
+    return (x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.is_cuda and not interpreting()
+            and torch.cuda.get_device_capability(x2.device) >= (8, 0))
+
+
 def _fit(config: GemvConfig, k: int, group_size: Optional[int]) -> _Launch:
     block_k = config.block_k
     if group_size is not None:  # an int4 tile stays in one group
@@ -455,7 +530,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         DOT_FP32=x2.dtype == torch.float32 or interpreting(), X_HALF=x2.dtype in (torch.bfloat16, torch.float16),
         X_FP16=x2.dtype == torch.float16, ASM=not interpreting(),
         X_BF16_PAIRS=x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0,
-        SLOT_DOT=int4 and config.slot_dot and fit.block_k >= 128, BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
+        SLOT_DOT=int4 and config.slot_dot and fit.block_k >= 128,
+        HALF_FMA=int4 and config.half_fma and not use_dot and half_fma_ok(x2), BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=8 if int4 else min(16 // weight.element_size(), fit.block_k),
         USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out

@@ -90,9 +90,15 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
         for bn, bk, warps, stages in shapes:
             if group.fmt == "int4" and GROUP_SIZE % bk:
                 continue
-            slot_dots = [False, True] if group.fmt == "int4" and dot and bk >= 128 else [False]
+            # int4's alternatives: one tl.dot per nibble slot (block_k 128), bf16x2 sums per word (the FMA path)
+            variants = [(False, False)]
+            if group.fmt == "int4" and dot and bk >= 128:
+                variants.append((True, False))
+            if group.fmt == "int4" and not dot:
+                variants.append((False, True))
             for split in _splits(group.n, group.k, bn, bk, num_sms):
-                out += [GemvConfig(bn, bk, split, warps, stages, dot, slot_dot) for slot_dot in slot_dots]
+                out += [GemvConfig(bn, bk, split, warps, stages, dot, slot_dot, half_fma)
+                        for slot_dot, half_fma in variants]
     return out
 
 
@@ -214,7 +220,8 @@ def compile_key(group: Group, config) -> tuple:
 
     fit = _fit(config, group.k, GROUP_SIZE if group.fmt == "int4" else None)
     return (group.fmt, m_bucket(group.m), config.block_n, fit.block_k, config.num_warps, config.num_stages,
-            config.dot, config.slot_dot and fit.block_k >= 128, fit.split_k > 1, fit.split_k % 16 == 0)
+            config.dot, config.slot_dot and fit.block_k >= 128, config.half_fma, fit.split_k > 1,
+            fit.split_k % 16 == 0)
 
 
 def _compile_tasks(tasks: list[tuple[Group, object]]) -> list[tuple]:
@@ -330,8 +337,13 @@ def winner_line(r: Result, copy_gbps: float) -> str:
     g = r.group
     lib = ", ".join(f"{name} {t:.1f} us" for name, t in r.library.items())
     return (f'    ("{g.fmt}", {g.n}, {g.k}, {g.m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, '
-            f'{c.num_warps}, {c.num_stages}, {c.dot}{", slot_dot=True" if c.slot_dot else ""}),  # {g.name}: {us:.1f} us,{_rate(r.bytes, us, copy_gbps)}'
+            f'{c.num_warps}, {c.num_stages}, {c.dot}{_int4_variant(c)}),  # {g.name}: {us:.1f} us,{_rate(r.bytes, us, copy_gbps)}'
             f"{'; ' + lib if lib else ''}")
+
+
+def _int4_variant(config) -> str:
+    """A winner's int4 alternative as GemvConfig's keyword arguments (none: the default paths)."""
+    return (", slot_dot=True" if config.slot_dot else "") + (", half_fma=True" if config.half_fma else "")
 
 
 def groups_for(formats: list[str], tiny: bool) -> list[Group]:

@@ -112,15 +112,18 @@ def test_int4_gemv_with_odd_n_and_a_k_tail_matches_reference(m, group_size, dtyp
     check_int4(m, 2 * group_size + 40, 37, group_size, dtype, bias=m == 3, num_sms=4)
 
 
+@pytest.mark.parametrize("half_fma", [False, True])
 @pytest.mark.parametrize("block_n, block_k, split_k", [(64, 16, 3), (128, 32, 1), (32, 128, 2)])
-def test_int4_fma_gemv_reads_bf16_x_in_pairs_or_one_by_one_alike(block_n, block_k, split_k):
+def test_int4_fma_gemv_reads_bf16_x_in_pairs_or_one_by_one_alike(block_n, block_k, split_k, half_fma):
     """bf16 x at a 4-byte aligned address is read as int32 pairs; at an odd offset (a view) one input at a time:
-    both equal the reference, under tiles that split K, cut it below a group and cover N with one ragged tile."""
+    both equal the reference, under tiles that split K, cut it below a group and cover N with one ragged tile.
+    half_fma (bf16x2 word sums, inline PTX) applies on CUDA to the aligned x only; elsewhere the float32 path."""
     from asyncengine.kernels import quant_gemv, quant_reference
 
     _, qweight, scales, zeros = int4_case(1, 256, 72, 64, torch.bfloat16)
     buffer = torch.randn(1, 257, dtype=torch.bfloat16, device=qweight.device)
-    config = quant_gemv.GemvConfig(block_n, block_k, split_k)
+    assert not quant_gemv.half_fma_ok(buffer[:, 1:]), "an odd address must take the float32 path"
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, half_fma=half_fma)
     for x in (buffer[:, :256], buffer[:, 1:]):  # data_ptr % 4 == 0, then == 2
         out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, config=config)
         ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 64, 4)
@@ -143,22 +146,24 @@ def test_int4_gemv_one_dot_per_nibble_slot_matches_reference(dtype, m):
     assert rel_error(out, ref) < INT4_REL_ERROR[dtype], rel_error(out, ref)
 
 
-def test_int4_fma_gemv_is_exact_for_every_nibble_value_in_every_position():
+@pytest.mark.parametrize("dtype, half_fma", [(torch.float32, False), (torch.bfloat16, True)])
+def test_int4_fma_gemv_is_exact_for_every_nibble_value_in_every_position(dtype, half_fma):
     """Each of the 16 values in each of the 8 nibble slots of a word, against zero points 0 ... 15: with x one-hot
-    per input and unit scales, y is exactly q - z (float32), so a wrong mask, exponent or shift shows as a wrong
-    integer."""
+    per input and unit scales, y is exactly q - z (also in bf16, also with bf16x2 word sums), so a wrong mask,
+    exponent, shift or pairing shows as a wrong integer."""
     from asyncengine.kernels import quant_gemv, quant_reference
 
     k, n = 128, 16  # inputs: 16 words x 8 slots; output n: zero point n, value (k + n) % 16 at input k
     q = (torch.arange(k)[:, None] + torch.arange(n)[None, :]) % 16
     qweight = quant_reference.pack_int32(q.to(torch.int32), 4, dim=0).to(DEVICE)
-    scales = torch.ones(1, n, device=DEVICE)
-    zeros = torch.arange(n, dtype=torch.float32, device=DEVICE)[None, :]
+    scales = torch.ones(1, n, dtype=dtype, device=DEVICE)
+    zeros = torch.arange(n, dtype=dtype, device=DEVICE)[None, :]
+    config = quant_gemv.GemvConfig(16, 128, half_fma=half_fma)
     for i in range(k):
-        x = torch.zeros(1, k, device=DEVICE)
+        x = torch.zeros(1, k, dtype=dtype, device=DEVICE)
         x[0, i] = 1.0
-        out = quant_gemv.int4_gemv(x, qweight, scales, zeros, k, config=quant_gemv.GemvConfig(16, 128))
-        assert torch.equal(out[0].cpu(), (q[i] - torch.arange(n)).float()), i
+        out = quant_gemv.int4_gemv(x, qweight, scales, zeros, k, config=config)
+        assert torch.equal(out[0].float().cpu(), (q[i] - torch.arange(n)).float()), i
 
 
 def test_split_k_counters_are_left_zero_for_the_next_call_and_graph_replays():
