@@ -13,8 +13,11 @@ tiles of W once. An int4 tile never crosses a group (BLOCK_K divides group_size)
 scales and zeros once ([BLOCK_N] each) and each packed word once.
   M == 1 (config.dot false): FMA, no 16-row MMA tile of which 15 rows are padding: each step sums the products
       of each 16-byte vector of a W row (an int4 word) in-thread into a [BLOCK_K / VEC, BLOCK_N] float32 tile,
-      reduced over K once after the loop.
-  M > 1 (or config.dot): tl.dot on one tile of x of 16, 32 or 64 rows (the M bucket).
+      reduced over K once after the loop. int4 spends about three instructions per weight (`_int4_centered`: one
+      LOP3 ORs the nibble under a float32 exponent, one subtraction leaves q - z exactly; one FMA), the scale once
+      per word; config.half_fma sums each word's products in bf16x2 instead (`_int4_half_fma_step`, ~2.3).
+  M > 1 (or config.dot): tl.dot on one tile of x of 16, 32 or 64 rows (the M bucket); int4 with config.slot_dot:
+      one dot per nibble slot on exact q - z codes (`_int4_slot_dot_step`).
 Split-K without an extra launch: each slice stores its float32 partial sums, then bumps a per-N-tile counter; the
 slice that arrives last sums the partials, applies the scale and bias, writes y and resets the counter to zero
 (so the next call, or a CUDA-graph replay, finds it zeroed). Calls must not overlap on two streams.

@@ -3,7 +3,8 @@
 Key: (format, N, K, M bucket): format bf16 / fp16 / fp32 / fp8 (dense weights) or int4 (group size 128 unless a
 tile's block_k is cut to the group); M bucket 1 (M == 1, the FMA path unless dot=True) or 16 (M of 2..16, tl.dot).
 Shapes missing here take quant_gemv.default_config. Paste the lines that `python -m loadtest.bench_kernels
---gemv-sweep` prints under "winners" (measured on one GPU kind: note which, below).
+--gemv-sweep` prints under "winners" (measured on one GPU kind: note which, below); an int4 winner on one of its
+alternative paths carries slot_dot=True or half_fma=True (GemvConfig's docstring).
 """
 
 from __future__ import annotations
