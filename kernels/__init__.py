@@ -56,6 +56,14 @@ def arrival_counters(owner: str, device, slots: int):
 
 
 @functools.cache
+def compute_capability(device_index) -> tuple[int, int]:
+    """(major, minor) of a CUDA device (asked once: kernels pick instructions by it on every call)."""
+    import torch
+
+    return torch.cuda.get_device_capability(device_index if device_index is not None else 0)
+
+
+@functools.cache
 def sm_count(device_index) -> int:
     """Streaming multiprocessors of a CUDA device (asked once: kernels size split-K grids by it on every call)."""
     import torch

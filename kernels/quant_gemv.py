@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import arrival_counters, interpreting, sm_count
+from . import arrival_counters, compute_capability, interpreting, sm_count
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
 
 MAX_M = 64
@@ -486,7 +486,7 @@ class _Launch:
 def half_fma_ok(x2: torch.Tensor) -> bool:
     """Whether the half_fma FMA path can take x: bf16 at a 4-byte aligned address, on CUDA (inline PTX; sm_80+)."""
     return (x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.is_cuda and not interpreting()
-            and torch.cuda.get_device_capability(x2.device) >= (8, 0))
+            and compute_capability(x2.device.index) >= (8, 0))
 
 
 def _fit(config: GemvConfig, k: int, group_size: Optional[int]) -> _Launch:
