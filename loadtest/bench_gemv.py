@@ -65,7 +65,8 @@ def _tile_shapes(fmt: str, dot: bool, tiny: bool) -> list[tuple[int, int, int, i
         return [(16, 32, 4, 2)] if dot else [(16, 32, 4, 2), (32, 64, 4, 3)]
     if dot:
         ns, ks = ((32, 64, 128), (64, 128)) if fmt == "int4" else ((16, 32, 64), (64, 128, 256))
-        return [(bn, bk, 4, st) for bn in ns for bk in ks for st in (3, 4)]
+        wide = [(256, 128, 8, 3)] if fmt == "int4" else []  # slot_dot's widest tile without spills (sm_90)
+        return [(bn, bk, 4, st) for bn in ns for bk in ks for st in (3, 4)] + wide
     # the FMA path's loads are not software-pipelined (num_stages changes nothing there): occupancy hides latency
     if fmt == "int4":  # 64 to 256 weights a thread (8 to 32 words): wide N tiles give a thread more columns per x
         return [(bn, bk, w, 3) for bn in (64, 128, 256, 512, 1024) for bk in (32, 64, 128) for w in (2, 4, 8)
