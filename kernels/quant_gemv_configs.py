@@ -14,14 +14,17 @@ from .quant_gemv import GemvConfig
 # Measured on: one NVIDIA H100 80GB HBM3 (132 SMs, copy 2995 GB/s), 2026-11-24, session 7's sweep (run 41); the
 # Llama-3-8B shapes. Comments: our time, GB/s, share of the copy bandwidth; the library's time beside it.
 TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
-    ("int4", 6144, 4096, 1): GemvConfig(128, 128, 11, 4, 3, False),  # qkv: 14.7 us,    909 GB/s  30%; old int4 GEMM tile 36.1 us
-    ("int4", 6144, 4096, 16): GemvConfig(128, 64, 11, 4, 4, True),  # qkv: 26.1 us,    525 GB/s  18%; old int4 GEMM tile 36.2 us
-    ("int4", 4096, 4096, 1): GemvConfig(128, 128, 17, 4, 3, False),  # o: 11.6 us,    772 GB/s  26%; old int4 GEMM tile 28.7 us
-    ("int4", 4096, 4096, 16): GemvConfig(128, 128, 9, 4, 3, True),  # o: 19.5 us,    470 GB/s  16%; old int4 GEMM tile 28.8 us
-    ("int4", 28672, 4096, 1): GemvConfig(128, 128, 2, 4, 3, False),  # gate_up: 55.8 us,   1120 GB/s  37%; old int4 GEMM tile 132.6 us
-    ("int4", 28672, 4096, 16): GemvConfig(128, 128, 3, 4, 3, True),  # gate_up: 101.6 us,    625 GB/s  21%; old int4 GEMM tile 131.9 us
-    ("int4", 4096, 14336, 1): GemvConfig(128, 128, 17, 4, 3, False),  # down: 28.4 us,   1100 GB/s  37%; old int4 GEMM tile 93.9 us
-    ("int4", 4096, 14336, 16): GemvConfig(128, 64, 17, 4, 4, True),  # down: 52.3 us,    608 GB/s  20%; old int4 GEMM tile 94.7 us
+    # int4: session 8's run 48 (one H100 80GB HBM3, 2026-11-24, branch s8-int4 at 03afcb9): the M = 1 rows on the
+    # bf16x2 word sums (half_fma: rel error ~3e-3 against the float32 reference, the float32 FMA path ~3e-9), the
+    # M = 16 rows on one dot per nibble slot; in run 41 these shapes took 14.7 / 11.6 / 55.8 / 28.4 us at M = 1.
+    ("int4", 6144, 4096, 1): GemvConfig(512, 64, 44, 4, 3, False, half_fma=True),  # qkv: 11.4 us,   1177 GB/s  40%; old int4 GEMM tile 35.8 us
+    ("int4", 6144, 4096, 16): GemvConfig(128, 128, 11, 4, 3, True, slot_dot=True),  # qkv: 21.4 us,    641 GB/s  22%; old int4 GEMM tile 35.9 us
+    ("int4", 4096, 4096, 1): GemvConfig(64, 128, 9, 4, 3, False, half_fma=True),  # o: 9.2 us,    966 GB/s  33%; old int4 GEMM tile 28.6 us
+    ("int4", 4096, 4096, 16): GemvConfig(128, 128, 9, 4, 3, True, slot_dot=True),  # o: 17.5 us,    524 GB/s  18%; old int4 GEMM tile 28.8 us
+    ("int4", 28672, 4096, 1): GemvConfig(1024, 64, 10, 8, 3, False, half_fma=True),  # gate_up: 28.4 us,   2202 GB/s  74%; old int4 GEMM tile 132.3 us
+    ("int4", 28672, 4096, 16): GemvConfig(128, 128, 2, 4, 3, True, slot_dot=True),  # gate_up: 70.1 us,    905 GB/s  31%; old int4 GEMM tile 132.2 us
+    ("int4", 4096, 14336, 1): GemvConfig(512, 64, 66, 4, 3, False, half_fma=True),  # down: 19.9 us,   1572 GB/s  53%; old int4 GEMM tile 94.0 us
+    ("int4", 4096, 14336, 16): GemvConfig(128, 128, 17, 4, 3, True, slot_dot=True),  # down: 39.1 us,    813 GB/s  27%; old int4 GEMM tile 94.3 us
     ("fp8", 6144, 4096, 1): GemvConfig(16, 512, 1, 8, 3, False),  # qkv: 13.4 us,   1888 GB/s  63%; _scaled_mm per-tensor 13.1 us, _scaled_mm rowwise 19.3 us, fp8_linear (quant+rowwise) 21.3 us
     ("fp8", 6144, 4096, 16): GemvConfig(32, 256, 2, 4, 3, True),  # qkv: 15.2 us,   1680 GB/s  56%; _scaled_mm per-tensor 13.1 us, _scaled_mm rowwise 18.2 us, fp8_linear (quant+rowwise) 19.9 us
     ("fp8", 6144, 4096, 64): GemvConfig(32, 128, 2, 4, 3, True),  # qkv: 21.9 us,   1211 GB/s  40%; _scaled_mm per-tensor 13.2 us, _scaled_mm rowwise 16.4 us, fp8_linear (quant+rowwise) 18.2 us

@@ -166,6 +166,22 @@ def test_int4_fma_gemv_is_exact_for_every_nibble_value_in_every_position(dtype, 
         assert torch.equal(out[0].float().cpu(), (q[i] - torch.arange(n)).float()), i
 
 
+@pytest.mark.parametrize("m", [1, 5])
+def test_gemv_split_k_sums_more_slices_than_one_chunk(m):
+    """11 K slices (the last program of an N tile sums them 8 at a time at M = 1: one full chunk, one ragged), for a
+    dense and an int4 weight, against the references."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    config = quant_gemv.GemvConfig(16, 16, 13, dot=m > 1)
+    assert quant_gemv._fit(config, 512, None).split_k == 11
+    x = torch.randn(m, 512, device=DEVICE)
+    w = torch.randn(24, 512, device=DEVICE)
+    assert_matches(quant_gemv.dense_gemv(x, w, config=config), quant_reference.dense_gemv(x, w), INT4_TOLERANCE)
+    _, qweight, scales, zeros = int4_case(m, 512, 24, 64, torch.float32)
+    out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, config=config)
+    assert_matches(out, quant_reference.int_weight_matmul(x, qweight, scales, zeros, 64, 4), INT4_TOLERANCE)
+
+
 def test_split_k_counters_are_left_zero_for_the_next_call_and_graph_replays():
     """The last K slice of each N tile resets its arrival counter: the same call twice gives the same y."""
     from asyncengine.kernels import quant_gemv, quant_reference
