@@ -538,14 +538,16 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
 
 def default_config(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     """Untuned tiles: wide K strips for dense weights (contiguous along K), wide N rows for int4 (contiguous
-    along N), and the split from `split_k_for`."""
+    along N), and the split from `split_k_for`. int4 takes the paths that won every 8B shape in run 48 (half_fma
+    at M == 1, slot_dot above; each applies only where its conditions hold, see GemvConfig)."""
     dot = m > 1
     if fmt == "int4":
-        block_n, block_k = (64, 128) if not dot else (64, 64)
+        block_n, block_k = 64, 128
     else:
         block_n, block_k = (32, 512 if fmt == "fp8" else 256) if not dot else (32, 128)
+    int4 = fmt == "int4"
     return GemvConfig(block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), num_warps=4, num_stages=3,
-                      dot=dot)
+                      dot=dot, slot_dot=int4 and dot, half_fma=int4 and not dot)
 
 
 def config_for(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:
