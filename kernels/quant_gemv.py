@@ -174,8 +174,8 @@ def _nibble_floats(words, ASM: tl.constexpr):
     """The 8 nibbles of each packed word [R, C] as float32 tensors 2**(23 - p_j) + q_j (p_j = 4 * (j % 5): nibbles
     5..7 are read from the word shifted right by 20, since a mantissa has 23 bits), j = 0 ... 7 in input order."""
     if ASM:
-        parts = tl.inline_asm_elementwise(_NIBBLE_FLOAT_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.int32,) * 8,
-                                          is_pure=True, pack=1)
+        parts = tl.inline_asm_elementwise(_NIBBLE_FLOAT_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                                          dtype=(tl.int32,) * 8, is_pure=True, pack=1)
     else:
         high = words >> 20  # the sign-extended bits above bit 11 are masked off below
         parts = ()
@@ -228,10 +228,7 @@ def _int4_half_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_ma
     """`_int4_fma_step` for bf16 x at a 4-byte aligned address on CUDA, each word's 8 products summed in bf16x2
     (`_HALF_FMA_WORD_ASM`) instead of float32; the words' sums still scaled and accumulated in float32. Each
     product and each lane's 4-term sum rounds to bf16 (8 significant bits): ~3e-3 relative error in y (GemvConfig)."""
-    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8]
-    row_mask = words_k < K // 8
-    words = tl.load(w_ptr + words_k[:, None].to(tl.int64) * N + cols[None, :],
-                    mask=row_mask[:, None] & col_mask[None, :], other=0)  # [BK / 8, BN] int32
+    words_k, row_mask, words = _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)  # words [BK / 8, BN]
     scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)  # [BN] float32 each
     bits = (-128.0 - zero).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # -(128 + z), exact
     neg_zero_pair = (bits | (bits << 16))[None, :]  # [1, BN] bf16x2
@@ -346,8 +343,8 @@ def _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_ma
                         ASM: tl.constexpr):
     """acc [BM, BN] plus x's rows times W's int4 tile at input k0 (BLOCK_K >= 128), as 8 tl.dot of K = BLOCK_K / 8:
     slot j multiplies x's inputs 8 w + j by the words' nibble j, made q - z exactly in x's half type (on CUDA by
-    `_half_codes`, else through float32 by `_int4_centered`: the same values, |q - z| < 16). No 3D reshuffle of the nibbles, no x-sum correction; the group's scale
-    multiplies the tile's sum once."""
+    `_half_codes`, else through float32 by `_int4_centered`: the same values, |q - z| < 16). No 3D reshuffle of
+    the nibbles, no x-sum correction; the group's scale multiplies the tile's sum once."""
     if ASM and not DOT_FP32:  # the codes straight in x's half type
         words_k, word_mask, words = _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)
         scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)
@@ -412,12 +409,11 @@ def _sum_partials(partial_ptr, offsets, mask, M, N, split_k, BLOCK_M: tl.constex
     """The [BM, BN] sum over the split_k slices of the partial sums at `offsets` ([BM, BN] into one slice's
     [M, N]), CHUNK slices loaded at once: independent loads in flight instead of one round trip to L2 per slice
     (the last program of an N tile waits on these alone). Slices summed in a fixed order for a given split_k."""
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if CHUNK == 1:
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(0, split_k):
             total += tl.load(partial_ptr + s * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
     else:
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         chunk = tl.arange(0, CHUNK)
         for s0 in range(0, split_k, CHUNK):
             slices = s0 + chunk  # [CHUNK]
@@ -618,7 +614,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         X_FP16=x2.dtype == torch.float16, ASM=not interpreting(),
         X_BF16_PAIRS=x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0,
         SLOT_DOT=int4 and config.slot_dot and fit.block_k >= 128,
-        HALF_FMA=int4 and config.half_fma and not use_dot and half_fma_ok(x2), BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
+        HALF_FMA=int4 and config.half_fma and not use_dot and half_fma_ok(x2),
+        BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=8 if int4 else min(16 // weight.element_size(), fit.block_k),
         USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out

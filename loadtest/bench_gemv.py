@@ -338,7 +338,8 @@ def winner_line(r: Result, copy_gbps: float) -> str:
     g = r.group
     lib = ", ".join(f"{name} {t:.1f} us" for name, t in r.library.items())
     return (f'    ("{g.fmt}", {g.n}, {g.k}, {g.m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, '
-            f'{c.num_warps}, {c.num_stages}, {c.dot}{_int4_variant(c)}),  # {g.name}: {us:.1f} us,{_rate(r.bytes, us, copy_gbps)}'
+            f'{c.num_warps}, {c.num_stages}, {c.dot}{_int4_variant(c)}),  '
+            f'# {g.name}: {us:.1f} us,{_rate(r.bytes, us, copy_gbps)}'
             f"{'; ' + lib if lib else ''}")
 
 
