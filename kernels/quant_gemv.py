@@ -29,6 +29,7 @@ Tile sizes per shape come from quant_gemv_configs.TUNED (filled from `python -m 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -454,6 +455,7 @@ def _gemv_kernel(
     X_BF16_PAIRS: tl.constexpr,  # x in bf16 at a 4-byte aligned address (INT4 FMA path: read in pairs)
     SLOT_DOT: tl.constexpr,  # INT4 tl.dot path: one dot per nibble slot (`_int4_slot_dot_step`; BLOCK_K >= 128)
     HALF_FMA: tl.constexpr,  # INT4 FMA path: each word's products summed in bf16x2 (`_int4_half_fma_step`)
+    REDUCE_CHUNK: tl.constexpr,  # PARTIAL: K slices summed per load round by the last program (`_sum_partials`)
     X_FP16: tl.constexpr,  # x in fp16
     BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
@@ -498,8 +500,7 @@ def _gemv_kernel(
         tl.debug_barrier()  # every thread's partial sums stored before the (release) atomic below
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
         if arrived == split_k - 1:  # the last slice of this N tile: reduce, finish, reset the counter
-            total = _sum_partials(partial_ptr, offsets, mask, M, N, split_k, BLOCK_M, BLOCK_N,
-                                  8 if BLOCK_M == 1 else 1)
+            total = _sum_partials(partial_ptr, offsets, mask, M, N, split_k, BLOCK_M, BLOCK_N, REDUCE_CHUNK)
             _store_output(out_ptr, total, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
                           scaled, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + pid_n, 0)
@@ -563,6 +564,13 @@ class _Launch:
     split_k: int
 
 
+def _reduce_chunk(block_m: int, config: GemvConfig) -> int:
+    """K slices the last program of an N tile loads per round when it sums the partials: up to 8, as many as keep
+    about 32 float32 values a thread per round."""
+    per_slice = block_m * config.block_n / (32 * config.num_warps)  # values a thread loads per slice
+    return max(1, min(8, 1 << int(math.log2(max(1.0, 32 / per_slice)))))
+
+
 def half_fma_ok(x2: torch.Tensor) -> bool:
     """Whether the half_fma FMA path can take x: bf16 at a 4-byte aligned address, on CUDA (inline PTX; sm_80+)."""
     return (x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.is_cuda and not interpreting()
@@ -594,6 +602,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         raise ValueError(f"the decode GEMV takes at most {MAX_M} rows, got {m}")
     fit = _fit(config, k, group_size)
     use_dot = config.dot or m > 1
+    block_m = max(16, m_bucket(m)) if use_dot else 1  # rows of the tl.dot tile, or the FMA path's one
     tiles = triton.cdiv(n, config.block_n)
     if tiles > _COUNTER_SLOTS:
         raise ValueError(f"decode GEMV: {tiles} N tiles exceed {_COUNTER_SLOTS} (raise block_n)")
@@ -615,7 +624,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         X_BF16_PAIRS=x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0,
         SLOT_DOT=int4 and config.slot_dot and fit.block_k >= 128,
         HALF_FMA=int4 and config.half_fma and not use_dot and half_fma_ok(x2),
-        BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
+        REDUCE_CHUNK=_reduce_chunk(block_m, config), BLOCK_M=block_m,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=8 if int4 else min(16 // weight.element_size(), fit.block_k),
         USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out

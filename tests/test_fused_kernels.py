@@ -347,8 +347,8 @@ kernels = [
      dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128)),
     (quant_gemv._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=i32, scale_ptr=bf16, zero_ptr=bf16),
      dict(INT4=True, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
-          X_FP16=False, ASM=True, X_BF16_PAIRS=True, SLOT_DOT=False, HALF_FMA=True, BLOCK_M=1, BLOCK_N=64,
-          BLOCK_K=128, VEC=8)),
+          X_FP16=False, ASM=True, X_BF16_PAIRS=True, SLOT_DOT=False, HALF_FMA=True, REDUCE_CHUNK=8, BLOCK_M=1,
+          BLOCK_N=64, BLOCK_K=128, VEC=8)),
     (quant_fp8._quantize_per_token_kernel, dict(out_ptr=fp8, scale_ptr=f32, min_scale="fp32"),
      dict(FP8_MAX_VALUE=448.0, BLOCK_K=4096)),
 ]
