@@ -171,6 +171,29 @@ def _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, r
 
 
 @triton.jit
+def _prefetch_first_tile(w_ptr, pid_n, k_start, N, K, stride_wn, INT4: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PF_ROWS: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr):
+    """Ask L2 for this program's first weight tile, one `prefetch.global.L2` per 128-byte line (PF_LINES lines of
+    PF_STEP elements along each of PF_ROWS contiguous rows). Called before the PDL wait: no kernel of the forward
+    pass writes weights (kernels/pdl.py, rule 1), so this part of the weight stream overlaps the previous kernel."""
+    rows = tl.arange(0, PF_ROWS)
+    lines = tl.arange(0, PF_LINES) * PF_STEP
+    if INT4:  # qweight [K / 8, N]: rows along K, lines along N
+        rows = k_start // 8 + rows
+        cols = pid_n * BLOCK_N + lines
+        valid = (rows < K // 8)[:, None] & (cols < N)[None, :]
+        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+    else:  # W [N, K]: rows along N, lines along K
+        rows = pid_n * BLOCK_N + rows
+        ks = k_start + lines
+        valid = (rows < N)[:, None] & (ks < K)[None, :]
+        offsets = rows[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    addresses = (w_ptr + tl.where(valid, offsets, 0)).to(tl.int64, bitcast=True)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [addresses], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv_kernel(
     out_ptr,  # [M, N] in x's dtype
     partial_ptr,  # [SPLIT_K, M, N] float32 (PARTIAL)
@@ -201,12 +224,18 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,  # FMA path: inputs summed in-thread per step (8 bf16 / 16 fp8 / 4 fp32: 16 bytes; int4: 8)
-    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): the first weight tile is prefetched before the wait
+    PF_ROWS: tl.constexpr,  # the prefetch's shape (_prefetch_first_tile)
+    PF_LINES: tl.constexpr,
+    PF_STEP: tl.constexpr,
 ):
-    # At the top: the loop loads x (the previous kernel's output) with each weight tile, and the split-K
-    # counters may only be touched once the previous GEMV has finished with them.
-    wait_for_prior_grids(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    if USE_PDL:
+        _prefetch_first_tile(w_ptr, pid_n, pid_k * k_per_split, N, K, stride_wn, INT4, BLOCK_N, PF_ROWS, PF_LINES,
+                             PF_STEP)
+    # The loop loads x (the previous kernel's output) with each weight tile, and the split-K counters may only be
+    # touched once the previous GEMV has finished with them: wait here.
+    wait_for_prior_grids(USE_PDL)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
@@ -331,6 +360,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
     int4 = group_size is not None
     stride_scale = 1 if int4 or scale is None else scale.stride(0)
     pdl = pdl_enabled(x2.device)
+    prefetch = _prefetch_shape(weight, int4, config.block_n, fit.block_k)
     _gemv_kernel[(tiles, fit.split_k)](
         out, workspace, counters, x2, weight, scale if scale is not None else out,
         zeros if zeros is not None else out, bias if bias is not None else out, m, n, k, x2.stride(0),
@@ -340,8 +370,18 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         DOT_FP32=x2.dtype == torch.float32 or interpreting(), X_HALF=x2.dtype in (torch.bfloat16, torch.float16),
         X_FP16=x2.dtype == torch.float16, BLOCK_M=max(16, m_bucket(m)) if use_dot else 1,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=8 if int4 else min(16 // weight.element_size(), fit.block_k),
-        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        USE_PDL=pdl, PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=pdl)
     return out
+
+
+def _prefetch_shape(weight: torch.Tensor, int4: bool, block_n: int, block_k: int) -> tuple[int, int, int]:
+    """(rows, lines per row, elements per line) of the first weight tile's 128-byte lines: int4 rows run along K
+    (block_k / 8 packed rows of block_n words), dense rows along N (block_n rows of block_k elements)."""
+    per_line = 128 // weight.element_size()
+    if int4:
+        return block_k // 8, max(1, block_n // per_line), per_line
+    return block_n, max(1, block_k // per_line), per_line
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

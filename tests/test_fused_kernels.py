@@ -323,7 +323,8 @@ def compile_kernel(fn, types, constants):
     except Exception as e:
         print(fn.__name__, "failed:", e)
         return False
-    return "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    prefetched = fn is not quant_gemv._gemv_kernel or "prefetch.global.L2" in ptx
+    return "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx and prefetched
 
 decode = dict(NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
               DOT_F32=False, PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=False, FUSED_REDUCE=True,
@@ -347,7 +348,10 @@ kernels = [
      dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128)),
     (quant_gemv._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=i32, scale_ptr=bf16, zero_ptr=bf16),
      dict(INT4=True, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
-          X_FP16=False, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, VEC=8)),
+          X_FP16=False, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, VEC=8, PF_ROWS=16, PF_LINES=2, PF_STEP=32)),
+    (quant_gemv._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=bf16, scale_ptr=f32, zero_ptr=bf16),
+     dict(INT4=False, HAS_SCALE=False, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
+          X_FP16=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, VEC=8, PF_ROWS=32, PF_LINES=4, PF_STEP=64)),
     (quant_fp8._quantize_per_token_kernel, dict(out_ptr=fp8, scale_ptr=f32, min_scale="fp32"),
      dict(FP8_MAX_VALUE=448.0, BLOCK_K=4096)),
 ]
@@ -366,7 +370,7 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
-    assert "with griddepcontrol 10 of 10" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "with griddepcontrol 11 of 11" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
 
 
 # ----------------------------------------------------------------------------------------------------------------
