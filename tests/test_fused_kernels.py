@@ -351,7 +351,7 @@ kernels = [
           X_FP16=False, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, VEC=8, PF_ROWS=16, PF_LINES=2, PF_STEP=32)),
     (quant_gemv._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=bf16, scale_ptr=f32, zero_ptr=bf16),
      dict(INT4=False, HAS_SCALE=False, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
-          X_FP16=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, VEC=8, PF_ROWS=32, PF_LINES=4, PF_STEP=64)),
+          X_FP16=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, VEC=8, PF_ROWS=32, PF_LINES=8, PF_STEP=64)),
     (quant_fp8._quantize_per_token_kernel, dict(out_ptr=fp8, scale_ptr=f32, min_scale="fp32"),
      dict(FP8_MAX_VALUE=448.0, BLOCK_K=4096)),
 ]
