@@ -399,7 +399,7 @@ def decode(batch, num_splits, fused, **kwargs):
     return attention.paged_attention_decode(*batch, 0.125, num_splits, fused_reduce=fused, **kwargs)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, FP8)])
 def test_fused_split_kv_decode_equals_the_two_kernels_bit_for_bit(num_splits, dtype, cache_dtype):
     from asyncengine.kernels import arrival_counters
