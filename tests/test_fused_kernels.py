@@ -68,7 +68,7 @@ CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torc
 def test_rotary_and_cache_equals_rotary_then_cache_bit_for_bit(dtype, cache_dtype):
     from asyncengine.kernels import cache, rotary, rotary_cache
 
-    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 16  # groups of 3 q heads (not a power of two)
     scales = (0.37, 1.9) if cache_dtype == FP8 else (1.0, 1.0)
     qkv, q, k, v, slots, positions, cos_sin, k_cache, v_cache = qkv_step(
         9, heads, kv_heads, head_dim, 6, block_size, dtype, cache_dtype)
@@ -339,7 +339,7 @@ kernels = [
      dict(BLOCK_SIZE=16, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128, QUANT=False)),
     (rotary_cache._rotary_cache_kernel, dict(positions_ptr=i64, cos_sin_ptr=f32, k_cache_ptr=fp8, v_cache_ptr=fp8,
                                              slot_ptr=i64, k_inv_scale="fp32", v_inv_scale="fp32"),
-     dict(HALF=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=64, BLOCK_SIZE=16, QUANT=True)),
+     dict(HALF=64, GROUP_PAD=4, HALF_PAD=64, BLOCK_SIZE=16, QUANT=True)),
     (attention._decode_partial_kernel, dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, counter_ptr=i32,
                                             query_start_loc_ptr=i32, seq_lens_ptr=i32, block_tables_ptr=i32,
                                             qk_scale="fp32", v_scale="fp32"), decode),
