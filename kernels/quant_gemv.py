@@ -162,18 +162,6 @@ def _fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, 
 
 
 @triton.jit
-def _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
-                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc [BM, BN] float32 (* the weight's scale, + bias) -> y[rows, cols] in y's dtype."""
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + cols * stride_scale, mask=col_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
 def _prefetch_weights(w_ptr, pid_n, k_start, k_end, N, K, stride_wn, INT4: tl.constexpr, BLOCK_N: tl.constexpr,
                       PF_ROWS: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr):
     """Ask L2 for the start of this program's weight slice (inputs k_start ... k_end), one `prefetch.global.L2`
@@ -195,6 +183,18 @@ def _prefetch_weights(w_ptr, pid_n, k_start, k_end, N, K, stride_wn, INT4: tl.co
     addresses = (w_ptr + tl.where(valid, offsets, 0)).to(tl.int64, bitcast=True)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [addresses], dtype=tl.int32,
                               is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
+                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc [BM, BN] float32 (* the weight's scale, + bias) -> y[rows, cols] in y's dtype."""
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + cols * stride_scale, mask=col_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
