@@ -676,7 +676,8 @@ def paged_attention(
     only on B, KVH, max_seq_len (else block_tables' width), so a captured graph must be replayed with the same
     max_seq_len it was captured with (pass the model's max length, or None). out: optional [T, H, D] buffer.
     Rows of out that belong to no sequence (T > query_start_loc[B]) are left unwritten. A sequence with
-    seq_len 0 and a query gets zeros instead of the reference's NaN.
+    seq_len 0 and a query gets zeros instead of the reference's NaN. Decode calls share one buffer of arrival
+    counters per device, so they must not overlap on two streams of one device (as the decode GEMV's).
     """
     _check_inputs(q, k_cache, v_cache, block_tables)
     if out is None:

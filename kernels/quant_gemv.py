@@ -40,6 +40,9 @@ from . import arrival_counters, compute_capability, interpreting, sm_count
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
 
 MAX_M = 64
+# Weight bytes each program asks L2 for before its PDL wait: at two programs per SM (the split-K rule) about 8 MB
+# on an H100, what its bandwidth moves in the few microseconds of a previous kernel's tail, well inside its L2.
+PREFETCH_BYTES = 32 * 1024
 _COUNTER_SLOTS = 1 << 16  # one int32 counter per N tile: N / BLOCK_N <= 65536
 
 
@@ -393,6 +396,30 @@ def _fma_step(acc, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, BLOCK_K: tl.c
 
 
 @triton.jit
+def _prefetch_weights(w_ptr, pid_n, k_start, k_end, N, K, stride_wn, INT4: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PF_ROWS: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr):
+    """Ask L2 for the start of this program's weight slice (inputs k_start ... k_end), one `prefetch.global.L2`
+    per 128-byte line: PF_LINES lines of PF_STEP elements along each of PF_ROWS contiguous rows (about
+    PREFETCH_BYTES, `_prefetch_shape`). Called before the PDL wait: no kernel of the forward pass writes weights
+    (kernels/pdl.py, rule 1), so this part of the weight stream overlaps the previous kernel's tail."""
+    rows = tl.arange(0, PF_ROWS)
+    lines = tl.arange(0, PF_LINES) * PF_STEP
+    if INT4:  # qweight [K / 8, N]: rows along K, lines along N
+        rows = k_start // 8 + rows
+        cols = pid_n * BLOCK_N + lines
+        valid = (rows < tl.minimum(k_end, K) // 8)[:, None] & (cols < N)[None, :]
+        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+    else:  # W [N, K]: rows along N, lines along K
+        rows = pid_n * BLOCK_N + rows
+        ks = k_start + lines
+        valid = (rows < N)[:, None] & (ks < tl.minimum(k_end, K))[None, :]
+        offsets = rows[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    addresses = (w_ptr + tl.where(valid, offsets, 0)).to(tl.int64, bitcast=True)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [addresses], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """acc [BM, BN] float32 (* the weight's scale, + bias) -> y[rows, cols] in y's dtype."""
@@ -461,12 +488,18 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     VEC: tl.constexpr,  # FMA path: inputs summed in-thread per step (8 bf16 / 16 fp8 / 4 fp32: 16 bytes; int4: 8)
-    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): weights are prefetched into L2 before the wait
+    PF_ROWS: tl.constexpr,  # the prefetch's shape (_prefetch_weights)
+    PF_LINES: tl.constexpr,
+    PF_STEP: tl.constexpr,
 ):
-    # At the top: the loop loads x (the previous kernel's output) with each weight tile, and the split-K
-    # counters may only be touched once the previous GEMV has finished with them.
-    wait_for_prior_grids(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    if USE_PDL:
+        _prefetch_weights(w_ptr, pid_n, pid_k * k_per_split, (pid_k + 1) * k_per_split, N, K, stride_wn, INT4,
+                          BLOCK_N, PF_ROWS, PF_LINES, PF_STEP)
+    # The loop loads x (the previous kernel's output) with each weight tile, and the split-K counters may only be
+    # touched once the previous GEMV has finished with them: wait here.
+    wait_for_prior_grids(USE_PDL)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
@@ -613,6 +646,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
     int4 = group_size is not None
     stride_scale = 1 if int4 or scale is None else scale.stride(0)
     pdl = pdl_enabled(x2.device)
+    prefetch = _prefetch_shape(weight, int4, config.block_n, fit.k_per_split)
     _gemv_kernel[(tiles, fit.split_k)](
         out, workspace, counters, x2, weight, scale if scale is not None else out,
         zeros if zeros is not None else out, bias if bias is not None else out, m, n, k, x2.stride(0),
@@ -626,8 +660,25 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         HALF_FMA=int4 and config.half_fma and not use_dot and half_fma_ok(x2),
         REDUCE_CHUNK=_reduce_chunk(block_m, config), BLOCK_M=block_m,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=8 if int4 else min(16 // weight.element_size(), fit.block_k),
-        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        USE_PDL=pdl, PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=pdl)
     return out
+
+
+def _prefetch_shape(weight: torch.Tensor, int4: bool, block_n: int, k_per_split: int) -> tuple[int, int, int]:
+    """(rows, lines per row, elements per line) of the 128-byte lines that start a program's weight slice, about
+    PREFETCH_BYTES of them (powers of two): int4 rows run along K (packed rows of block_n words), dense rows along
+    N (block_n rows, lines along K)."""
+    per_line = 128 // weight.element_size()
+    if int4:
+        rows = max(1, min(k_per_split // 8, PREFETCH_BYTES // (block_n * 4)))
+        return _floor_pow2(rows), max(1, block_n // per_line), per_line
+    lines = max(1, min(k_per_split // per_line, PREFETCH_BYTES // (block_n * 128)))
+    return block_n, _floor_pow2(lines), per_line
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""Rotary embedding fused with the paged KV-cache write: one program per token rotates q IN PLACE, rotates k (in
-place too), and writes the rotated k and v into the caches at the token's slot (slot < 0: padding, not written).
+"""Rotary embedding fused with the paged KV-cache write: one program per (token, kv head) rotates the kv head's
+group of q heads IN PLACE, rotates its k head (in place too), and writes the rotated k and v into the caches at
+the token's slot (slot < 0: padding, not written). Splitting the token over its kv heads shortens the kernel at
+decode batch sizes (one token: KVH small programs in parallel instead of one doing every head).
 
 One launch instead of `rotary.rotary_embedding` followed by `cache.reshape_and_cache`, with their exact
 arithmetic: each rotated half is rounded to k's dtype, stored back into k, and converted to the cache's dtype from
@@ -61,13 +63,11 @@ def _rotary_cache_kernel(
     stride_vc_b,
     stride_vc_s,
     stride_vc_h,
-    num_heads,
-    num_kv_heads,
+    group,  # query heads per kv head
     k_inv_scale,  # float32 1 / k_scale (read only with QUANT)
     v_inv_scale,
     HALF: tl.constexpr,  # D / 2
-    Q_HEADS_PAD: tl.constexpr,
-    K_HEADS_PAD: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # next power of two >= group
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache page
     QUANT: tl.constexpr,  # the caches are e4m3
@@ -75,18 +75,20 @@ def _rotary_cache_kernel(
 ):
     wait_for_prior_grids(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
     cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cos_sin, HALF, HALF_PAD)
-    _rotate_heads(q_ptr + token * stride_q, cos, sin, num_heads, HALF, Q_HEADS_PAD, HALF_PAD)
-    k1, k2 = _rotate_heads(k_ptr + token * stride_k, cos, sin, num_kv_heads, HALF, K_HEADS_PAD, HALF_PAD)
+    q_heads = q_ptr + token * stride_q + kv_head * group * (2 * HALF)  # the kv head's group of q heads
+    _rotate_heads(q_heads, cos, sin, group, HALF, GROUP_PAD, HALF_PAD)
+    k1, k2 = _rotate_heads(k_ptr + token * stride_k + kv_head * (2 * HALF), cos, sin, 1, HALF, 1, HALF_PAD)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
-        _store_rotated_key(k1, k2, k_cache_ptr + block * stride_kc_b + offset * stride_kc_s, stride_kc_h,
-                           num_kv_heads, k_inv_scale, HALF, K_HEADS_PAD, HALF_PAD, QUANT)
-        _store_token(v_ptr + token * stride_v_t, v_cache_ptr + block * stride_vc_b + offset * stride_vc_s,
-                     stride_v_h, stride_vc_h, num_kv_heads, v_inv_scale, 2 * HALF, K_HEADS_PAD,
-                     2 * HALF_PAD, QUANT)
+        _store_rotated_key(k1, k2, k_cache_ptr + block * stride_kc_b + offset * stride_kc_s + kv_head * stride_kc_h,
+                           stride_kc_h, 1, k_inv_scale, HALF, 1, HALF_PAD, QUANT)
+        _store_token(v_ptr + token * stride_v_t + kv_head * stride_v_h,
+                     v_cache_ptr + block * stride_vc_b + offset * stride_vc_s + kv_head * stride_vc_h,
+                     stride_v_h, stride_vc_h, 1, v_inv_scale, 2 * HALF, 1, 2 * HALF_PAD, QUANT)
 
 
 def rotary_and_cache(
@@ -116,18 +118,20 @@ def rotary_and_cache(
     check_rotary_inputs(q, k, cos_sin_cache, head_dim)
     check_cache_inputs(k, v, k_cache, v_cache)
     tokens, num_kv_heads = k.shape[0], k.shape[1]
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"q's {q.shape[1]} heads are not a multiple of k's {num_kv_heads}")
     if tokens == 0:
         return q, k
+    group = q.shape[1] // num_kv_heads
     half = head_dim // 2
     pdl = pdl_enabled(q.device)
-    _rotary_cache_kernel[(tokens,)](
+    _rotary_cache_kernel[(tokens, num_kv_heads)](
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
         q.stride(0), k.stride(0), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        q.shape[1], num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
-        HALF=half, Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]), K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1], QUANT=is_fp8(k_cache),
+        group, 1.0 / k_scale, 1.0 / v_scale,
+        HALF=half, GROUP_PAD=triton.next_power_of_2(group), HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1], QUANT=is_fp8(k_cache),
         USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return q, k

@@ -2,7 +2,8 @@
 
     python loadtest/bench_kernels.py [--sweep | --moe | --gemv-sweep [--tiny]]
 
-Cases: paged_attention decode (batch 1 and 64 at 1k context; eager and replayed from a CUDA graph), prefill
+Cases: paged_attention decode (batch 1 and 64 at 1k context; eager and replayed from a CUDA graph, and in a graph
+with the separate reduction kernel instead of the fused merge), prefill
 (4 x 2048), and the row-wise kernels. Times are do_bench medians (CUDA events). Decode is memory bound, so it
 reports GB/s of K/V read; prefill is compute bound, so it reports TFLOP/s of the causal half of QK^T and PV.
 The last column is the reference's time over this row's time.
@@ -73,9 +74,14 @@ def decode_rows(batch: int, context: int) -> list[tuple]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = attention.decode_num_splits(batch, KV_HEADS, context, sms)
     name = f"decode B={batch} ctx={context} ({splits} splits)"
+
+    def two_kernels_fn():  # the partial kernel, then the reduction kernel (the fused merge's predecessor)
+        attention.paged_attention_decode(q, kc, vc, qsl, lens, tables, SCALE, splits, out=out, fused_reduce=False)
+
     rows = []
     for impl, ms in (("reference", ref_ms), ("sdpa dense", sdpa_ms), ("triton", median_ms(triton_fn)),
-                     ("triton graph", graph_ms(triton_fn))):  # fmt: skip
+                     ("triton graph", graph_ms(triton_fn)),
+                     ("triton graph, reduce kernel", graph_ms(two_kernels_fn))):  # fmt: skip
         rows.append((name, impl, ms, f"{kv_bytes / ms / 1e6:8.0f} GB/s", ref_ms / ms))
     return rows
 
