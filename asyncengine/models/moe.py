@@ -113,7 +113,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Router(cfg.hidden_size, 1, dtype) if shared_intermediate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)  # [T, K] each
+        # the router product and the routing: one launch on CUDA at decode sizes (kernels/moe.py route)
+        topk_weights, topk_ids = ops.route(x, self.gate.weight, self.top_k, self.renormalize)  # [T, K] each
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
