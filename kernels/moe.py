@@ -12,17 +12,29 @@ One call (T tokens, K experts per token, E experts, N = T * K assignments, assig
     4. grouped GEMM      down [N, H] = act @ w2[expert]^T, times the assignment's routing weight in the epilogue
     5. sum over K        out [T, H]
 
-Routing (`topk_softmax`: softmax, top-k, renormalisation) is one more launch.
+Routing: `topk_softmax` (softmax, top-k, renormalisation of given logits) is one launch; `route` also does the
+router product, in one launch at decode sizes: programs split over experts and K store partial logits, and the
+last to arrive sums them (a fixed order), rounds them as the reference does and routes every token.
 
 Decode-sized batches (at most DECODE_MAX_TOKENS tokens) skip the grouping, whose dozen small launches would cost
-more than the products at batch 1: each expert is then hit by about one assignment, so a matrix-vector program per
-(assignment, column block) reads each routed expert's weights once, like the grouped GEMM, in two launches:
+more than the products at batch 1: each expert is then hit by about one assignment, so matrix-vector programs
+read each routed expert's weights once, like the grouped GEMM, in two launches:
 
-    1. gate_up_act       act [N, I] = silu(x @ w13[e, :I]^T) * (x @ w13[e, I:]^T), the activation in the epilogue
-    2. down_reduce       out [T, H] = sum over the token's K assignments of weight * act @ w2[e]^T
+    1. gate_up_act       act [N, I] = silu(x @ w13[e, :I]^T) * (x @ w13[e, I:]^T), the activation in the epilogue;
+                         one program per (assignment, block of I)
+    2. down_reduce       out [T, H] = sum over the token's K assignments of weight * act @ w2[e]^T; one program per
+                         (assignment, block of H) stores its weighted part in float32, and the last of a token's K
+                         programs to arrive on a column block sums the K parts in the order k = 0 .. K - 1
+
+At batch 1 of Qwen3-30B-A3B (8 assignments, H 2048, I 768) that is N * I / BLOCK_N and N * H / BLOCK_N programs,
+enough for every SM, where one program per (token, column block) gave down_reduce only H / BLOCK_N. The arrival
+counters (shared with the decode GEMV, quant_gemv.py) are zero before and after every call, so the path is
+CUDA-graph capturable; calls must not overlap on two streams. Tiles per shape and batch bucket come from
+moe_configs.TUNED (`python -m loadtest.bench_kernels --moe-sweep`), else `default_decode_config`.
 
 Neither path ever launches one kernel per expert. Both match `reference.fused_moe`, including where it rounds to
-the input dtype; tile sizes are fixed heuristics chosen from the number of assignments per expert.
+the input dtype; the grouped GEMMs' tile sizes are fixed heuristics chosen from the number of assignments per
+expert.
 """
 
 from __future__ import annotations
