@@ -28,7 +28,7 @@ read each routed expert's weights once, like the grouped GEMM, in two launches:
 
 At batch 1 of Qwen3-30B-A3B (8 assignments, H 2048, I 768) that is N * I / BLOCK_N and N * H / BLOCK_N programs,
 enough for every SM, where one program per (token, column block) gave down_reduce only H / BLOCK_N. The arrival
-counters (shared with the decode GEMV, quant_gemv.py) are zero before and after every call, so the path is
+counters (`counters`) are zero before and after every call, so the path is
 CUDA-graph capturable; calls must not overlap on two streams. Tiles per shape and batch bucket come from
 moe_configs.TUNED (`python -m loadtest.bench_kernels --moe-sweep`), else `default_decode_config`.
 
@@ -47,11 +47,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from asyncengine.kernels import activation, sm_count
+from asyncengine.kernels import activation, arrival_counters, sm_count
 from asyncengine.kernels.attention import _dot_f32, _precision
-# the decode GEMV's split-K arrival counters, shared: each call leaves them zeroed (see quant_gemv)
-from asyncengine.kernels.quant_gemv import _COUNTER_SLOTS as COUNTER_SLOTS
-from asyncengine.kernels.quant_gemv import _counter_buffer as split_k_counters
+
+
+COUNTER_SLOTS = 1 << 14  # route's one counter, or down_reduce's T * cdiv(H, BLOCK_N)
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The arrival counters of route and down_reduce (`kernels.arrival_counters`): their calls run one after
+    another on one stream, and each leaves the counters it used at zero."""
+    return arrival_counters("the fused MoE", device, COUNTER_SLOTS)
 
 
 @dataclass(frozen=True)
@@ -363,12 +369,12 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
     split = route_split(size, num_experts, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(size, split), ROUTE_BLOCK_K) * ROUTE_BLOCK_K
     split = triton.cdiv(size, k_per_split)  # the slices that really hold inputs
-    counters = split_k_counters(hidden.device)  # before anything is launched: it may refuse under capture
+    arrivals = counters(hidden.device)  # before anything is launched: it may refuse under capture
     partial = torch.empty((split, tokens, num_experts), dtype=torch.float32, device=hidden.device)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=hidden.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=hidden.device)
     _route_kernel[(triton.cdiv(num_experts, ROUTE_BLOCK_E), split)](
-        hidden, gate_weight, partial, counters, weights, ids, tokens, size, num_experts, hidden.stride(0),
+        hidden, gate_weight, partial, arrivals, weights, ids, tokens, size, num_experts, hidden.stride(0),
         gate_weight.stride(0), k_per_split, split, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
         EXPERTS_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, DOT_F32=_dot_f32(hidden),
         PRECISION=_precision(), BLOCK_T=16, BLOCK_E=ROUTE_BLOCK_E, BLOCK_K=ROUTE_BLOCK_K, num_warps=4,
@@ -529,7 +535,7 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     if tokens * col_blocks > COUNTER_SLOTS:
         raise ValueError(f"decode MoE: {tokens} tokens x {col_blocks} column blocks exceed {COUNTER_SLOTS} "
                          f"counters (raise the down block_n)")  # fmt: skip
-    counters = split_k_counters(hidden.device)  # before anything is launched: it may refuse under capture
+    arrivals = counters(hidden.device)  # before anything is launched: it may refuse under capture
     act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
         hidden, w13, ids, act, size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
@@ -538,7 +544,7 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     partial = torch.empty((num, size), dtype=torch.float32, device=hidden.device)
     out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
     _down_reduce_kernel[(num, col_blocks)](
-        act, w2, ids, weights, partial, counters, out, size, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        act, w2, ids, weights, partial, arrivals, out, size, inter, act.stride(0), w2.stride(0), w2.stride(1),
         out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=down.num_warps,
     )  # fmt: skip
     return out

@@ -735,13 +735,13 @@ def test_decode_moe_matches_reference_under_narrow_and_wide_tiles(tiles):
 
 def test_decode_moe_is_deterministic_and_leaves_its_counters_zeroed():
     """The reduction sums a token's assignments in a fixed order whichever program arrives last, and resets the
-    arrival counters it shares with the GEMV (a CUDA-graph replay must find them zeroed)."""
+    arrival counters (a CUDA-graph replay must find them zeroed)."""
     from asyncengine.kernels import moe
 
     args = decode_inputs(3, torch.bfloat16, True)
     first = moe.fused_moe(*args)
     assert torch.equal(moe.fused_moe(*args), first)
-    assert not moe.split_k_counters(first.device).any()
+    assert not moe.counters(first.device).any()
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -758,7 +758,7 @@ def test_route_matches_reference_router_and_routing(experts, top_k, hidden, reno
         ref_weights, ref_ids = reference.route(x, gate, top_k, renormalize)
         assert torch.equal(ids, ref_ids), tokens
         torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
-    assert not moe.split_k_counters(torch.device(DEVICE)).any()
+    assert not moe.counters(torch.device(DEVICE)).any()
 
 
 def test_route_does_not_depend_on_the_rest_of_the_batch():
@@ -869,12 +869,10 @@ def test_gpu_route_picks_a_top_k_of_the_float32_router(shape, tokens):
     assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()
     assert (chosen.min(dim=1).values >= unchosen * 0.97).all()
     torch.testing.assert_close(weights, chosen, atol=2e-3, rtol=2e-2)
-    assert not moe.split_k_counters(x.device).any()
+    assert not moe.counters(x.device).any()
 
 
 @pytest.mark.gpu
-@needs_cuda
-def test_gpu_fused_moe_decode_is_cuda_graph_capturable():@pytest.mark.gpu
 @needs_cuda
 def test_gpu_fused_moe_decode_is_cuda_graph_capturable():
     from asyncengine.kernels import moe, reference
