@@ -49,6 +49,7 @@ import triton.language as tl
 
 from asyncengine.kernels import activation, arrival_counters, sm_count
 from asyncengine.kernels.attention import _dot_f32, _precision
+from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
 
 
 COUNTER_SLOTS = 1 << 14  # route's one counter, or down_reduce's T * cdiv(H, BLOCK_N)
@@ -297,11 +298,13 @@ def _route_kernel(
     BLOCK_T: tl.constexpr,  # 16: the tl.dot tile's rows, tokens beyond T masked
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads x
 ):
     """Program (e, s): the logits of experts e * BLOCK_E ... for every token over K slice s, into the workspace.
     The last program of the grid to arrive sums the slices in the order s = 0 .. split - 1, rounds the logits to
     x's dtype (where the reference's router product rounds), routes every token (`_softmax_topk`) and resets the
     counter. The sum order depends on the shapes alone, so a token's routing does not depend on the batch."""
+    wait_for_prior_grids(USE_PDL)
     pid_e, pid_s = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_T)
     row_valid = rows < tokens
@@ -370,6 +373,7 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
     k_per_split = triton.cdiv(triton.cdiv(size, split), ROUTE_BLOCK_K) * ROUTE_BLOCK_K
     split = triton.cdiv(size, k_per_split)  # the slices that really hold inputs
     arrivals = counters(hidden.device)  # before anything is launched: it may refuse under capture
+    pdl = pdl_enabled(hidden.device)
     partial = torch.empty((split, tokens, num_experts), dtype=torch.float32, device=hidden.device)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=hidden.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=hidden.device)
@@ -377,7 +381,8 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
         hidden, gate_weight, partial, arrivals, weights, ids, tokens, size, num_experts, hidden.stride(0),
         gate_weight.stride(0), k_per_split, split, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
         EXPERTS_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, DOT_F32=_dot_f32(hidden),
-        PRECISION=_precision(), BLOCK_T=16, BLOCK_E=ROUTE_BLOCK_E, BLOCK_K=ROUTE_BLOCK_K, num_warps=4,
+        PRECISION=_precision(), BLOCK_T=16, BLOCK_E=ROUTE_BLOCK_E, BLOCK_K=ROUTE_BLOCK_K, USE_PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )  # fmt: skip
     return weights, ids
 
@@ -443,8 +448,10 @@ def _gate_up_act_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and x
 ):
     """act[i, cols] for assignment i = (token i // TOP_K, expert ids[i]) and one block of intermediate columns."""
+    wait_for_prior_grids(USE_PDL)
     assignment = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < inter
@@ -489,10 +496,12 @@ def _down_reduce_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and act
 ):
     """partial[i, cols] = weight[i] * (act[i] @ w2[ids[i]]^T)[cols] for one assignment i; the last of a token's
     TOP_K programs on these columns to arrive sums its partials in the order k = 0 .. TOP_K - 1 (so the result
     does not depend on which arrived last) into out[token, cols] and resets the counter."""
+    wait_for_prior_grids(USE_PDL)
     assignment = tl.program_id(0)
     col_block = tl.program_id(1)
     token = assignment // TOP_K
@@ -536,16 +545,18 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
         raise ValueError(f"decode MoE: {tokens} tokens x {col_blocks} column blocks exceed {COUNTER_SLOTS} "
                          f"counters (raise the down block_n)")  # fmt: skip
     arrivals = counters(hidden.device)  # before anything is launched: it may refuse under capture
+    pdl = pdl_enabled(hidden.device)
     act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
         hidden, w13, ids, act, size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps,
+        TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, USE_PDL=pdl, num_warps=up.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     partial = torch.empty((num, size), dtype=torch.float32, device=hidden.device)
     out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
     _down_reduce_kernel[(num, col_blocks)](
         act, w2, ids, weights, partial, arrivals, out, size, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=down.num_warps,
+        out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k, USE_PDL=pdl,
+        num_warps=down.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

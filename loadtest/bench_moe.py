@@ -5,7 +5,7 @@
     TRITON_INTERPRET=1 python -m loadtest.bench_kernels --moe-sweep --tiny    (CPU smoke run: times mean nothing)
 
 A layer here is what the decode step runs for the sparse MLP: the router product (x [T, H] @ gate [E, H]^T),
-routing (topk_softmax) and the experts (gate_up_act + down_reduce), for T = 1, 2, 4, 8, 16 tokens. Each timing
+routing (topk_softmax) and the experts (gate_up_act + down_reduce), for T = 1, 2, 4, 8, 16 tokens; the whole layer also with PDL off. Each timing
 is a CUDA graph over `--layers` layers, each with its own weights (8 layers of 128 experts: 9.7 GB, far past any
 L2; the 48 of the model would not fit next to nothing else), so every layer reads its experts from memory as in
 the model. Reported per layer: microseconds, and GB/s of the bytes the layer must read (the experts its tokens
@@ -20,7 +20,9 @@ against the torch reference first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import time
 from typing import Callable
 
@@ -171,15 +173,34 @@ def run_decode(args) -> int:
                 hidden, inter, top_k, t))),
             ("experts: grouped GEMMs (peer)", case.experts_call(t, grouped=True)),
             ("layer: moe.route + fused_moe (as the model)", _model_call(case, t)),
+            ("layer: the same, ASYNCENGINE_PDL=0", _model_call(case, t)),
         ]  # fmt: skip
         times = {}
         for name, call in rows:
-            times[name] = time_per_layer_us(call, args.layers, device)
+            with _pdl_switch("0" if "PDL=0" in name else None):
+                times[name] = time_per_layer_us(call, args.layers, device)
             print(f"{t:>3} {name:44} {times[name]:9.1f} {_rate(nbytes, times[name], copy_gbps):>32}")
         decode, peer = times[rows[3][0]], times[rows[5][0]]
         print(f"{t:>3} {'(grouped peer time / decode kernels time)':44} {peer / decode:8.2f}x "
               f"   experts hit per layer {nbytes / (3 * hidden * inter * 2):.1f}")
     return 0
+
+
+@contextlib.contextmanager
+def _pdl_switch(value):
+    """Set kernels/pdl.py's environment switch for the launches inside (None: leave it)."""
+    from asyncengine.kernels.pdl import ENV_SWITCH
+
+    saved = os.environ.get(ENV_SWITCH)
+    if value is not None:
+        os.environ[ENV_SWITCH] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_SWITCH, None)
+        else:
+            os.environ[ENV_SWITCH] = saved
 
 
 def _model_call(case: Case, t: int) -> Callable[[int], torch.Tensor]:
@@ -297,8 +318,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop timing candidates after this")
     parser.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, toy sizes (smoke run)")
     args = parser.parse_args(argv)
-    import os
-
     if args.tiny and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it once, when first imported
         raise SystemExit("--tiny runs in Triton's interpreter: TRITON_INTERPRET=1 python -m loadtest.bench_kernels "
                          "--moe-sweep --tiny")
