@@ -1,4 +1,5 @@
-"""The fused MoE's decode kernels (kernels/moe.py) at the Qwen3-30B-A3B expert shape, one MoE layer at a time:
+"""The fused MoE's decode kernels (kernels/moe.py) at the Qwen3-30B-A3B expert shape (or --shape mixtral-8x7b), one
+MoE layer at a time:
 
     python -m loadtest.bench_kernels --moe-decode [--layers 8]       the layer's kernels per batch size T
     python -m loadtest.bench_kernels --moe-sweep [--budget-s 420]    candidate tiles; winners for moe_configs.py
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 # (experts, top_k, hidden, intermediate)
-QWEN3_30B_A3B = (128, 8, 2048, 768)
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
 TINY = (16, 4, 64, 32)
 TOKENS = (1, 2, 4, 8, 16)
 
@@ -147,7 +148,7 @@ def _setup(args) -> tuple[str, tuple, float]:
         torch.cuda.empty_cache()
         props = torch.cuda.get_device_properties(0)
         print(f"device: {props.name}  {props.multi_processor_count} SMs  copy {copy_gbps:.0f} GB/s")
-    shape = TINY if args.tiny else QWEN3_30B_A3B
+    shape = TINY if args.tiny else SHAPES[args.shape]
     print(f"shape (experts, top_k, hidden, intermediate) = {shape}, {args.layers} layers cycled per graph")
     return device, shape, copy_gbps
 
@@ -314,6 +315,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench_kernels --moe-decode | --moe-sweep")
     parser.add_argument("--moe-decode", action="store_true")
     parser.add_argument("--moe-sweep", action="store_true")
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b",
+                        help="expert shape (mixtral-8x7b: 2.8 GB per layer; pass fewer --layers if memory is short)")
     parser.add_argument("--layers", type=int, default=8, help="MoE layers cycled in each timed graph")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop timing candidates after this")
     parser.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, toy sizes (smoke run)")
