@@ -296,6 +296,7 @@ def _route_kernel(
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,  # 16: the tl.dot tile's rows, tokens beyond T masked
+    ROUTE_T: tl.constexpr,  # T rounded up to a power of two: the rows the last program routes
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads x
@@ -323,25 +324,28 @@ def _route_kernel(
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
         else:
             acc += tl.dot(x, w)
-    workspace = partial_ptr + rows[:, None] * num_experts  # [BLOCK_T, 1]: rows of slice 0
-    tl.store(workspace + pid_s * tokens * num_experts + experts[None, :], acc,
+    slice_rows = partial_ptr + pid_s * tokens * num_experts + rows[:, None] * num_experts  # [BLOCK_T, 1]
+    tl.store(slice_rows + experts[None, :], acc,
              mask=row_valid[:, None] & expert_valid[None, :])
     tl.debug_barrier()  # every thread's logits stored before the (release) atomic below
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
     if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:  # every slice of every expert block is stored
+        # [ROUTE_T, EXPERTS_PAD] tiles: the top-k rounds' reductions cost per row held, so no 16-row padding
+        token_rows = tl.arange(0, ROUTE_T)
+        token_valid = token_rows < tokens
         all_experts = tl.arange(0, EXPERTS_PAD)[None, :]  # [1, EXPERTS_PAD]
-        valid = row_valid[:, None] & (all_experts < num_experts)
-        total = tl.zeros((BLOCK_T, EXPERTS_PAD), dtype=tl.float32)
+        valid = token_valid[:, None] & (all_experts < num_experts)
+        slices = partial_ptr + token_rows[:, None] * num_experts + all_experts
+        total = tl.zeros((ROUTE_T, EXPERTS_PAD), dtype=tl.float32)
         for s in range(0, split):
-            total += tl.load(workspace + s * tokens * num_experts + all_experts, mask=valid, other=0.0,
-                             cache_modifier=".cg")
+            total += tl.load(slices + s * tokens * num_experts, mask=valid, other=0.0, cache_modifier=".cg")
         logits = total.to(x_ptr.dtype.element_ty).to(tl.float32)
         top_weights, top_ids = _softmax_topk(logits, all_experts < num_experts, all_experts, TOP_K, TOP_K_PAD,
                                              EXPERTS_PAD, RENORMALIZE)
         slots = tl.arange(0, TOP_K_PAD)[None, :]
-        out = row_valid[:, None] & (slots < TOP_K)
-        tl.store(weights_ptr + rows[:, None] * TOP_K + slots, top_weights, mask=out)
-        tl.store(ids_ptr + rows[:, None] * TOP_K + slots, top_ids, mask=out)
+        out = token_valid[:, None] & (slots < TOP_K)
+        tl.store(weights_ptr + token_rows[:, None] * TOP_K + slots, top_weights, mask=out)
+        tl.store(ids_ptr + token_rows[:, None] * TOP_K + slots, top_ids, mask=out)
         tl.atomic_xchg(counter_ptr, 0)
 
 
@@ -381,8 +385,8 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
         hidden, gate_weight, partial, arrivals, weights, ids, tokens, size, num_experts, hidden.stride(0),
         gate_weight.stride(0), k_per_split, split, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
         EXPERTS_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, DOT_F32=_dot_f32(hidden),
-        PRECISION=_precision(), BLOCK_T=16, BLOCK_E=ROUTE_BLOCK_E, BLOCK_K=ROUTE_BLOCK_K, USE_PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        PRECISION=_precision(), BLOCK_T=16, ROUTE_T=triton.next_power_of_2(tokens), BLOCK_E=ROUTE_BLOCK_E,
+        BLOCK_K=ROUTE_BLOCK_K, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return weights, ids
 
