@@ -208,16 +208,21 @@ def _softmax_topk(logits, valid, experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.con
     TOP_K rounds of argmax (the lowest index among ties), renormalised to sum to one when asked."""
     x = tl.where(valid, logits, float("-inf"))
     p = tl.exp(x - tl.max(x, axis=1)[:, None])
-    p = tl.where(valid, p / tl.sum(p, axis=1)[:, None], -1.0)  # -1: never chosen
+    p = p / tl.sum(p, axis=1)[:, None]  # [R, EXPERTS_PAD], 0 where not valid
+    # One reduction per round instead of two (max, then the lowest index holding it): a probability >= 0 orders
+    # like its float32 bits read as an integer, so key = bits << 32 | (EXPERTS_PAD - 1 - index) is largest for the
+    # largest probability and, among equal ones, the lowest index. -1 (below every key) marks the unavailable.
+    keys = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EXPERTS_PAD - 1 - experts).to(tl.int64)
+    keys = tl.where(valid, keys, -1)
     slots = tl.arange(0, TOP_K_PAD)[None, :]
     top_weights = tl.zeros((logits.shape[0], TOP_K_PAD), dtype=tl.float32)
     top_ids = tl.zeros((logits.shape[0], TOP_K_PAD), dtype=tl.int64)
     for k in tl.static_range(TOP_K):
-        best = tl.max(p, axis=1)[:, None]  # [R, 1]
-        chosen = tl.min(tl.where(p == best, experts, EXPERTS_PAD), axis=1)[:, None]
-        top_weights = tl.where(slots == k, best, top_weights)
-        top_ids = tl.where(slots == k, chosen.to(tl.int64), top_ids)
-        p = tl.where(experts == chosen, -1.0, p)
+        best = tl.max(keys, axis=1)[:, None]  # [R, 1]
+        weight = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        top_weights = tl.where(slots == k, weight, top_weights)
+        top_ids = tl.where(slots == k, EXPERTS_PAD - 1 - (best & 0x7FFFFFFF), top_ids)
+        keys = tl.where(keys == best, -1, keys)
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=1)[:, None]
     return top_weights, top_ids
@@ -270,7 +275,7 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
-ROUTE_BLOCK_E, ROUTE_BLOCK_K = 16, 128
+ROUTE_BLOCK_E, ROUTE_BLOCK_K = 16, 256
 ROUTE_MAX_EXPERTS = 512  # the last program holds [16, experts] float32 tiles in registers
 
 
@@ -288,7 +293,7 @@ def _route_kernel(
     stride_x,
     stride_gate,
     k_per_split,
-    split,
+    SPLIT: tl.constexpr,  # K slices (the grid's second axis)
     TOP_K: tl.constexpr,
     TOP_K_PAD: tl.constexpr,
     EXPERTS_PAD: tl.constexpr,
@@ -302,7 +307,7 @@ def _route_kernel(
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads x
 ):
     """Program (e, s): the logits of experts e * BLOCK_E ... for every token over K slice s, into the workspace.
-    The last program of the grid to arrive sums the slices in the order s = 0 .. split - 1, rounds the logits to
+    The last program of the grid to arrive sums the slices in the order s = 0 .. SPLIT - 1, rounds the logits to
     x's dtype (where the reference's router product rounds), routes every token (`_softmax_topk`) and resets the
     counter. The sum order depends on the shapes alone, so a token's routing does not depend on the batch."""
     wait_for_prior_grids(USE_PDL)
@@ -337,7 +342,7 @@ def _route_kernel(
         valid = token_valid[:, None] & (all_experts < num_experts)
         slices = partial_ptr + token_rows[:, None] * num_experts + all_experts
         total = tl.zeros((ROUTE_T, EXPERTS_PAD), dtype=tl.float32)
-        for s in range(0, split):
+        for s in tl.static_range(SPLIT):  # unrolled: the loads are independent, so one L2 round trip, not SPLIT
             total += tl.load(slices + s * tokens * num_experts, mask=valid, other=0.0, cache_modifier=".cg")
         logits = total.to(x_ptr.dtype.element_ty).to(tl.float32)
         top_weights, top_ids = _softmax_topk(logits, all_experts < num_experts, all_experts, TOP_K, TOP_K_PAD,
@@ -349,10 +354,14 @@ def _route_kernel(
         tl.atomic_xchg(counter_ptr, 0)
 
 
+ROUTE_MAX_SPLIT = 8  # the last program sums this many slices (more programs: more L2 atomics, a longer sum)
+
+
 def route_split(hidden_size: int, num_experts: int, num_sms: int) -> int:
-    """K slices of the fused router: about one program per SM, whole BLOCK_K tiles each (host ints only)."""
+    """K slices of the fused router: one K tile each, up to ROUTE_MAX_SPLIT and about one program per SM (host
+    ints only, none of them the batch size: a token's logits are summed in the same order whatever the batch)."""
     blocks = triton.cdiv(num_experts, ROUTE_BLOCK_E)
-    return max(1, min(triton.cdiv(hidden_size, ROUTE_BLOCK_K), num_sms // blocks))
+    return max(1, min(triton.cdiv(hidden_size, ROUTE_BLOCK_K), num_sms // blocks, ROUTE_MAX_SPLIT))
 
 
 def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
@@ -381,12 +390,14 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
     partial = torch.empty((split, tokens, num_experts), dtype=torch.float32, device=hidden.device)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=hidden.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=hidden.device)
+    # One warp: the last program's reductions then stay within it (shuffles, no shared-memory round trips), and a
+    # program's product is a [16, 256] x [256, 16] tile.
     _route_kernel[(triton.cdiv(num_experts, ROUTE_BLOCK_E), split)](
         hidden, gate_weight, partial, arrivals, weights, ids, tokens, size, num_experts, hidden.stride(0),
-        gate_weight.stride(0), k_per_split, split, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
+        gate_weight.stride(0), k_per_split, SPLIT=split, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
         EXPERTS_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, DOT_F32=_dot_f32(hidden),
         PRECISION=_precision(), BLOCK_T=16, ROUTE_T=triton.next_power_of_2(tokens), BLOCK_E=ROUTE_BLOCK_E,
-        BLOCK_K=ROUTE_BLOCK_K, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        BLOCK_K=ROUTE_BLOCK_K, USE_PDL=pdl, num_warps=1, launch_pdl=pdl,
     )  # fmt: skip
     return weights, ids
 

@@ -712,6 +712,21 @@ def w3_per_layer(results: dict, lm_head_params: int, layers: int, full_layers: i
             "W3_roofline_ms": roofline_ms, "of_roofline": roofline_ms / extrapolated}
 
 
+def record_moe_w3(results: dict, llm, w3: dict, w3_shape: tuple, layers: int, full_layers: int) -> None:
+    """W3 and its roofline (active parameters plus the KV read at mid-decode) into results; with fewer layers
+    than the model's, also the extrapolation to all of them (`w3_per_layer`)."""
+    results["W3_ms_per_token"], results["W3_graph_replay_gpu_ms"] = w3["ms_per_token"], w3["graph_replay_gpu_ms"]
+    results["W3_context_and_tokens"] = list(w3_shape)
+    n_active = active_params(llm)
+    kv_bytes = (w3_shape[0] + w3_shape[1] // 2) * llm.engine.model_config.kv_bytes_per_token(torch.bfloat16)
+    results["W3_active_params"] = n_active
+    results["W3_bytes_per_step"] = 2 * n_active + kv_bytes
+    results["W3_roofline_ms"] = results["W3_bytes_per_step"] / (results["copy_bandwidth_GBps"] * 1e9) * 1e3
+    if layers != full_layers:
+        lm_head = llm.engine.runner.model.lm_head
+        results["W3_extrapolated_estimate"] = w3_per_layer(results, lm_head.weight.numel(), layers, full_layers)
+
+
 def run_moe(args) -> int:
     """The MoE mode: W3 and W1 on a Qwen3-30B-A3B-shape checkpoint, each against transformers in the same run."""
     from asyncengine import LLM
@@ -735,6 +750,7 @@ def run_moe(args) -> int:
     t0 = time.perf_counter()
     folder = build_moe_checkpoint(moe_folder(args, cfg), cfg, device)
     results["build_checkpoint_s"] = time.perf_counter() - t0
+    print(f"checkpoint ({cfg['num_hidden_layers']} layers) ready in {results['build_checkpoint_s']:.0f} s", flush=True)
     if part == "build":
         save()
         return 0
@@ -750,6 +766,7 @@ def run_moe(args) -> int:
         results["peers"] = run_moe_peers(folder, hf_w1, vocab, device, (w3_shape[0], min(w3_shape[1], args.hf_w3_tokens)),
                                          args.hf_budget_s)  # fmt: skip
         save()
+        print(f"transformers done at {time.perf_counter() - t0:.0f} s: {json.dumps(results['peers'])[:400]}", flush=True)
         if part == "peers":
             print(json.dumps(results["peers"], indent=2))
             return 0
@@ -761,23 +778,14 @@ def run_moe(args) -> int:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               **({"gpu_memory_utilization": 0.90} if device == "cuda" else {}))
     results["engine_init_s"] = time.perf_counter() - t0
+    print(f"engine ready in {results['engine_init_s']:.0f} s", flush=True)
     run_engine(llm, *sharegpt_like(min(n, 64), 200, 32, seed=8, vocab=vocab))  # warm-up: compile every shape
+    record_moe_w3(results, llm, batch1_decode_ms(llm, vocab, *w3_shape), w3_shape, cfg["num_hidden_layers"],
+                  (QWEN3_MOE_TINY if args.tiny else QWEN3_30B_A3B)["num_hidden_layers"])  # fmt: skip
+    save()  # W3 first: the number a call cut short must not lose
+    print(f"W3 {results['W3_ms_per_token']:.2f} ms/token, roofline {results['W3_roofline_ms']:.2f} ms", flush=True)
     results["W1"] = run_engine(llm, *w1)
     results["W1_peer_requests"] = run_engine(llm, *hf_w1)  # the same requests transformers ran
-    save()
-    w3 = batch1_decode_ms(llm, vocab, *w3_shape)
-    results["W3_ms_per_token"], results["W3_graph_replay_gpu_ms"] = w3["ms_per_token"], w3["graph_replay_gpu_ms"]
-    results["W3_context_and_tokens"] = list(w3_shape)
-    n_active = active_params(llm)
-    kv_bytes = (w3_shape[0] + w3_shape[1] // 2) * llm.engine.model_config.kv_bytes_per_token(torch.bfloat16)
-    results["W3_active_params"] = n_active
-    results["W3_bytes_per_step"] = 2 * n_active + kv_bytes
-    results["W3_roofline_ms"] = results["W3_bytes_per_step"] / (results["copy_bandwidth_GBps"] * 1e9) * 1e3
-    full_layers = (QWEN3_MOE_TINY if args.tiny else QWEN3_30B_A3B)["num_hidden_layers"]
-    if cfg["num_hidden_layers"] != full_layers:
-        lm_head = llm.engine.runner.model.lm_head
-        results["W3_extrapolated_estimate"] = w3_per_layer(results, lm_head.weight.numel(), cfg["num_hidden_layers"],
-                                                           full_layers)  # fmt: skip
     save()
     print_moe_table(results)
     return 0
