@@ -162,7 +162,7 @@ def run_decode(args) -> int:
     case = Case(shape, args.layers, device)
     hidden, inter, top_k = shape[2], shape[3], shape[1]
     print(f"{'T':>3} {'part':44} {'us/layer':>9} {'rate (bytes the layer must read)':>32}")
-    for t in TOKENS:
+    for t in args.tokens:
         nbytes = case.expert_bytes(t)
         config = moe.decode_config(hidden, inter, top_k, t)
         rows = [
@@ -318,6 +318,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b",
                         help="expert shape (mixtral-8x7b: 2.8 GB per layer; pass fewer --layers if memory is short)")
     parser.add_argument("--layers", type=int, default=8, help="MoE layers cycled in each timed graph")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), choices=TOKENS,
+                        help="--moe-decode: the batch sizes timed")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop timing candidates after this")
     parser.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, toy sizes (smoke run)")
     args = parser.parse_args(argv)
