@@ -541,7 +541,7 @@ def _down_reduce_kernel(
     if arrived == TOP_K - 1:  # the token's other assignments on these columns are stored: reduce, reset
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         first = token.to(tl.int64) * TOP_K
-        for k in range(0, TOP_K):
+        for k in tl.static_range(TOP_K):  # unrolled: the loads are independent, so one L2 round trip, not TOP_K
             total += tl.load(partial_ptr + (first + k) * hidden_size + row_offsets, mask=col_valid, other=0.0,
                              cache_modifier=".cg")
         tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_valid)
