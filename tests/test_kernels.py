@@ -839,13 +839,13 @@ def test_gpu_fused_moe_at_real_expert_shapes(shape, tokens):
 def test_gpu_fused_moe_with_tied_router_logits(shape):
     """Tied router probabilities (all logits equal, or pairs equal): the routing kernel picks distinct experts
     (the lowest index first among ties) and the MoE kernel computes exactly that routing."""
-    from asyncengine.models.moe import select_experts
+    from asyncengine.kernels import moe
 
     experts, top_k, hidden, inter = MOE_SHAPES[shape]
     x, w13, w2, _, _ = make_moe(33, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
     logits = torch.zeros(33, experts, dtype=torch.bfloat16, device="cuda")
     logits[16:] = torch.randn(17, experts // 2, device="cuda").repeat_interleave(2, dim=1).to(torch.bfloat16)
-    weights, ids = select_experts(logits, top_k, renormalize=True)
+    weights, ids = moe.topk_softmax(logits, top_k, renormalize=True)
     assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "top-k must pick distinct experts even under ties"
     assert moe_error_vs_fp32_reference(x, w13, w2, weights, ids) < 1e-2
 
