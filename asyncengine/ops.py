@@ -77,6 +77,12 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return _impl(hidden, "moe").fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
+def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool):
+    """Mixture-of-experts router and routing (see reference.route): hidden [T, H], gate_weight [E, H] ->
+    (weights [T, K] float32, ids [T, K])."""
+    return _impl(hidden, "moe").route(hidden, gate_weight, top_k, renormalize)
+
+
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     """Mixture-of-experts routing (see reference.topk_softmax): [T, E] -> (weights [T, K] float32, ids [T, K])."""
     return _impl(router_logits, "moe").topk_softmax(router_logits, top_k, renormalize)

@@ -12,29 +12,53 @@ One call (T tokens, K experts per token, E experts, N = T * K assignments, assig
     4. grouped GEMM      down [N, H] = act @ w2[expert]^T, times the assignment's routing weight in the epilogue
     5. sum over K        out [T, H]
 
-Routing (`topk_softmax`: softmax, top-k, renormalisation) is one more launch.
+Routing: `topk_softmax` (softmax, top-k, renormalisation of given logits) is one launch; `route` also does the
+router product, in one launch at decode sizes: programs split over experts and K store partial logits, and the
+last to arrive sums them (a fixed order), rounds them as the reference does and routes every token.
 
 Decode-sized batches (at most DECODE_MAX_TOKENS tokens) skip the grouping, whose dozen small launches would cost
-more than the products at batch 1: each expert is then hit by about one assignment, so a matrix-vector program per
-(assignment, column block) reads each routed expert's weights once, like the grouped GEMM, in two launches:
+more than the products at batch 1: each expert is then hit by about one assignment, so matrix-vector programs
+read each routed expert's weights once, like the grouped GEMM, in two launches:
 
-    1. gate_up_act       act [N, I] = silu(x @ w13[e, :I]^T) * (x @ w13[e, I:]^T), the activation in the epilogue
-    2. down_reduce       out [T, H] = sum over the token's K assignments of weight * act @ w2[e]^T
+    1. gate_up_act       act [N, I] = silu(x @ w13[e, :I]^T) * (x @ w13[e, I:]^T), the activation in the epilogue;
+                         one program per (assignment, block of I)
+    2. down_reduce       out [T, H] = sum over the token's K assignments of weight * act @ w2[e]^T; one program per
+                         (assignment, block of H) stores its weighted part in float32, and the last of a token's K
+                         programs to arrive on a column block sums the K parts in the order k = 0 .. K - 1
+
+At batch 1 of Qwen3-30B-A3B (8 assignments, H 2048, I 768) that is N * I / BLOCK_N and N * H / BLOCK_N programs,
+enough for every SM, where one program per (token, column block) gave down_reduce only H / BLOCK_N. The arrival
+counters (`counters`) are zero before and after every call, so the path is
+CUDA-graph capturable; calls must not overlap on two streams. Tiles per shape and batch bucket come from
+moe_configs.TUNED (`python -m loadtest.bench_kernels --moe-sweep`), else `default_decode_config`.
 
 Neither path ever launches one kernel per expert. Both match `reference.fused_moe`, including where it rounds to
-the input dtype; tile sizes are fixed heuristics chosen from the number of assignments per expert.
+the input dtype; the grouped GEMMs' tile sizes are fixed heuristics chosen from the number of assignments per
+expert.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from asyncengine.kernels import activation
+from asyncengine.kernels import activation, arrival_counters, sm_count
 from asyncengine.kernels.attention import _dot_f32, _precision
+from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
+
+
+COUNTER_SLOTS = 1 << 14  # route's one counter, or down_reduce's T * cdiv(H, BLOCK_N)
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The arrival counters of route and down_reduce (`kernels.arrival_counters`): their calls run one after
+    another on one stream, and each leaves the counters it used at zero."""
+    return arrival_counters("the fused MoE", device, COUNTER_SLOTS)
 
 
 @dataclass(frozen=True)
@@ -177,6 +201,34 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, block_expert, a_row_div: int, ti
 
 # -- routing --------------------------------------------------------------------------------------------------
 @triton.jit
+def _softmax_topk(logits, valid, experts, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+                  EXPERTS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """logits [R, EXPERTS_PAD] float32 (any finite value where not `valid`), experts [1, EXPERTS_PAD] their
+    indices -> (weights [R, TOP_K_PAD] float32, ids [R, TOP_K_PAD] int64): softmax over the valid experts, then
+    TOP_K rounds of argmax (the lowest index among ties), renormalised to sum to one when asked."""
+    x = tl.where(valid, logits, float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]  # [R, EXPERTS_PAD], 0 where not valid
+    # One reduction per round instead of two (max, then the lowest index holding it): a probability >= 0 orders
+    # like its float32 bits read as an integer, so key = bits << 32 | (EXPERTS_PAD - 1 - index) is largest for the
+    # largest probability and, among equal ones, the lowest index. -1 (below every key) marks the unavailable.
+    keys = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EXPERTS_PAD - 1 - experts).to(tl.int64)
+    keys = tl.where(valid, keys, -1)
+    slots = tl.arange(0, TOP_K_PAD)[None, :]
+    top_weights = tl.zeros((logits.shape[0], TOP_K_PAD), dtype=tl.float32)
+    top_ids = tl.zeros((logits.shape[0], TOP_K_PAD), dtype=tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=1)[:, None]  # [R, 1]
+        weight = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        top_weights = tl.where(slots == k, weight, top_weights)
+        top_ids = tl.where(slots == k, EXPERTS_PAD - 1 - (best & 0x7FFFFFFF), top_ids)
+        keys = tl.where(keys == best, -1, keys)
+    if RENORMALIZE:
+        top_weights = top_weights / tl.sum(top_weights, axis=1)[:, None]
+    return top_weights, top_ids
+
+
+@triton.jit
 def _topk_softmax_kernel(
     logits_ptr,  # [T, E]
     weights_ptr,  # [T, TOP_K] float32
@@ -188,27 +240,21 @@ def _topk_softmax_kernel(
     EXPERTS_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    """One token: softmax over its experts in float32, then TOP_K rounds of argmax (the lowest index among ties)."""
+    """One token: softmax over its experts in float32, then its top TOP_K (`_softmax_topk`)."""
     row = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, EXPERTS_PAD)
+    experts = tl.arange(0, EXPERTS_PAD)[None, :]  # [1, EXPERTS_PAD]
     valid = experts < num_experts
-    x = tl.load(logits_ptr + row * stride_logits + experts, mask=valid, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = tl.where(valid, p / tl.sum(p, axis=0), -1.0)  # -1: never chosen
-    slots = tl.arange(0, TOP_K_PAD)
-    top_weights = tl.zeros((TOP_K_PAD,), dtype=tl.float32)
-    top_ids = tl.zeros((TOP_K_PAD,), dtype=tl.int64)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(p, axis=0)
-        chosen = tl.min(tl.where(p == best, experts, EXPERTS_PAD), axis=0)
-        top_weights = tl.where(slots == k, best, top_weights)
-        top_ids = tl.where(slots == k, chosen.to(tl.int64), top_ids)
-        p = tl.where(experts == chosen, -1.0, p)
-    if RENORMALIZE:
-        top_weights = top_weights / tl.sum(top_weights, axis=0)
+    x = tl.load(logits_ptr + row * stride_logits + experts, mask=valid, other=0.0).to(tl.float32)
+    top_weights, top_ids = _softmax_topk(x, valid, experts, TOP_K, TOP_K_PAD, EXPERTS_PAD, RENORMALIZE)
+    slots = tl.arange(0, TOP_K_PAD)[None, :]
     out = slots < TOP_K
     tl.store(weights_ptr + row * TOP_K + slots, top_weights, mask=out)
     tl.store(ids_ptr + row * TOP_K + slots, top_ids, mask=out)
+
+
+def _check_top_k(num_experts: int, top_k: int) -> None:
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} must be in [1, {num_experts}]")
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,8 +263,7 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError(f"router_logits must be [T, E] with contiguous rows, got {tuple(router_logits.shape)}")
     tokens, num_experts = router_logits.shape
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k {top_k} must be in [1, {num_experts}]")
+    _check_top_k(num_experts, top_k)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
     if tokens:
@@ -230,9 +275,178 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
+ROUTE_BLOCK_E, ROUTE_BLOCK_K = 16, 128
+ROUTE_MAX_EXPERTS = 512  # the last program holds [16, experts] float32 tiles in registers
+
+
+@triton.jit
+def _route_kernel(
+    x_ptr,  # [T, H]
+    gate_ptr,  # [E, H]
+    partial_ptr,  # [split, T, E] float32 workspace: each K slice's logits
+    counter_ptr,  # [1] int32 arrival counter, zero before and after every call
+    weights_ptr,  # [T, TOP_K] float32
+    ids_ptr,  # [T, TOP_K] int64
+    tokens,
+    hidden_size,
+    num_experts,
+    stride_x,
+    stride_gate,
+    k_per_split,
+    SPLIT: tl.constexpr,  # K slices (the grid's second axis)
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # 16: the tl.dot tile's rows, tokens beyond T masked
+    ROUTE_T: tl.constexpr,  # T rounded up to a power of two: the rows the last program routes
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads x
+):
+    """Program (e, s): the logits of experts e * BLOCK_E ... for every token over K slice s, into the workspace.
+    The last program of the grid to arrive sums the slices in the order s = 0 .. SPLIT - 1, rounds the logits to
+    x's dtype (where the reference's router product rounds), routes every token (`_softmax_topk`) and resets the
+    counter. The sum order depends on the shapes alone, so a token's routing does not depend on the batch."""
+    wait_for_prior_grids(USE_PDL)
+    pid_e, pid_s = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, BLOCK_T)
+    row_valid = rows < tokens
+    experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    expert_valid = experts < num_experts
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    k_first = pid_s * k_per_split
+    for k_start in range(k_first, tl.minimum(k_first + k_per_split, hidden_size), BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_valid = ks < hidden_size
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_valid[:, None] & k_valid[None, :],
+                    other=0.0)  # [BLOCK_T, BLOCK_K]
+        w = tl.load(gate_ptr + experts.to(tl.int64)[None, :] * stride_gate + ks[:, None],
+                    mask=k_valid[:, None] & expert_valid[None, :], other=0.0)  # [BLOCK_K, BLOCK_E]
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, w)
+    slice_rows = partial_ptr + pid_s * tokens * num_experts + rows[:, None] * num_experts  # [BLOCK_T, 1]
+    tl.store(slice_rows + experts[None, :], acc,
+             mask=row_valid[:, None] & expert_valid[None, :])
+    tl.debug_barrier()  # every thread's logits stored before the (release) atomic below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:  # every slice of every expert block is stored
+        # [ROUTE_T, EXPERTS_PAD] tiles: the top-k rounds' reductions cost per row held, so no 16-row padding
+        token_rows = tl.arange(0, ROUTE_T)
+        token_valid = token_rows < tokens
+        all_experts = tl.arange(0, EXPERTS_PAD)[None, :]  # [1, EXPERTS_PAD]
+        valid = token_valid[:, None] & (all_experts < num_experts)
+        slices = partial_ptr + token_rows[:, None] * num_experts + all_experts
+        total = tl.zeros((ROUTE_T, EXPERTS_PAD), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):  # unrolled: the loads are independent, so one L2 round trip, not SPLIT
+            total += tl.load(slices + s * tokens * num_experts, mask=valid, other=0.0, cache_modifier=".cg")
+        logits = total.to(x_ptr.dtype.element_ty).to(tl.float32)
+        top_weights, top_ids = _softmax_topk(logits, all_experts < num_experts, all_experts, TOP_K, TOP_K_PAD,
+                                             EXPERTS_PAD, RENORMALIZE)
+        slots = tl.arange(0, TOP_K_PAD)[None, :]
+        out = token_valid[:, None] & (slots < TOP_K)
+        tl.store(weights_ptr + token_rows[:, None] * TOP_K + slots, top_weights, mask=out)
+        tl.store(ids_ptr + token_rows[:, None] * TOP_K + slots, top_ids, mask=out)
+        tl.atomic_xchg(counter_ptr, 0)
+
+
+ROUTE_MAX_SPLIT = 8  # the last program sums this many slices (more programs: more L2 atomics, a longer sum)
+
+
+def route_split(hidden_size: int, num_experts: int, num_sms: int) -> int:
+    """K slices of the fused router: up to ROUTE_MAX_SPLIT and about one program per SM, whole K tiles each (host
+    ints only, none of them the batch size: a token's logits are summed in the same order whatever the batch)."""
+    blocks = triton.cdiv(num_experts, ROUTE_BLOCK_E)
+    return max(1, min(triton.cdiv(hidden_size, ROUTE_BLOCK_K), num_sms // blocks, ROUTE_MAX_SPLIT))
+
+
+def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
+          num_sms: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router and the routing: hidden [T, H] @ gate_weight [E, H]^T -> logits [T, E] (rounded to hidden's
+    dtype), then softmax, top-k and renormalisation as `topk_softmax` -> (weights [T, K] float32, ids [T, K]
+    int64). As reference.route, ties to the lowest expert. Decode-sized batches (up to DECODE_MAX_TOKENS tokens)
+    take one launch (`_route_kernel`, split over experts and K); larger ones the library's product, then
+    topk_softmax. num_sms: the SMs the split is sized for (default: the device's)."""
+    if hidden.dim() != 2 or gate_weight.dim() != 2 or gate_weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"route: hidden must be [T, H] and gate_weight [E, H], got {tuple(hidden.shape)} and "
+                         f"{tuple(gate_weight.shape)}")  # fmt: skip
+    tokens, num_experts = hidden.shape[0], gate_weight.shape[0]
+    _check_top_k(num_experts, top_k)
+    fused = 0 < tokens <= DECODE_MAX_TOKENS and num_experts <= ROUTE_MAX_EXPERTS
+    if not fused or hidden.stride(1) != 1 or gate_weight.stride(1) != 1 or gate_weight.dtype != hidden.dtype:
+        return topk_softmax(F.linear(hidden, gate_weight), top_k, renormalize)
+    if num_sms is None:
+        num_sms = sm_count(hidden.device.index) if hidden.is_cuda else 4
+    size = hidden.shape[1]
+    split = route_split(size, num_experts, num_sms)
+    k_per_split = triton.cdiv(triton.cdiv(size, split), ROUTE_BLOCK_K) * ROUTE_BLOCK_K
+    split = triton.cdiv(size, k_per_split)  # the slices that really hold inputs
+    arrivals = counters(hidden.device)  # before anything is launched: it may refuse under capture
+    pdl = pdl_enabled(hidden.device)
+    partial = torch.empty((split, tokens, num_experts), dtype=torch.float32, device=hidden.device)
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=hidden.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=hidden.device)
+    # One warp: the last program's reductions then stay within it (shuffles, no shared-memory round trips); with
+    # [16, 128] x [128, 16] tiles it needs 164 registers at T = 1 and spills nothing (sm_90, Triton 3.7), where
+    # 256-wide tiles spilled.
+    _route_kernel[(triton.cdiv(num_experts, ROUTE_BLOCK_E), split)](
+        hidden, gate_weight, partial, arrivals, weights, ids, tokens, size, num_experts, hidden.stride(0),
+        gate_weight.stride(0), k_per_split, SPLIT=split, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
+        EXPERTS_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, DOT_F32=_dot_f32(hidden),
+        PRECISION=_precision(), BLOCK_T=16, ROUTE_T=triton.next_power_of_2(tokens), BLOCK_E=ROUTE_BLOCK_E,
+        BLOCK_K=ROUTE_BLOCK_K, USE_PDL=pdl, num_warps=1, launch_pdl=pdl,
+    )  # fmt: skip
+    return weights, ids
+
+
 # -- decode-sized batches: no grouping ----------------------------------------------------------------------------
 DECODE_MAX_TOKENS = 16
-DECODE_BLOCK_N, DECODE_BLOCK_K = 16, 256
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """One decode kernel's launch: BLOCK_N output columns per program, BLOCK_K inputs per loop step."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvTiles.{name} must be a power of two, got {value}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The decode path's two launches: gate_up_act's and down_reduce's tiles."""
+
+    gate_up: GemvTiles
+    down: GemvTiles
+
+
+def tokens_bucket(tokens: int) -> int:
+    """The config table's batch key: the next power of two (1, 2, 4, 8, 16)."""
+    return triton.next_power_of_2(tokens)
+
+
+def default_decode_config(hidden_size: int, inter: int, top_k: int, tokens: int) -> DecodeConfig:
+    """Untuned tiles: narrow column blocks, so that even one token's few assignments give every SM programs
+    (gate_up_act: N * I / 16 programs; down_reduce: N * H / 32)."""
+    return DecodeConfig(GemvTiles(16, 256, 4), GemvTiles(32, 256, 4))
+
+
+def decode_config(hidden_size: int, inter: int, top_k: int, tokens: int) -> DecodeConfig:
+    """The tuned config of this expert shape and batch bucket (moe_configs.TUNED), else the default."""
+    from .moe_configs import TUNED
+
+    key = (hidden_size, inter, top_k, tokens_bucket(tokens))
+    return TUNED.get(key) or default_decode_config(hidden_size, inter, top_k, tokens)
 
 
 @triton.jit
@@ -250,8 +464,10 @@ def _gate_up_act_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and x
 ):
     """act[i, cols] for assignment i = (token i // TOP_K, expert ids[i]) and one block of intermediate columns."""
+    wait_for_prior_grids(USE_PDL)
     assignment = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < inter
@@ -259,21 +475,23 @@ def _gate_up_act_kernel(
     x_row = x_ptr + (assignment // TOP_K).to(tl.int64) * stride_x
     gate_rows = w13_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     up_rows = gate_rows + inter * stride_wn
-    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Products summed in-thread over the loop into [BLOCK_N, BLOCK_K] tiles and reduced across threads once at
+    # the end: a reduction per step would stall every step on shuffles instead of the next loads.
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k_start in range(0, hidden_size, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_valid = ks < hidden_size
         x = tl.load(x_row + ks, mask=k_valid, other=0.0).to(tl.float32)[None, :]
         mask = col_valid[:, None] & k_valid[None, :]
-        gate += tl.sum(tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
-        up += tl.sum(tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        gate += tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
     # Rounded where the reference rounds: the projections' outputs, then silu(gate) (as activation.silu_and_mul).
     dtype = act_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(act_ptr + assignment.to(tl.int64) * stride_act + cols, (silu * up).to(dtype), mask=col_valid)
+    gate_out = tl.sum(gate, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N]
+    up_out = tl.sum(up, axis=1).to(dtype).to(tl.float32)
+    silu = (gate_out / (1.0 + tl.exp(-gate_out))).to(dtype).to(tl.float32)
+    tl.store(act_ptr + assignment.to(tl.int64) * stride_act + cols, (silu * up_out).to(dtype), mask=col_valid)
 
 
 @triton.jit
@@ -282,6 +500,8 @@ def _down_reduce_kernel(
     w2_ptr,  # [E, H, I]
     ids_ptr,  # [N]
     weights_ptr,  # [N] float32
+    partial_ptr,  # [N, H] float32 workspace: each assignment's weighted output
+    counter_ptr,  # [T * cdiv(H, BLOCK_N)] int32 arrival counters, zero before and after every call
     out_ptr,  # [T, H]
     hidden_size,
     inter,
@@ -292,42 +512,67 @@ def _down_reduce_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and act
 ):
-    """out[t, cols] = sum over k of weight[t, k] * (act[t * TOP_K + k] @ w2[ids[t, k]]^T)[cols]."""
-    token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """partial[i, cols] = weight[i] * (act[i] @ w2[ids[i]]^T)[cols] for one assignment i; the last of a token's
+    TOP_K programs on these columns to arrive sums its partials in the order k = 0 .. TOP_K - 1 (so the result
+    does not depend on which arrived last) into out[token, cols] and resets the counter."""
+    wait_for_prior_grids(USE_PDL)
+    assignment = tl.program_id(0)
+    col_block = tl.program_id(1)
+    token = assignment // TOP_K
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < hidden_size
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        assignment = token * TOP_K + k
-        expert = tl.load(ids_ptr + assignment).to(tl.int64)
-        rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-        act_row = act_ptr + assignment.to(tl.int64) * stride_act
-        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j_start in range(0, inter, BLOCK_K):
-            js = j_start + tl.arange(0, BLOCK_K)
-            j_valid = js < inter
-            a = tl.load(act_row + js, mask=j_valid, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(rows + js[None, :], mask=col_valid[:, None] & j_valid[None, :], other=0.0).to(tl.float32)
-            part += tl.sum(w * a, axis=1)
-        # the expert's output rounds to the dtype (as the reference's projection), then weighs in float32
-        total += part.to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + assignment)
-    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_valid)
+    expert = tl.load(ids_ptr + assignment).to(tl.int64)
+    rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    act_row = act_ptr + assignment.to(tl.int64) * stride_act
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
+    for j_start in range(0, inter, BLOCK_K):
+        js = j_start + tl.arange(0, BLOCK_K)
+        j_valid = js < inter
+        a = tl.load(act_row + js, mask=j_valid, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(rows + js[None, :], mask=col_valid[:, None] & j_valid[None, :], other=0.0).to(tl.float32) * a
+    # the expert's output rounds to the dtype (as the reference's projection), then weighs in float32
+    part = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + assignment)
+    row_offsets = cols.to(tl.int64)  # [BLOCK_N] within one [H] row of partial
+    tl.store(partial_ptr + assignment.to(tl.int64) * hidden_size + row_offsets, part, mask=col_valid)
+    tl.debug_barrier()  # every thread's partials stored before the (release) atomic below
+    counter = counter_ptr + token * tl.num_programs(1) + col_block
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == TOP_K - 1:  # the token's other assignments on these columns are stored: reduce, reset
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        first = token.to(tl.int64) * TOP_K
+        for k in tl.static_range(TOP_K):  # unrolled: the loads are independent, so one L2 round trip, not TOP_K
+            total += tl.load(partial_ptr + (first + k) * hidden_size + row_offsets, mask=col_valid, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_valid)
+        tl.atomic_xchg(counter, 0)
 
 
-def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int) -> torch.Tensor:
-    """weights, ids: [N] flattened routing. Two launches whatever the routing."""
+def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optional[DecodeConfig] = None):
+    """weights, ids: [N] flattened routing. Two launches whatever the routing; config: tiles for this call
+    (default: `decode_config`). Calls must not overlap on two streams (they share the arrival counters)."""
     tokens, size = hidden.shape
     num, inter = ids.numel(), w2.shape[2]
+    config = config or decode_config(size, inter, top_k, tokens)
+    up, down = config.gate_up, config.down
+    col_blocks = triton.cdiv(size, down.block_n)
+    if tokens * col_blocks > COUNTER_SLOTS:
+        raise ValueError(f"decode MoE: {tokens} tokens x {col_blocks} column blocks exceed {COUNTER_SLOTS} "
+                         f"counters (raise the down block_n)")  # fmt: skip
+    arrivals = counters(hidden.device)  # before anything is launched: it may refuse under capture
+    pdl = pdl_enabled(hidden.device)
     act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)
-    _gate_up_act_kernel[(num, triton.cdiv(inter, DECODE_BLOCK_N))](
+    _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
         hidden, w13, ids, act, size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=DECODE_BLOCK_N, BLOCK_K=DECODE_BLOCK_K, num_warps=4,
+        TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, USE_PDL=pdl, num_warps=up.num_warps, launch_pdl=pdl,
     )  # fmt: skip
+    partial = torch.empty((num, size), dtype=torch.float32, device=hidden.device)
     out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
-    _down_reduce_kernel[(tokens, triton.cdiv(size, DECODE_BLOCK_N))](
-        act, w2, ids, weights, out, size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=DECODE_BLOCK_N, BLOCK_K=DECODE_BLOCK_K, num_warps=4,
+    _down_reduce_kernel[(num, col_blocks)](
+        act, w2, ids, weights, partial, arrivals, out, size, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k, USE_PDL=pdl,
+        num_warps=down.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -348,16 +593,25 @@ def _check_inputs(hidden, w13, w2, topk_weights, topk_ids) -> None:
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-    """hidden [T, H], w13 [E, 2I, H] ([gate | up]), w2 [E, H, I], topk_weights / topk_ids [T, K] -> new [T, H]."""
+    """hidden [T, H], w13 [E, 2I, H] ([gate | up]), w2 [E, H, I], topk_weights / topk_ids [T, K] -> new [T, H]:
+    the decode kernels up to DECODE_MAX_TOKENS tokens, the grouped GEMMs above."""
     _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    tokens, top_k = topk_ids.shape
+    if tokens == 0:
+        return torch.empty((0, hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    if tokens <= DECODE_MAX_TOKENS:
+        weights = topk_weights.reshape(-1).float().contiguous()  # [N]
+        return _fused_moe_decode(hidden, w13, w2, weights, topk_ids.reshape(-1).contiguous(), top_k)
+    return fused_moe_grouped(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """As fused_moe, through the grouped GEMMs whatever the batch size (inputs checked by the caller)."""
     tokens, top_k = topk_ids.shape
     num_experts, inter, size = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
     num = tokens * top_k
-    if tokens == 0:
-        return torch.empty((0, size), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()  # [N]
-    if tokens <= DECODE_MAX_TOKENS:
-        return _fused_moe_decode(hidden, w13, w2, weights, topk_ids.reshape(-1).contiguous(), top_k)
     tiles = tile_config(num, num_experts, hidden.element_size())
     sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tiles.block_m)
     gate_up = torch.empty((num, 2 * inter), dtype=hidden.dtype, device=hidden.device)

@@ -299,6 +299,12 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
+def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool):
+    """Mixture-of-experts router and routing: logits [T, E] = hidden [T, H] @ gate_weight [E, H]^T in hidden's
+    dtype (as transformers' gate), then `topk_softmax` -> (weights [T, K] float32, ids [T, K] int64)."""
+    return topk_softmax(F.linear(hidden, gate_weight), top_k, renormalize)
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """Mixture of gated-MLP experts: each token through its top-k experts, outputs summed with routing weights.

@@ -1,6 +1,6 @@
 """Benchmark of the Triton kernels at Llama-3-8B sizes (bf16) against the torch reference and dense SDPA.
 
-    python loadtest/bench_kernels.py [--sweep | --moe | --gemv-sweep [--tiny]]
+    python loadtest/bench_kernels.py [--sweep | --moe | --gemv-sweep [--tiny] | --moe-decode | --moe-sweep [--tiny]]
 
 Cases: paged_attention decode (batch 1 and 64 at 1k context; eager and replayed from a CUDA graph, and in a graph
 with the separate reduction kernel instead of the fused merge), prefill
@@ -224,7 +224,9 @@ def print_table(rows: list[tuple]) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Default: the comparison table. --sweep: tile and split variants of the attention kernels. --moe: the fused
     mixture-of-experts kernels at Qwen3-30B-A3B and Mixtral-8x7B expert shapes. --gemv-sweep [--tiny]: launch
-    configurations of the decode GEMV per 8B linear shape and format (loadtest/bench_gemv.py)."""
+    configurations of the decode GEMV per 8B linear shape and format (loadtest/bench_gemv.py). --moe-decode /
+    --moe-sweep [--tiny]: the MoE layer's decode kernels at the Qwen3-30B-A3B shape, and their tile sweep
+    (loadtest/bench_moe.py)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -232,6 +234,10 @@ def main(argv: list[str] | None = None) -> None:
         from .bench_gemv import run_sweep
 
         raise SystemExit(run_sweep(args))
+    if "--moe-decode" in args or "--moe-sweep" in args:  # --tiny runs on CPU as well
+        from .bench_moe import main as run_moe_decode
+
+        raise SystemExit(run_moe_decode(args))
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if "--moe" in args:

@@ -590,7 +590,8 @@ def active_params(llm) -> int:
 
 
 def hf_batch1_decode_ms(model, vocab: int, device: str, context: int = 1000, new_tokens: int = 200) -> float:
-    """transformers generate at batch 1: ms per output token, (time for new_tokens) - (time for one), same prompt."""
+    """transformers generate at batch 1: ms per output token, (time for new_tokens + 1) - (time for one), same
+    prompt (so the prefill cancels out), each the best of two runs."""
     prompt = torch.tensor([np.random.default_rng(3).integers(3, vocab, size=context).tolist()], device=device)
     kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
 
@@ -603,12 +604,15 @@ def hf_batch1_decode_ms(model, vocab: int, device: str, context: int = 1000, new
         return time.perf_counter() - start
 
     with torch.inference_mode():
-        timed(8)  # warm-up
-        return (timed(new_tokens + 1) - timed(1)) / new_tokens * 1e3
+        timed(4)  # warm-up
+        longer, one = min(timed(new_tokens + 1) for _ in range(2)), min(timed(1) for _ in range(2))  # best of two
+        return (longer - one) / new_tokens * 1e3
 
 
-def hf_continuous_batching(model, prompts, outs) -> dict:
-    """transformers' continuous batching manager on W1: every request with its own max_new_tokens, EOS ignored."""
+def hf_continuous_batching(model, prompts, outs, budget_s: float = float("inf")) -> dict:
+    """transformers' continuous batching manager on W1: every request with its own max_new_tokens, EOS ignored.
+    Stops waiting after budget_s: the rates then count the requests (and their tokens) finished by then, and
+    `finished` < `requests` says so."""
     from transformers import GenerationConfig
 
     gen_cfg = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(outs))
@@ -617,7 +621,7 @@ def hf_continuous_batching(model, prompts, outs) -> dict:
         start = time.perf_counter()
         for i, (prompt, n_out) in enumerate(zip(prompts, outs)):
             manager.add_request(prompt, request_id=f"w1-{i}", max_new_tokens=n_out)
-        while finished < len(prompts):
+        while finished < len(prompts) and time.perf_counter() - start < budget_s:
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 finished += 1
@@ -625,19 +629,28 @@ def hf_continuous_batching(model, prompts, outs) -> dict:
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching stopped before every request finished")
         elapsed = time.perf_counter() - start
-    return dict(requests=len(prompts), seconds=elapsed, req_per_s=len(prompts) / elapsed,
-                output_tok_per_s=made / elapsed, output_tokens=made, output_tokens_asked=sum(outs))
+    return dict(requests=len(prompts), finished=finished, seconds=elapsed, req_per_s=finished / elapsed,
+                output_tok_per_s=made / elapsed, output_tokens=made, output_tokens_asked=sum(outs),
+                budget_s=budget_s, stopped_at_budget=finished < len(prompts))
 
 
-def run_moe_peers(folder: Path, w1, vocab: int, device: str, w3_shape: tuple[int, int]) -> dict:
+def run_moe_peers(folder: Path, w1, vocab: int, device: str, w3_shape: tuple[int, int], budget_s: float) -> dict:
+    """transformers on the same checkpoint, within budget_s after loading: batch-1 decode (W3, over
+    w3_shape[1] new tokens), then continuous batching on the W1 requests given (whatever time is left). Rates
+    only (ms/token, req/s, tok/s), so that they compare with the engine's over other token and request counts."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype,
                                                  device_map=device if device == "cuda" else None).eval()
-    res = {"hf_W3_ms_per_token": hf_batch1_decode_ms(model, vocab, device, *w3_shape)}
+    res = {"hf_load_s": time.perf_counter() - t0, "hf_budget_s": budget_s,
+           "hf_experts_implementation": getattr(model.config, "_experts_implementation", None),
+           "hf_W3_context_and_tokens": list(w3_shape)}
+    start = time.perf_counter()
+    res["hf_W3_ms_per_token"] = hf_batch1_decode_ms(model, vocab, device, *w3_shape)
     try:
-        res["hf_W1"] = hf_continuous_batching(model, *w1)
+        res["hf_W1"] = hf_continuous_batching(model, *w1, budget_s=max(10.0, budget_s - (time.perf_counter() - start)))
     except Exception as exc:  # record why, keep the engine's half of the benchmark
         res["hf_W1"] = dict(error=repr(exc)[:500])
     del model
@@ -658,28 +671,86 @@ def measure_cpu_copy_bandwidth(mib: int = 256) -> float:
     return 2 * src.numel() * 4 / float(np.median(times[2:]))
 
 
+def moe_config(args) -> dict:
+    """The checkpoint's shape: Qwen3-30B-A3B (or the tiny one), with --num-layers decoder layers if given."""
+    cfg = dict(QWEN3_MOE_TINY if args.tiny else QWEN3_30B_A3B)
+    if args.num_layers is not None:
+        if not 0 < args.num_layers <= QWEN3_30B_A3B["num_hidden_layers"]:
+            raise SystemExit(f"--num-layers must be in [1, {QWEN3_30B_A3B['num_hidden_layers']}], got {args.num_layers}")
+        cfg["num_hidden_layers"] = args.num_layers
+    return cfg
+
+
+def moe_folder(args, cfg: dict) -> Path:
+    """--checkpoint, or /tmp/<family>[-tiny]-random[-<N>l]; an existing folder must hold the asked layer count."""
+    layers = cfg["num_hidden_layers"]
+    if args.checkpoint != DEFAULT_CHECKPOINT:
+        folder = Path(args.checkpoint)
+    else:
+        suffix = "" if args.num_layers is None else f"-{layers}l"
+        folder = Path(f"/tmp/{args.family}{'-tiny' if args.tiny else ''}-random{suffix}")
+    config = folder / "config.json"
+    if config.exists() and json.loads(config.read_text())["num_hidden_layers"] != layers:
+        raise SystemExit(f"{folder} holds a checkpoint of {json.loads(config.read_text())['num_hidden_layers']} "
+                         f"layers, not {layers}: pass another --checkpoint (or --num-layers to match)")
+    return folder
+
+
+def w3_per_layer(results: dict, lm_head_params: int, layers: int, full_layers: int) -> dict:
+    """W3 extrapolated from a checkpoint of `layers` layers to `full_layers` (an ESTIMATE, not a measurement):
+    the LM head and final norm are taken to run at the copy bandwidth, the rest of the step is split evenly
+    over the layers, and the roofline scales the same way."""
+    copy = results["copy_bandwidth_GBps"] * 1e9
+    head_bytes = 2 * lm_head_params
+    head_ms = head_bytes / copy * 1e3
+    per_layer_ms = (results["W3_ms_per_token"] - head_ms) / layers
+    per_layer_bytes = (results["W3_bytes_per_step"] - head_bytes) / layers
+    roofline_ms = (head_bytes + full_layers * per_layer_bytes) / copy * 1e3
+    extrapolated = head_ms + full_layers * per_layer_ms
+    return {"layers_measured": layers, "layers_extrapolated_to": full_layers, "per_layer_ms": per_layer_ms,
+            "per_layer_roofline_ms": per_layer_bytes / copy * 1e3, "W3_ms_per_token": extrapolated,
+            "W3_roofline_ms": roofline_ms, "of_roofline": roofline_ms / extrapolated}
+
+
+def record_moe_w3(results: dict, llm, w3: dict, w3_shape: tuple, layers: int, full_layers: int) -> None:
+    """W3 and its roofline (active parameters plus the KV read at mid-decode) into results; with fewer layers
+    than the model's, also the extrapolation to all of them (`w3_per_layer`)."""
+    results["W3_ms_per_token"], results["W3_graph_replay_gpu_ms"] = w3["ms_per_token"], w3["graph_replay_gpu_ms"]
+    results["W3_context_and_tokens"] = list(w3_shape)
+    n_active = active_params(llm)
+    kv_bytes = (w3_shape[0] + w3_shape[1] // 2) * llm.engine.model_config.kv_bytes_per_token(torch.bfloat16)
+    results["W3_active_params"] = n_active
+    results["W3_bytes_per_step"] = 2 * n_active + kv_bytes
+    results["W3_roofline_ms"] = results["W3_bytes_per_step"] / (results["copy_bandwidth_GBps"] * 1e9) * 1e3
+    if layers != full_layers:
+        lm_head = llm.engine.runner.model.lm_head
+        results["W3_extrapolated_estimate"] = w3_per_layer(results, lm_head.weight.numel(), layers, full_layers)
+
+
 def run_moe(args) -> int:
     """The MoE mode: W3 and W1 on a Qwen3-30B-A3B-shape checkpoint, each against transformers in the same run."""
     from asyncengine import LLM
 
     device = "cpu" if args.tiny else "cuda"
-    cfg = QWEN3_MOE_TINY if args.tiny else QWEN3_30B_A3B
+    cfg = moe_config(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"family": args.family, "tiny": args.tiny, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
-                     "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+                     "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                     "num_layers": cfg["num_hidden_layers"]}
+    part = args.moe_part
+    stem = f"bench_offline_{args.family}{'_tiny' if args.tiny else ''}"
+    if args.num_layers is not None:
+        stem += f"_{cfg['num_hidden_layers']}l"
 
     def save():
-        name = f"bench_offline_{args.family}{'_tiny' if args.tiny else ''}{'' if part == 'all' else '_' + part}.json"
-        (out_dir / name).write_text(json.dumps(results, indent=2))
-
-    part = args.moe_part
+        (out_dir / f"{stem}{'' if part == 'all' else '_' + part}.json").write_text(json.dumps(results, indent=2))
 
     results["copy_bandwidth_GBps"] = (measure_copy_bandwidth() if device == "cuda" else measure_cpu_copy_bandwidth()) / 1e9
     t0 = time.perf_counter()
-    folder = build_moe_checkpoint(Path(args.checkpoint) if args.checkpoint != DEFAULT_CHECKPOINT else
-                                  Path(f"/tmp/{args.family}{'-tiny' if args.tiny else ''}-random"), cfg, device)
+    folder = build_moe_checkpoint(moe_folder(args, cfg), cfg, device)
     results["build_checkpoint_s"] = time.perf_counter() - t0
+    print(f"checkpoint ({cfg['num_hidden_layers']} layers) ready in {results['build_checkpoint_s']:.0f} s", flush=True)
     if part == "build":
         save()
         return 0
@@ -689,13 +760,17 @@ def run_moe(args) -> int:
     w3_shape = (100, 20) if args.tiny else (1000, 200)  # (context, new tokens)
     if args.tiny:
         w1 = (w1[0], [min(o, 24) for o in w1[1]])
+    hf_n = min(n, args.hf_w1_requests)
+    hf_w1 = (w1[0][:hf_n], w1[1][:hf_n])  # the first requests of the engine's W1: the engine runs them too
     if not args.skip_peers and part in ("all", "peers"):
-        results["peers"] = run_moe_peers(folder, w1, vocab, device, w3_shape)
+        results["peers"] = run_moe_peers(folder, hf_w1, vocab, device, (w3_shape[0], min(w3_shape[1], args.hf_w3_tokens)),
+                                         args.hf_budget_s)  # fmt: skip
         save()
+        print(f"transformers done at {time.perf_counter() - t0:.0f} s: {json.dumps(results['peers'])[:400]}", flush=True)
         if part == "peers":
             print(json.dumps(results["peers"], indent=2))
             return 0
-    peers_file = out_dir / f"bench_offline_{args.family}{'_tiny' if args.tiny else ''}_peers.json"
+    peers_file = out_dir / f"{stem}_peers.json"
     if part == "engine" and peers_file.exists():  # transformers measured by an earlier --moe-part peers call
         results["peers"] = json.loads(peers_file.read_text())["peers"]
     t0 = time.perf_counter()
@@ -703,16 +778,14 @@ def run_moe(args) -> int:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               **({"gpu_memory_utilization": 0.90} if device == "cuda" else {}))
     results["engine_init_s"] = time.perf_counter() - t0
+    print(f"engine ready in {results['engine_init_s']:.0f} s", flush=True)
     run_engine(llm, *sharegpt_like(min(n, 64), 200, 32, seed=8, vocab=vocab))  # warm-up: compile every shape
+    record_moe_w3(results, llm, batch1_decode_ms(llm, vocab, *w3_shape), w3_shape, cfg["num_hidden_layers"],
+                  (QWEN3_MOE_TINY if args.tiny else QWEN3_30B_A3B)["num_hidden_layers"])  # fmt: skip
+    save()  # W3 first: the number a call cut short must not lose
+    print(f"W3 {results['W3_ms_per_token']:.2f} ms/token, roofline {results['W3_roofline_ms']:.2f} ms", flush=True)
     results["W1"] = run_engine(llm, *w1)
-    save()
-    w3 = batch1_decode_ms(llm, vocab, *w3_shape)
-    results["W3_ms_per_token"], results["W3_graph_replay_gpu_ms"] = w3["ms_per_token"], w3["graph_replay_gpu_ms"]
-    n_active = active_params(llm)
-    kv_bytes = (w3_shape[0] + w3_shape[1] // 2) * llm.engine.model_config.kv_bytes_per_token(torch.bfloat16)
-    results["W3_active_params"] = n_active
-    results["W3_bytes_per_step"] = 2 * n_active + kv_bytes
-    results["W3_roofline_ms"] = results["W3_bytes_per_step"] / (results["copy_bandwidth_GBps"] * 1e9) * 1e3
+    results["W1_peer_requests"] = run_engine(llm, *hf_w1)  # the same requests transformers ran
     save()
     print_moe_table(results)
     return 0
@@ -722,13 +795,32 @@ def print_moe_table(r: dict) -> None:
     peers = r.get("peers", {})
     hf_w1, hf_w3 = peers.get("hf_W1", {}), peers.get("hf_W3_ms_per_token")
     w1, w3 = r["W1"]["req_per_s"], r["W3_ms_per_token"]
-    print(f"\n{r['device']}  {r['date']}  {r['family']}  copy {r['copy_bandwidth_GBps']:.0f} GB/s")
-    print(f"W1 ({r['W1']['requests']} requests) req/s   engine {w1:8.2f}   transformers "
-          + (f"{hf_w1['req_per_s']:8.2f}   {w1 / hf_w1['req_per_s']:.1f}x" if "req_per_s" in hf_w1 else f"n/a {hf_w1}"))
-    print(f"W3 ms/token (bs1, 1k ctx)  engine {w3:8.2f}   transformers "
-          + (f"{hf_w3:8.2f}   {hf_w3 / w3:.1f}x" if hf_w3 else "n/a")
+    sub = r["W1_peer_requests"]
+    print(f"\n{r['device']}  {r['date']}  {r['family']}, {r['num_layers']} layers  copy {r['copy_bandwidth_GBps']:.0f} GB/s"
+          f"  (transformers: experts {peers.get('hf_experts_implementation', 'n/a')})")
+    print(f"W1 ({r['W1']['requests']} requests) req/s        engine {w1:8.2f}")
+    line = f"W1 (first {sub['requests']} requests) req/s  engine {sub['req_per_s']:8.2f}   transformers "
+    if "req_per_s" in hf_w1:
+        line += (f"{hf_w1['req_per_s']:8.2f}   {sub['req_per_s'] / hf_w1['req_per_s']:.1f}x   (transformers finished "
+                 f"{hf_w1['finished']} of {hf_w1['requests']} in {hf_w1['seconds']:.0f} s"
+                 + (", stopped at its budget: its rate counts the finished ones" if hf_w1["stopped_at_budget"] else "")
+                 + f"; output tok/s {sub['output_tok_per_s']:.0f} vs {hf_w1['output_tok_per_s']:.0f})")
+    else:
+        line += f"n/a {hf_w1}"
+    print(line)
+    hf_tokens = peers.get("hf_W3_context_and_tokens", [None, None])[1]
+    print(f"W3 ms/token (bs1, 1k ctx)       engine {w3:8.2f}   transformers "
+          + (f"{hf_w3:8.2f}   {hf_w3 / w3:.1f}x (transformers over {hf_tokens} tokens, the engine over "
+             f"{r['W3_context_and_tokens'][1]})" if hf_w3
+             else "n/a")
           + f"   roofline {r['W3_roofline_ms']:.2f} ms ({r['W3_active_params'] / 1e9:.2f} B active params + KV): "
           f"{r['W3_roofline_ms'] / w3:.0%} of roofline")
+    est = r.get("W3_extrapolated_estimate")
+    if est:
+        print(f"W3 EXTRAPOLATED to {est['layers_extrapolated_to']} layers (an estimate from {est['layers_measured']}: "
+              f"LM head at copy bandwidth, the rest split per layer): {est['W3_ms_per_token']:.2f} ms/token, "
+              f"roofline {est['W3_roofline_ms']:.2f} ms, {est['of_roofline']:.0%}; per layer {est['per_layer_ms'] * 1e3:.0f} us "
+              f"(roofline {est['per_layer_roofline_ms'] * 1e3:.0f} us)")
 
 
 DEFAULT_CHECKPOINT = "/tmp/llama3-8b-random"
@@ -743,6 +835,17 @@ def main(argv=None) -> int:
     parser.add_argument("--family", choices=["llama3-8b", "qwen3-30b-a3b"], default="llama3-8b",
                         help="qwen3-30b-a3b: the mixture-of-experts mode (W3 and W1 against transformers)")
     parser.add_argument("--moe-w1-requests", type=int, default=1000, help="W1 requests in the MoE mode")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="MoE mode: a checkpoint of this many decoder layers (default: the model's 48); W3 is "
+                             "then also extrapolated to 48 layers, labelled as an estimate")
+    parser.add_argument("--hf-w1-requests", type=int, default=32,
+                        help="MoE mode: W1 requests given to transformers (the first of the engine's; the engine "
+                             "runs the same ones too, for the ratio)")
+    parser.add_argument("--hf-w3-tokens", type=int, default=32,
+                        help="MoE mode: new tokens of transformers' batch-1 decode (ms/token over them)")
+    parser.add_argument("--hf-budget-s", type=float, default=240.0,
+                        help="MoE mode: seconds transformers gets after loading (W3, then W1 until the budget; its "
+                             "rates then count what finished)")
     parser.add_argument("--moe-part", choices=["all", "build", "peers", "engine"], default="all",
                         help="MoE mode in parts, for machines that limit one command's time: build the checkpoint "
                              "only, or run only transformers or only the engine on it (each writes its own JSON; "

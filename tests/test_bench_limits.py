@@ -12,7 +12,7 @@ import torch
 
 from asyncengine import EngineConfig, LLMEngine, SamplingParams
 from loadtest.bench_matmul import linear_weights_in_order
-from loadtest.bench_offline import w2_ceiling
+from loadtest.bench_offline import w2_ceiling, w3_per_layer
 
 
 def _recount(mc, body: float, lm_head: float, n_req: int, n_in: int, n_out: int, flop_rate: float, byte_rate: float):
@@ -75,3 +75,25 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_compute_in_full(llama_dir):
     assert hits_of_one_run() == 32  # the repeat finds both full blocks
     llm.reset_prefix_cache()
     assert hits_of_one_run() == 0
+
+
+def test_w3_extrapolation_from_fewer_layers_splits_the_step_per_layer():
+    """4 layers measured at 10 ms with a 2 GB LM head at 1,000 GB/s (2 ms): 2 ms per layer, so 98 ms at 48
+    layers; the roofline likewise: 1 GB per layer, 50 GB at 48 layers = 50 ms."""
+    results = {"copy_bandwidth_GBps": 1000.0, "W3_ms_per_token": 10.0, "W3_bytes_per_step": 2e9 + 4 * 1e9}
+    est = w3_per_layer(results, lm_head_params=10**9, layers=4, full_layers=48)
+    assert abs(est["per_layer_ms"] - 2.0) < 1e-9 and abs(est["W3_ms_per_token"] - 98.0) < 1e-9
+    assert abs(est["W3_roofline_ms"] - 50.0) < 1e-9 and abs(est["of_roofline"] - 50 / 98) < 1e-12
+
+
+def test_moe_bench_refuses_a_checkpoint_of_another_layer_count(tmp_path):
+    import json
+
+    import pytest
+
+    from loadtest.bench_offline import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 48}))
+    with pytest.raises(SystemExit, match="48 layers, not 8"):
+        main(["--family", "qwen3-30b-a3b", "--num-layers", "8", "--checkpoint", str(tmp_path), "--moe-part", "build",
+              "--tiny", "--out", str(tmp_path / "out")])

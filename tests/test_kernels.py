@@ -696,6 +696,109 @@ def test_topk_softmax_breaks_ties_toward_the_lowest_expert():
     assert weights[1, 0] == weights[1, 1] == weights[1, 2] > weights[1, 3]
 
 
+def decode_inputs(tokens, dtype, renormalize, experts=16, top_k=4, hidden=40, inter=24):
+    """Random x and experts (small: the interpreter runs one program at a time), routed by moe.route on a random
+    router (split over K: num_sms=64)."""
+    from asyncengine.kernels import moe
+
+    x, w13, w2, _, _ = make_moe(tokens, experts, top_k, hidden, inter, dtype)
+    gate = (torch.randn(experts, hidden, device=DEVICE) * hidden**-0.5).to(dtype)
+    weights, ids = moe.route(x, gate, top_k, renormalize, num_sms=64)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("dtype, renormalize", [(torch.float32, True), (torch.bfloat16, False)])
+def test_decode_moe_matches_reference_across_decode_batch_sizes(dtype, renormalize):
+    """T from 1 to 16 through the decode kernels (down_reduce's last-arriving reduction over the top-k)."""
+    from asyncengine.kernels import moe, reference
+
+    for tokens in (1, 2, 3, 8, 13, moe.DECODE_MAX_TOKENS):
+        args = decode_inputs(tokens, dtype, renormalize)
+        out, ref = moe.fused_moe(*args), reference.fused_moe(*args)
+        assert_matches(out, ref, MOE_TOLERANCE)
+        assert rel_error(out, ref) < (1e-5 if dtype == torch.float32 else MOE_BF16_REL_ERROR), tokens
+
+
+DECODE_TILES = [((8, 16, 2), (16, 16, 1)), ((32, 256, 4), (64, 128, 8))]
+
+
+@pytest.mark.parametrize("tiles", DECODE_TILES, ids=str)
+def test_decode_moe_matches_reference_under_narrow_and_wide_tiles(tiles):
+    """Tiles narrower and wider than H (40) and I (24): column and K tails masked in both kernels."""
+    from asyncengine.kernels import moe, reference
+
+    config = moe.DecodeConfig(moe.GemvTiles(*tiles[0]), moe.GemvTiles(*tiles[1]))
+    x, w13, w2, weights, ids = decode_inputs(3, torch.float32, True)
+    out = moe._fused_moe_decode(x, w13, w2, weights.reshape(-1), ids.reshape(-1), 4, config)
+    assert_matches(out, reference.fused_moe(x, w13, w2, weights, ids), MOE_TOLERANCE)
+
+
+def test_decode_moe_is_deterministic_and_leaves_its_counters_zeroed():
+    """The reduction sums a token's assignments in a fixed order whichever program arrives last, and resets the
+    arrival counters (a CUDA-graph replay must find them zeroed)."""
+    from asyncengine.kernels import moe
+
+    args = decode_inputs(3, torch.bfloat16, True)
+    first = moe.fused_moe(*args)
+    assert torch.equal(moe.fused_moe(*args), first)
+    assert not moe.counters(first.device).any()
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("experts, top_k, hidden", [(128, 8, 1000), (60, 4, 100)])  # 4 K slices, then 1
+def test_route_matches_reference_router_and_routing(experts, top_k, hidden, renormalize):
+    """The fused router (split over experts and K; 17 tokens take the library product) against F.linear +
+    reference.topk_softmax, float32 logits (no ties)."""
+    from asyncengine.kernels import moe, reference
+
+    gate = torch.randn(experts, hidden, device=DEVICE) * hidden**-0.5
+    for tokens in (1, 16, 17):
+        x = torch.randn(tokens, hidden, device=DEVICE) * 3
+        weights, ids = moe.route(x, gate, top_k, renormalize, num_sms=64)
+        ref_weights, ref_ids = reference.route(x, gate, top_k, renormalize)
+        assert torch.equal(ids, ref_ids), tokens
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+    assert not moe.counters(torch.device(DEVICE)).any()
+
+
+def test_route_does_not_depend_on_the_rest_of_the_batch():
+    from asyncengine.kernels import moe
+
+    x = torch.randn(16, 256, dtype=torch.bfloat16, device=DEVICE)
+    gate = (torch.randn(128, 256, device=DEVICE) * 256**-0.5).to(torch.bfloat16)
+    weights, ids = moe.route(x, gate, 8, True, num_sms=64)
+    for tokens in (1, 5):
+        alone = moe.route(x[:tokens], gate, 8, True, num_sms=64)
+        assert torch.equal(alone[0], weights[:tokens]) and torch.equal(alone[1], ids[:tokens])
+
+
+def test_route_breaks_ties_toward_the_lowest_expert_and_moe_follows_it():
+    """A zero token ties every expert; experts with equal router rows tie in pairs. The chosen experts are
+    distinct, lowest index first, and the decode kernels compute exactly that routing."""
+    from asyncengine.kernels import moe, reference
+
+    x, w13, w2, _, _ = make_moe(3, 16, 4, 64, 24)
+    x[0] = 0.0
+    gate = torch.randn(8, 64, device=DEVICE).repeat_interleave(2, dim=0)  # experts 2j and 2j + 1 equal
+    weights, ids = moe.route(x, gate, 4, True, num_sms=64)
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    torch.testing.assert_close(weights[0], torch.full((4,), 0.25, device=DEVICE))
+    for row in ids[1:].tolist():  # pairs: each even expert is followed by its odd twin
+        assert row[0] % 2 == 0 and row[1] == row[0] + 1 and row[2] % 2 == 0 and row[3] == row[2] + 1, row
+    assert_matches(moe.fused_moe(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids),
+                   MOE_TOLERANCE)
+
+
+def test_route_rejects_bad_shapes_and_top_k():
+    from asyncengine.kernels import moe
+
+    x, gate = torch.randn(2, 32, device=DEVICE), torch.randn(8, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="gate_weight"):
+        moe.route(x, gate[:, :16], 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        moe.route(x, gate, 9, True)
+
+
 def test_fused_moe_rejects_mismatched_shapes():
     from asyncengine.kernels import moe
 
@@ -723,7 +826,7 @@ def moe_error_vs_fp32_reference(x, w13, w2, topk_weights, topk_ids) -> float:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
-@pytest.mark.parametrize("tokens", [1, 3, 64, 1000])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 16, 64, 1000])
 def test_gpu_fused_moe_at_real_expert_shapes(shape, tokens):
     experts, top_k, hidden, inter = MOE_SHAPES[shape]
     args = make_moe(tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
@@ -736,15 +839,37 @@ def test_gpu_fused_moe_at_real_expert_shapes(shape, tokens):
 def test_gpu_fused_moe_with_tied_router_logits(shape):
     """Tied router probabilities (all logits equal, or pairs equal): the routing kernel picks distinct experts
     (the lowest index first among ties) and the MoE kernel computes exactly that routing."""
-    from asyncengine.models.moe import select_experts
+    from asyncengine.kernels import moe
 
     experts, top_k, hidden, inter = MOE_SHAPES[shape]
     x, w13, w2, _, _ = make_moe(33, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
     logits = torch.zeros(33, experts, dtype=torch.bfloat16, device="cuda")
     logits[16:] = torch.randn(17, experts // 2, device="cuda").repeat_interleave(2, dim=1).to(torch.bfloat16)
-    weights, ids = select_experts(logits, top_k, renormalize=True)
+    weights, ids = moe.topk_softmax(logits, top_k, renormalize=True)
     assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "top-k must pick distinct experts even under ties"
     assert moe_error_vs_fp32_reference(x, w13, w2, weights, ids) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_gpu_route_picks_a_top_k_of_the_float32_router(shape, tokens):
+    """bf16 router products summed in another order may round a near-tie the other way, so the check is that
+    the chosen experts are a top-k of the float32 router's probabilities up to 3% (and weights match them)."""
+    from asyncengine.kernels import moe
+
+    experts, top_k, hidden, _ = MOE_SHAPES[shape]
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    gate = (torch.randn(experts, hidden, device="cuda") * hidden**-0.5).to(torch.bfloat16)
+    weights, ids = moe.route(x, gate, top_k, renormalize=False)
+    probs = torch.softmax(x.float() @ gate.float().t(), dim=-1)  # [T, E]
+    chosen = probs.gather(1, ids)
+    unchosen = probs.scatter(1, ids, -1.0).max(dim=1).values
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()
+    assert (chosen.min(dim=1).values >= unchosen * 0.97).all()
+    torch.testing.assert_close(weights, chosen, atol=2e-3, rtol=2e-2)
+    assert not moe.counters(x.device).any()
 
 
 @pytest.mark.gpu
@@ -753,18 +878,29 @@ def test_gpu_fused_moe_decode_is_cuda_graph_capturable():
     from asyncengine.kernels import moe, reference
 
     experts, top_k, hidden, inter = MOE_SHAPES["qwen3-30b-a3b"]
-    x, w13, w2, weights, ids = make_moe(8, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    x, w13, w2, _, _ = make_moe(8, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    gate = (torch.randn(experts, hidden, device="cuda") * hidden**-0.5).to(torch.bfloat16)
     out = torch.empty_like(x)
+    weights = torch.empty(8, top_k, device="cuda")
+    ids = torch.empty(8, top_k, dtype=torch.int64, device="cuda")
+
+    def layer():  # routing and experts, as the model runs them
+        routed = moe.route(x, gate, top_k, True)
+        weights.copy_(routed[0])
+        ids.copy_(routed[1])
+        out.copy_(moe.fused_moe(x, w13, w2, *routed))
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        out.copy_(moe.fused_moe(x, w13, w2, weights, ids))  # compile outside the capture
+        layer()  # compile (and make the arrival counters) outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out.copy_(moe.fused_moe(x, w13, w2, weights, ids))
-    x.copy_(torch.randn_like(x))  # new tokens and a new routing in the same buffers, then replay
-    ids.copy_(torch.rand(8, experts, device="cuda").topk(top_k, dim=-1).indices)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_matches(out, reference.fused_moe(x, w13, w2, weights, ids), MOE_TOLERANCE)
+        layer()
+    for _ in range(3):  # new tokens, so a new routing, in the same buffers, then replay
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(moe.route(x, gate, top_k, True)[1], ids), "the replayed routing is stale"
+        assert_matches(out, reference.fused_moe(x, w13, w2, weights, ids), MOE_TOLERANCE)

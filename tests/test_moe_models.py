@@ -31,7 +31,8 @@ def transformers_router(arch: str, folder, layer: int = 0):
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_routing_matches_transformers_including_ties(checkpoint_dir, arch):
-    from asyncengine.models.moe import select_experts
+    """ops.route (the router product and the routing, as the sparse block calls it) against transformers' gate."""
+    from asyncengine import ops
 
     router, cfg = transformers_router(arch, checkpoint_dir(arch))
     renormalize = arch == "MixtralForCausalLM" or bool(cfg.norm_topk_prob)
@@ -39,8 +40,7 @@ def test_routing_matches_transformers_including_ties(checkpoint_dir, arch):
     hidden[6:] = 0.0  # zero states: every logit equal, a tie across all experts
     with torch.no_grad():
         _, their_weights, their_ids = router(hidden)
-        logits = torch.nn.functional.linear(hidden, router.weight)
-    weights, ids = select_experts(logits, cfg.num_experts_per_tok, renormalize)
+    weights, ids = ops.route(hidden, router.weight, cfg.num_experts_per_tok, renormalize)
     assert torch.equal(ids, their_ids)
     torch.testing.assert_close(weights, their_weights.float(), atol=1e-6, rtol=1e-6)
 
@@ -110,7 +110,7 @@ def test_tensor_parallel_expert_slices_sum_to_the_whole(monkeypatch):
     gate, up = torch.randn(experts, inter, hidden), torch.randn(experts, inter, hidden)
     down = torch.randn(experts, hidden, inter)
     x = torch.randn(tokens, hidden)
-    weights, ids = moe.select_experts(torch.randn(tokens, experts), 2, renormalize=True)
+    weights, ids = ops.topk_softmax(torch.randn(tokens, experts), 2, renormalize=True)
 
     def build(rank: int, size: int) -> moe.FusedMoE:
         monkeypatch.setattr(moe, "tp_rank", lambda: rank)

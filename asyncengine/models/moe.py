@@ -28,15 +28,10 @@ from asyncengine.models.llama import MLP, LlamaForCausalLM, Qwen2ForCausalLM, Qw
 from asyncengine.quantization import set_weight_attrs
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64), as transformers routes:
-    softmax in float32, the top k, renormalised to sum to one when asked (`reference.topk_softmax`; on CPU its
-    torch.topk picks among tied experts exactly as transformers does)."""
-    return ops.topk_softmax(router_logits, top_k, renormalize)
-
-
 class Router(nn.Module):
-    """The gate: logits [T, E] = x W^T with W [E, hidden], whole on every rank (it is small)."""
+    """The gate: logits [T, E] = x W^T with W [E, hidden], whole on every rank (it is small). The sparse block
+    hands its router's weight to ops.route (product and routing in one launch at decode sizes); forward serves the
+    shared expert's gate."""
 
     def __init__(self, hidden: int, num_outputs: int, dtype: torch.dtype):
         super().__init__()
@@ -113,7 +108,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Router(cfg.hidden_size, 1, dtype) if shared_intermediate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)  # [T, K] each
+        # the router product and the routing: one launch on CUDA at decode sizes (kernels/moe.py route)
+        topk_weights, topk_ids = ops.route(x, self.gate.weight, self.top_k, self.renormalize)  # [T, K] each
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
