@@ -410,9 +410,12 @@ def _decode_partial_kernel(
         # The GEMV's split-K pattern (quant_gemv.py): count arrivals per (sequence, kv head); the last split merges
         # every head of the group and resets the counter, so the next call (or graph replay) finds it zeroed.
         counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        # Every thread's partials stored before the merge reads them back in another thread layout (NUM_SPLITS
+        # == 1 too: without this barrier a GPU merged rows not yet written, and run 51 got NaNs from the
+        # poisoned buffer) and before the (release) atomic below.
+        tl.debug_barrier()
         last = True
         if NUM_SPLITS > 1:
-            tl.debug_barrier()  # every thread's partials stored before the (release) atomic below
             last = tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1
         if last:
             for g in range(GROUP):
