@@ -16,6 +16,9 @@ scales and zeros once ([BLOCK_N] each) and each packed word once.
       reduced over K once after the loop. int4 spends about three instructions per weight (`_int4_centered`: one
       LOP3 ORs the nibble under a float32 exponent, one subtraction leaves q - z exactly; one FMA), the scale once
       per word; config.half_fma sums each word's products in bf16x2 instead (`_int4_half_fma_step`, ~2.3).
+      FP8 with config.fp8_words: W read as 32-bit words of 4 weights, converted in registers (`_e4m3_floats`).
+      Dense weights with config.load_ahead: each step loads the next tile before its own math
+      (`_dense_load_ahead_step`).
   M > 1 (or config.dot): tl.dot on one tile of x of 16, 32 or 64 rows (the M bucket); int4 with config.slot_dot:
       one dot per nibble slot on exact q - z codes (`_int4_slot_dot_step`).
 Split-K without an extra launch: each slice stores its float32 partial sums, then bumps a per-N-tile counter; the
@@ -54,7 +57,12 @@ class GemvConfig:
     M == 1 on the FMA path, where `half_fma_ok(x)`: each word's 8 products summed in bf16x2 (`_int4_half_fma_step`);
     elsewhere the float32 FMA path. Its cost in accuracy: a relative error (norm of y) of ~3e-3 against the float32
     reference at the Llama-3-8B shapes (run 48; the float32 FMA path ~3e-9, the M > 1 tl.dot path in bf16 ~4e-3);
-    the tests hold every bf16 path to 1e-2."""
+    the tests hold every bf16 path to 1e-2.
+    fp8_words: FP8 weights at M == 1 on the FMA path, read as 32-bit words of 4 weights and converted in registers
+    (`_fp8_words_step`); exact like the default path. Needs K % 4 == 0 and a weight row stride and base address
+    that are multiples of 4 bytes (checked per call: a ValueError). load_ahead: dense weights at M == 1 on the FMA
+    path (fp8_words or not): each step issues the next tile's loads before its own math (two tiles in flight per
+    thread)."""
 
     block_n: int
     block_k: int
@@ -64,6 +72,8 @@ class GemvConfig:
     dot: bool = False
     slot_dot: bool = False
     half_fma: bool = False
+    fp8_words: bool = False
+    load_ahead: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -395,6 +405,108 @@ def _fma_step(acc, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, BLOCK_K: tl.c
     return acc + tl.sum(w * x[:, :, None], axis=1)
 
 
+# e4m3 has no infinities; its NaNs (0x7f, 0xff) never occur in quantized weights (quantize_fp8 clamps to +-448),
+# so the conversions below need not preserve them. Its bits s eeee mmm are those of a float32 under the exponent
+# bias 127 instead of 7 once moved to sign | (eeee mmm) << 20: that float32 is the weight times 2**-120, exactly,
+# subnormals included (float32's exponent 1 ... 15 and its subnormals cover e4m3's 0 ... 15 times 2**-120).
+_E4M3_UNBIAS = tl.constexpr(2.0 ** 120)
+
+# On sm_89+: a 32-bit word's 4 e4m3 codes (byte j = input 4 w + j) to 4 float32, exactly: two hardware conversions
+# of a byte pair to f16x2 (one instruction each) and four f16 -> f32 (1.5 instructions per weight, no bias left).
+_E4M3_WORD_ASM = tl.constexpr("""{
+    .reg .b16 lo, hi, a, b, c, d;
+    .reg .b32 h01, h23;
+    .reg .f32 f0, f1, f2, f3;
+    mov.b32 {lo, hi}, $4;
+    cvt.rn.f16x2.e4m3x2 h01, lo;
+    cvt.rn.f16x2.e4m3x2 h23, hi;
+    mov.b32 {a, b}, h01;
+    mov.b32 {c, d}, h23;
+    cvt.f32.f16 f0, a;
+    cvt.f32.f16 f1, b;
+    cvt.f32.f16 f2, c;
+    cvt.f32.f16 f3, d;
+    mov.b32 $0, f0;
+    mov.b32 $1, f1;
+    mov.b32 $2, f2;
+    mov.b32 $3, f3;
+}""")  # the float32 bits as int32 outputs ("=r"), bitcast by the caller
+
+
+@triton.jit
+def _e4m3_floats(words, PTX: tl.constexpr):
+    """The 4 e4m3 codes of each 32-bit word [R, C] (byte j at bits 8 j ... 8 j + 7) as 4 float32 tensors [R, C],
+    exactly (NaN codes excepted, see above). PTX: `_E4M3_WORD_ASM` (sm_89+); else shifts and masks
+    (sign | (eeee mmm) << 20, then the 2**120 put back: Triton's interpreter and older GPUs)."""
+    if PTX:
+        bits = tl.inline_asm_elementwise(_E4M3_WORD_ASM, "=r,=r,=r,=r,r", [words], dtype=(tl.int32,) * 4,
+                                         is_pure=True, pack=1)
+        return (bits[0].to(tl.float32, bitcast=True), bits[1].to(tl.float32, bitcast=True),
+                bits[2].to(tl.float32, bitcast=True), bits[3].to(tl.float32, bitcast=True))
+    floats = ()
+    for j in tl.static_range(4):
+        byte = (words >> (8 * j)) & 0xFF
+        bits = ((byte & 0x80) << 24) | ((byte & 0x7F) << 20)
+        floats = floats + (bits.to(tl.float32, bitcast=True) * _E4M3_UNBIAS,)
+    return floats
+
+
+@triton.jit
+def _fp8_tile_words(w_ptr, k0, k_end, cols, col_mask, stride_wn, BLOCK_K: tl.constexpr):
+    """An FP8 W's tile at input k0 as int32 words [BK / 4, BN] of 4 inputs each (K % 4 == 0, stride_wn and the base
+    4-byte aligned: `_check_fp8_words`); inputs from k_end on read as 0 (their loads not issued)."""
+    words_k = k0 // 4 + tl.arange(0, BLOCK_K // 4)  # [BK / 4] words along K
+    word_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    return tl.load(word_ptr + cols[None, :].to(tl.int64) * (stride_wn // 4) + words_k[:, None],
+                   mask=(words_k < k_end // 4)[:, None] & col_mask[None, :], other=0)
+
+
+@triton.jit
+def _fp8_words_step(acc, words, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K: tl.constexpr,
+                    PTX: tl.constexpr, LOAD_AHEAD: tl.constexpr):
+    """(acc [BK / 4, BN] plus x's row 0 times an FP8 W's tile at input k0, the next words). The tile's words
+    (`_fp8_tile_words`) converted by `_e4m3_floats`, each word's 4 products summed in float32 in-thread. LOAD_AHEAD:
+    `words` holds this tile already (loaded one step ahead, so two tiles' loads are in flight per thread: the FMA
+    path's loads are not software-pipelined by Triton) and the next tile's are issued before this one's math."""
+    if LOAD_AHEAD:
+        next_words = _fp8_tile_words(w_ptr, k0 + BLOCK_K, k_end, cols, col_mask, stride_wn, BLOCK_K)
+    else:
+        words = _fp8_tile_words(w_ptr, k0, k_end, cols, col_mask, stride_wn, BLOCK_K)
+        next_words = words
+    weights = _e4m3_floats(words, PTX)
+    kv = k0 + tl.arange(0, BLOCK_K // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BK / 4, 4]: a word's inputs
+    x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)  # one 4-input vector per word
+    x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 4, 2, 2)))  # inputs 4 w + {0, 2}, 4 w + {1, 3}
+    x0, x2 = tl.split(x_even)
+    x1, x3 = tl.split(x_odd)
+    acc += x0[:, None] * weights[0]
+    acc += x1[:, None] * weights[1]
+    acc += x2[:, None] * weights[2]
+    acc += x3[:, None] * weights[3]
+    return acc, next_words
+
+
+@triton.jit
+def _dense_tile(w_ptr, k0, k_end, cols, col_mask, stride_wn, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """A dense W's tile at input k0 as stored, [BK / VEC, VEC, BN] (input k0 + VEC r + j at [r, j, :]); inputs from
+    k_end on read as 0 (their loads not issued)."""
+    kv = k0 + tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [BK / VEC, VEC]
+    return tl.load(w_ptr + cols[None, None, :].to(tl.int64) * stride_wn + kv[:, :, None],
+                   mask=(kv < k_end)[:, :, None] & col_mask[None, None, :], other=0.0)
+
+
+@triton.jit
+def _dense_load_ahead_step(acc, w, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K: tl.constexpr,
+                         VEC: tl.constexpr):
+    """`_fma_step` on a tile `w` loaded one step ahead (`_dense_tile`): returns (acc plus x's row 0 times w, the
+    next tile), the next tile's loads issued before this one's math, so two tiles are in flight per thread (the FMA
+    path's loads are not software-pipelined by Triton)."""
+    next_w = _dense_tile(w_ptr, k0 + BLOCK_K, k_end, cols, col_mask, stride_wn, BLOCK_K, VEC)
+    kv = k0 + tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)
+    return acc + tl.sum(w.to(tl.float32) * x[:, :, None], axis=1), next_w
+
+
 @triton.jit
 def _prefetch_weights(w_ptr, pid_n, k_start, k_end, N, K, stride_wn, INT4: tl.constexpr, BLOCK_N: tl.constexpr,
                       PF_ROWS: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr):
@@ -484,10 +596,14 @@ def _gemv_kernel(
     HALF_FMA: tl.constexpr,  # INT4 FMA path: each word's products summed in bf16x2 (`_int4_half_fma_step`)
     REDUCE_CHUNK: tl.constexpr,  # PARTIAL: K slices summed per load round by the last program (`_sum_partials`)
     X_FP16: tl.constexpr,  # x in fp16
+    FP8_WORDS: tl.constexpr,  # FP8 W on the FMA path read as words of 4 (`_fp8_words_step`)
+    LOAD_AHEAD: tl.constexpr,  # dense FMA path: each step loads the next tile before its math
+    E4M3_PTX: tl.constexpr,  # FP8_WORDS: e4m3 converted by inline PTX (`e4m3_ptx_ok`)
     BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    VEC: tl.constexpr,  # FMA path: inputs summed in-thread per step (8 bf16 / 16 fp8 / 4 fp32: 16 bytes; int4: 8)
+    VEC: tl.constexpr,  # FMA path: inputs summed in-thread per step (8 bf16 / 16 fp8 / 4 fp32: 16 bytes; int4: 8;
+    # FP8_WORDS: 4)
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): weights are prefetched into L2 before the wait
     PF_ROWS: tl.constexpr,  # the prefetch's shape (_prefetch_weights)
     PF_LINES: tl.constexpr,
@@ -508,7 +624,14 @@ def _gemv_kernel(
     else:
         acc = tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if FP8_WORDS and LOAD_AHEAD:  # the first tile, loaded ahead
+        tile = _fp8_tile_words(w_ptr, k_start, k_end, cols, col_mask, stride_wn, BLOCK_K)
+    elif FP8_WORDS:  # unread: each step loads its own
+        tile = tl.zeros((BLOCK_K // 4, BLOCK_N), dtype=tl.int32)
+    elif LOAD_AHEAD:
+        tile = _dense_tile(w_ptr, k_start, k_end, cols, col_mask, stride_wn, BLOCK_K, VEC)
+    for k0 in range(k_start, k_end, BLOCK_K):
         if USE_DOT and INT4 and X_HALF and SLOT_DOT:
             acc = _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N,
                                       K, stride_xm, group_size, DOT_FP32, X_FP16, BLOCK_K, ASM)
@@ -521,6 +644,12 @@ def _gemv_kernel(
         elif INT4:
             acc = _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
                                  BLOCK_K, ASM, X_BF16_PAIRS)
+        elif FP8_WORDS:
+            acc, tile = _fp8_words_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K,
+                                        E4M3_PTX, LOAD_AHEAD)
+        elif LOAD_AHEAD:
+            acc, tile = _dense_load_ahead_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn,
+                                             BLOCK_K, VEC)
         else:
             acc = _fma_step(acc, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, BLOCK_K, VEC)
     if not USE_DOT:
@@ -628,6 +757,17 @@ def _counter_buffer(device: torch.device) -> torch.Tensor:
     return arrival_counters("the decode GEMV", device, _COUNTER_SLOTS)
 
 
+def _check_fp8_words(weight: torch.Tensor, use_dot: bool) -> None:
+    """GemvConfig.fp8_words' conditions, each a ValueError naming the field."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"GemvConfig.fp8_words needs FP8 e4m3 weights, got {weight.dtype}")
+    if use_dot:
+        raise ValueError("GemvConfig.fp8_words applies at M == 1 on the FMA path (dot=False) only")
+    if weight.shape[1] % 4 or weight.stride(0) % 4 or weight.data_ptr() % 4:
+        raise ValueError(f"GemvConfig.fp8_words needs K, the weight's row stride and its address in multiples of 4 "
+                         f"bytes, got K={weight.shape[1]}, stride {weight.stride(0)}, address {weight.data_ptr()}")
+
+
 def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, group_size: Optional[int],
             config: GemvConfig) -> torch.Tensor:
     m, k = x2.shape
@@ -639,6 +779,10 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
     tiles = triton.cdiv(n, config.block_n)
     if tiles > _COUNTER_SLOTS:
         raise ValueError(f"decode GEMV: {tiles} N tiles exceed {_COUNTER_SLOTS} (raise block_n)")
+    if config.fp8_words:
+        _check_fp8_words(weight, use_dot)
+    if config.load_ahead and (group_size is not None or use_dot):
+        raise ValueError("GemvConfig.load_ahead applies to dense weights at M == 1 on the FMA path (dot=False) only")
     partial = fit.split_k > 1
     out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
@@ -659,7 +803,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         SLOT_DOT=int4 and config.slot_dot and fit.block_k >= 128,
         HALF_FMA=int4 and config.half_fma and not use_dot and half_fma_ok(x2),
         REDUCE_CHUNK=_reduce_chunk(block_m, config), BLOCK_M=block_m,
-        BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=8 if int4 else min(16 // weight.element_size(), fit.block_k),
+        FP8_WORDS=config.fp8_words, LOAD_AHEAD=config.load_ahead, E4M3_PTX=config.fp8_words and e4m3_ptx_ok(x2),
+        BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=_vec(config, int4, weight, fit.block_k),
         USE_PDL=pdl, PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl)
     return out
@@ -679,6 +824,22 @@ def _prefetch_shape(weight: torch.Tensor, int4: bool, block_n: int, k_per_split:
 
 def _floor_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
+
+
+
+def _vec(config: GemvConfig, int4: bool, weight: torch.Tensor, block_k: int) -> int:
+    """The FMA path's inputs per in-thread sum: an int4 word (8), an FP8 word (4, fp8_words), else 16 bytes."""
+    if int4:
+        return 8
+    if config.fp8_words:
+        return 4
+    return min(16 // weight.element_size(), block_k)
+
+
+def e4m3_ptx_ok(x: torch.Tensor) -> bool:
+    """Whether the FP8 word path may convert e4m3 by inline PTX (`_E4M3_WORD_ASM`) on x's device: CUDA of compute
+    capability 8.9+ (cvt.rn.f16x2.e4m3x2), not Triton's interpreter."""
+    return x.is_cuda and not interpreting() and compute_capability(x.device.index) >= (8, 9)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,8 @@ def _tile_shapes(fmt: str, dot: bool, tiny: bool) -> list[tuple[int, int, int, i
         return [(bn, bk, w, 3) for bn in (64, 128, 256, 512, 1024) for bk in (32, 64, 128) for w in (2, 4, 8)
                 if 64 * 32 * w <= bn * bk <= 256 * 32 * w]
     ns, ks = (16, 32, 64, 128), (128, 256, 512)
+    if fmt == "fp8":  # 8-row tiles: twice the programs for the latency-bound small shapes (qkv, o) without split-K
+        ns = (8,) + ns
     per_thread = 256 if fmt == "fp8" else 128  # weight elements a thread holds per step (about 64 registers)
     return [(bn, bk, w, 3) for bn in ns for bk in ks for w in (4, 8) if bn * bk <= per_thread * 32 * w]
 
@@ -91,15 +93,22 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
         for bn, bk, warps, stages in shapes:
             if group.fmt == "int4" and GROUP_SIZE % bk:
                 continue
-            # int4's alternatives: one tl.dot per nibble slot (block_k 128), bf16x2 sums per word (the FMA path)
-            variants = [(False, False)]
+            # alternatives: int4 one tl.dot per nibble slot (block_k 128) or bf16x2 sums per word (the FMA path);
+            # at M = 1 FP8's word path with and without the load-ahead of the next tile (its load-ahead on the byte
+            # tile repacks every byte in registers: 1.5-2x the SASS and registers on sm_90), bf16's load-ahead
+            # (slot_dot, half_fma, fp8_words, load_ahead)
+            variants = [(False, False, False, False)]
             if group.fmt == "int4" and dot and bk >= 128:
-                variants.append((True, False))
+                variants.append((True, False, False, False))
             if group.fmt == "int4" and not dot:
-                variants.append((False, True))
+                variants.append((False, True, False, False))
+            if group.fmt == "fp8" and not dot:
+                variants += [(False, False, True, False), (False, False, True, True)]
+            if group.fmt == "bf16" and not dot:
+                variants.append((False, False, False, True))
             for split in _splits(group.n, group.k, bn, bk, num_sms):
-                out += [GemvConfig(bn, bk, split, warps, stages, dot, slot_dot, half_fma)
-                        for slot_dot, half_fma in variants]
+                out += [GemvConfig(bn, bk, split, warps, stages, dot, slot_dot, half_fma, fp8_words, load_ahead)
+                        for slot_dot, half_fma, fp8_words, load_ahead in variants]
     return out
 
 
@@ -221,8 +230,8 @@ def compile_key(group: Group, config) -> tuple:
 
     fit = _fit(config, group.k, GROUP_SIZE if group.fmt == "int4" else None)
     return (group.fmt, m_bucket(group.m), config.block_n, fit.block_k, config.num_warps, config.num_stages,
-            config.dot, config.slot_dot and fit.block_k >= 128, config.half_fma, fit.split_k > 1,
-            fit.split_k % 16 == 0)
+            config.dot, config.slot_dot and fit.block_k >= 128, config.half_fma, config.fp8_words, config.load_ahead,
+            fit.split_k > 1, fit.split_k % 16 == 0)
 
 
 def _compile_tasks(tasks: list[tuple[Group, object]]) -> list[tuple]:
@@ -319,6 +328,9 @@ def print_group(r: Result, copy_gbps: float) -> None:
     print(f"\n{g.fmt} {g.name} {g.k}->{g.n} M={g.m}: {len(r.best)} configs, {r.bytes / 1e6:.1f} MB per call")
     for us, config in r.best[:5]:
         print(f"  {us:8.2f} us {_rate(r.bytes, us, copy_gbps)}  {config}")
+    paths = _best_per_path(r.best)
+    if len(paths) > 1:  # the alternatives side by side, measured in the same run
+        print("  best per path: " + ", ".join(f"{name} {us:.2f} us" for name, us in paths.items()))
     for name, us in r.library.items():
         print(f"  {us:8.2f} us {_rate(r.bytes, us, copy_gbps)}  [{name}]")
     if r.best and r.library:
@@ -338,9 +350,25 @@ def winner_line(r: Result, copy_gbps: float) -> str:
     g = r.group
     lib = ", ".join(f"{name} {t:.1f} us" for name, t in r.library.items())
     return (f'    ("{g.fmt}", {g.n}, {g.k}, {g.m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, '
-            f'{c.num_warps}, {c.num_stages}, {c.dot}{_int4_variant(c)}),  '
+            f'{c.num_warps}, {c.num_stages}, {c.dot}{_int4_variant(c)}{_fp8_variant(c)}),  '
             f'# {g.name}: {us:.1f} us,{_rate(r.bytes, us, copy_gbps)}'
             f"{'; ' + lib if lib else ''}")
+
+
+def _best_per_path(best: list) -> dict[str, float]:
+    """The fastest time of each path among the timed (us, config), sorted fastest first: FMA or tl.dot, and each
+    alternative (int4 slot_dot / half_fma, FP8 word path, load_ahead)."""
+    paths: dict[str, float] = {}
+    for us, c in best:
+        flags = _int4_variant(c) + _fp8_variant(c)  # ", half_fma=True, ..."
+        name = ("dot" if c.dot else "fma") + flags.replace(", ", " ").replace("=True", "")
+        paths.setdefault(name, us)
+    return paths
+
+
+def _fp8_variant(config) -> str:
+    """A winner's FP8 word path as GemvConfig's keyword arguments (none: the default path)."""
+    return (", fp8_words=True" if config.fp8_words else "") + (", load_ahead=True" if config.load_ahead else "")
 
 
 def _int4_variant(config) -> str:
@@ -374,8 +402,6 @@ def run_sweep(argv: list[str]) -> int:
     start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     formats = args.formats.split(",")
-    if device == "cpu" and "fp8" in formats:
-        formats.remove("fp8")  # float8 weights need a GPU of compute capability 8.9+ for the library side too
     torch.manual_seed(0)
     copy_gbps, num_sms = 0.0, 4
     if device == "cuda":

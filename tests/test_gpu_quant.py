@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from test_kernels import fresh_seed, nan_poisoned_empty, rel_error  # noqa: F401
-from test_quant_kernels import check_int4
+from test_quant_kernels import check_int4, e4m3_codes_one_hot_case
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N): qkv, o, gate_up, down
@@ -162,6 +162,51 @@ def _gemv_case(fmt: str, m: int, k: int, n: int):
     if fmt == "fp8":
         w, scale = quant_reference.quantize_fp8(w, dim=-1)
     return lambda x: quant_gemv.dense_gemv(x, w, None, scale), lambda x: quant_reference.dense_gemv(x, w, None, scale)
+
+
+needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                               reason="FP8 needs a CUDA GPU of compute capability 8.9+")
+
+
+@pytest.mark.gpu
+@needs_fp8
+@pytest.mark.parametrize("lane", range(8))
+def test_gpu_fp8_words_converts_every_e4m3_code_exactly(lane):
+    """The word path's inline PTX conversion (two cvt.rn.f16x2.e4m3x2 per word) for every non-NaN code in each byte
+    lane: y[n] equals code n's value exactly (float32 x one-hot, float32 y)."""
+    from asyncengine.kernels import quant_gemv
+
+    x, w8, expected = e4m3_codes_one_hot_case(lane)
+    assert quant_gemv.e4m3_ptx_ok(x.cuda())
+    out = quant_gemv.dense_gemv(x.cuda(), w8.cuda(), None, torch.ones(1, device="cuda"),
+                                config=quant_gemv.GemvConfig(16, 16, 1, fp8_words=True))
+    torch.testing.assert_close(out[0].cpu(), expected, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("tiles", [(8, 512, 1, 4), (16, 512, 1, 8), (64, 256, 1, 8), (32, 512, 5, 4),
+                                   (128, 128, 9, 8)])
+@pytest.mark.parametrize("fmt, fp8_words, load_ahead", [("fp8", True, False), ("fp8", True, True), ("fp8", False, True),
+                                                      ("bf16", False, True)])
+def test_gpu_gemv_m1_alternatives_at_llama_8b_sizes(k, n, tiles, fmt, fp8_words, load_ahead):
+    """The M = 1 alternatives (GemvConfig.fp8_words, .load_ahead) against the reference: float32 x to 1e-5 (exact
+    weights, float32 sums), bf16 x to FP8_REL_ERROR; direct stores and split-K."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    w, scale = torch.randn(n, k, device="cuda").bfloat16(), None
+    if fmt == "fp8":
+        w, scale = quant_reference.quantize_fp8(w.float(), dim=-1)
+    config = quant_gemv.GemvConfig(*tiles[:3], num_warps=tiles[3], fp8_words=fp8_words, load_ahead=load_ahead)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, FP8_REL_ERROR)):
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        out = quant_gemv.dense_gemv(x, w, None, scale, config=config)
+        ref = quant_reference.dense_gemv(x, w, None, scale)
+        assert out.dtype == ref.dtype and not out.isnan().any()
+        assert rel_error(out, ref) < tolerance, (dtype, rel_error(out, ref))
 
 
 @pytest.mark.gpu

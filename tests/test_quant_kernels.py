@@ -268,3 +268,85 @@ def test_fp8_weight_gemv_matches_reference(m, per_channel):
     out = quant_gemv.dense_gemv(x, w8, None, scale, num_sms=8)
     ref = quant_reference.dense_gemv(x, w8, None, scale)
     assert_matches(out, ref, {torch.float32: (1e-4, 1e-4)})
+
+
+def e4m3_codes_one_hot_case(lane: int):
+    """Every e4m3 code but the NaNs (0x7f, 0xff) down column `lane` of an [254, 8] FP8 weight, fresh random codes
+    elsewhere, and x = the one-hot float32 row of `lane`: y[n] is then code n's value, exactly (0 * w = 0)."""
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    bits = torch.randint(0, 0x7F, (codes.numel(), 8), dtype=torch.uint8)
+    bits[:, lane] = codes
+    w8 = bits.view(torch.float8_e4m3fn)
+    x = torch.zeros(1, 8)
+    x[0, lane] = 1.0
+    return x, w8, w8[:, lane].float()
+
+
+@pytest.mark.parametrize("lane", range(8))  # each byte of a 32-bit word, in two words
+def test_fp8_words_converts_every_e4m3_code_exactly(lane):
+    from asyncengine.kernels import quant_gemv
+
+    x, w8, expected = e4m3_codes_one_hot_case(lane)
+    config = quant_gemv.GemvConfig(16, 16, 1, fp8_words=True)
+    out = quant_gemv.dense_gemv(x.to(DEVICE), w8.to(DEVICE), None, torch.ones(1, device=DEVICE), config=config)
+    torch.testing.assert_close(out[0].cpu(), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k, config", [
+    (50, 100, (16, 32, 1)),  # N and K tails (50 = 3 * 16 + 2, 100 = 3 * 32 + 4), y stored directly
+    (48, 200, (32, 64, 3)),  # split-K: the last slice of each N tile sums the partials
+    (37, 52, (64, 256, 1)),  # one masked tile wider than W
+])
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("load_ahead", [False, True])
+def test_fp8_words_gemv_matches_reference(dtype, n, k, config, per_channel, load_ahead):
+    """The word path (GemvConfig.fp8_words, with and without the load-ahead of the next tile) against the float32
+    reference on fresh random inputs, bias included."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    w8, scale = quant_reference.quantize_fp8(torch.randn(n, k, device=DEVICE), dim=-1 if per_channel else None)
+    x = torch.randn(1, k, dtype=dtype, device=DEVICE)
+    bias = torch.randn(n, dtype=dtype, device=DEVICE)
+    block_n, block_k, split_k = config
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, fp8_words=True, load_ahead=load_ahead)
+    out = quant_gemv.dense_gemv(x, w8, bias, scale, config=config)
+    ref = quant_reference.dense_gemv(x, w8, bias, scale)
+    assert_matches(out, ref, {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
+
+
+def test_fp8_words_rejects_what_it_cannot_read():
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    config = quant_gemv.GemvConfig(16, 32, 1, fp8_words=True)
+    w8, scale = quant_reference.quantize_fp8(torch.randn(16, 66, device=DEVICE), dim=-1)
+    with pytest.raises(ValueError, match="fp8_words.*K=66"):
+        quant_gemv.dense_gemv(torch.randn(1, 66, device=DEVICE), w8, None, scale, config=config)
+    w8, scale = quant_reference.quantize_fp8(torch.randn(16, 64, device=DEVICE), dim=-1)
+    with pytest.raises(ValueError, match="fp8_words.*FMA path"):
+        quant_gemv.dense_gemv(torch.randn(2, 64, device=DEVICE), w8, None, scale, config=config)
+    with pytest.raises(ValueError, match="fp8_words needs FP8"):
+        quant_gemv.dense_gemv(torch.randn(1, 64, device=DEVICE), torch.randn(16, 64, device=DEVICE), config=config)
+    load_ahead = quant_gemv.GemvConfig(16, 32, 1, load_ahead=True)
+    with pytest.raises(ValueError, match="load_ahead applies to dense weights at M == 1"):
+        quant_gemv.dense_gemv(torch.randn(2, 64, device=DEVICE), w8, None, scale, config=load_ahead)
+    x, qweight, scales, zeros = int4_case(1, 128, 16, 32, torch.float32)
+    with pytest.raises(ValueError, match="load_ahead applies to dense weights"):
+        quant_gemv.int4_gemv(x, qweight, scales, zeros, 32, config=load_ahead)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("n, k, config", [(50, 100, (16, 32, 1)), (48, 200, (32, 64, 3)), (37, 52, (64, 256, 1))])
+def test_dense_gemv_load_ahead_matches_reference(fmt, n, k, config):
+    """GemvConfig.load_ahead on the default dense FMA path (the next tile loaded one step ahead): tails, split-K (each
+    slice's last load-ahead falls past its end: masked off), one tile wider than W."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+    w, scale = torch.randn(n, k, device=DEVICE, dtype=dtype), None
+    if fmt == "fp8":
+        w, scale = quant_reference.quantize_fp8(w.float(), dim=-1)
+    x = torch.randn(1, k, dtype=dtype, device=DEVICE)
+    out = quant_gemv.dense_gemv(x, w, None, scale, config=quant_gemv.GemvConfig(*config, load_ahead=True))
+    ref = quant_reference.dense_gemv(x, w, None, scale)
+    assert_matches(out, ref, {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
