@@ -14,27 +14,29 @@ from .quant_gemv import GemvConfig
 # Measured on: one NVIDIA H100 80GB HBM3 (132 SMs, copy 2995 GB/s), 2026-11-24, session 7's sweep (run 41); the
 # Llama-3-8B shapes. Comments: our time, GB/s, share of the copy bandwidth; the library's time beside it.
 TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
-    # int4: session 8's run 48 (one H100 80GB HBM3, 2026-11-24, branch s8-int4 at 03afcb9): the M = 1 rows on the
-    # bf16x2 word sums (half_fma: rel error ~3e-3 against the float32 reference, the float32 FMA path ~3e-9), the
-    # M = 16 rows on one dot per nibble slot; in run 41 these shapes took 14.7 / 11.6 / 55.8 / 28.4 us at M = 1.
-    ("int4", 6144, 4096, 1): GemvConfig(512, 64, 44, 4, 3, False, half_fma=True),  # qkv: 11.4 us,   1177 GB/s  40%; old int4 GEMM tile 35.8 us
-    ("int4", 6144, 4096, 16): GemvConfig(128, 128, 11, 4, 3, True, slot_dot=True),  # qkv: 21.4 us,    641 GB/s  22%; old int4 GEMM tile 35.9 us
-    ("int4", 4096, 4096, 1): GemvConfig(64, 128, 9, 4, 3, False, half_fma=True),  # o: 9.2 us,    966 GB/s  33%; old int4 GEMM tile 28.6 us
-    ("int4", 4096, 4096, 16): GemvConfig(128, 128, 9, 4, 3, True, slot_dot=True),  # o: 17.5 us,    524 GB/s  18%; old int4 GEMM tile 28.8 us
-    ("int4", 28672, 4096, 1): GemvConfig(1024, 64, 10, 8, 3, False, half_fma=True),  # gate_up: 28.4 us,   2202 GB/s  74%; old int4 GEMM tile 132.3 us
-    ("int4", 28672, 4096, 16): GemvConfig(128, 128, 2, 4, 3, True, slot_dot=True),  # gate_up: 70.1 us,    905 GB/s  31%; old int4 GEMM tile 132.2 us
-    ("int4", 4096, 14336, 1): GemvConfig(512, 64, 66, 4, 3, False, half_fma=True),  # down: 19.9 us,   1572 GB/s  53%; old int4 GEMM tile 94.0 us
-    ("int4", 4096, 14336, 16): GemvConfig(128, 128, 17, 4, 3, True, slot_dot=True),  # down: 39.1 us,    813 GB/s  27%; old int4 GEMM tile 94.3 us
-    ("fp8", 6144, 4096, 1): GemvConfig(16, 512, 1, 8, 3, False),  # qkv: 13.4 us,   1888 GB/s  63%; _scaled_mm per-tensor 13.1 us, _scaled_mm rowwise 19.3 us, fp8_linear (quant+rowwise) 21.3 us
-    ("fp8", 6144, 4096, 16): GemvConfig(32, 256, 2, 4, 3, True),  # qkv: 15.2 us,   1680 GB/s  56%; _scaled_mm per-tensor 13.1 us, _scaled_mm rowwise 18.2 us, fp8_linear (quant+rowwise) 19.9 us
-    ("fp8", 6144, 4096, 64): GemvConfig(32, 128, 2, 4, 3, True),  # qkv: 21.9 us,   1211 GB/s  40%; _scaled_mm per-tensor 13.2 us, _scaled_mm rowwise 16.4 us, fp8_linear (quant+rowwise) 18.2 us
-    ("fp8", 4096, 4096, 1): GemvConfig(128, 128, 9, 8, 3, False),  # o: 10.9 us,   1537 GB/s  51%; _scaled_mm per-tensor 9.3 us, _scaled_mm rowwise 15.7 us, fp8_linear (quant+rowwise) 17.5 us
-    ("fp8", 4096, 4096, 16): GemvConfig(32, 128, 5, 4, 3, True),  # o: 11.8 us,   1448 GB/s  48%; _scaled_mm per-tensor 9.4 us, _scaled_mm rowwise 14.7 us, fp8_linear (quant+rowwise) 16.7 us
-    ("fp8", 4096, 4096, 64): GemvConfig(32, 128, 3, 4, 3, True),  # o: 16.7 us,   1066 GB/s  36%; _scaled_mm per-tensor 9.7 us, _scaled_mm rowwise 14.3 us, fp8_linear (quant+rowwise) 16.2 us
-    ("fp8", 28672, 4096, 1): GemvConfig(64, 256, 1, 8, 3, False),  # gate_up: 44.7 us,   2632 GB/s  88%; _scaled_mm per-tensor 43.8 us, _scaled_mm rowwise 51.2 us, fp8_linear (quant+rowwise) 52.0 us
-    ("fp8", 28672, 4096, 16): GemvConfig(32, 128, 1, 4, 3, True),  # gate_up: 47.8 us,   2481 GB/s  83%; _scaled_mm per-tensor 44.9 us, _scaled_mm rowwise 51.4 us, fp8_linear (quant+rowwise) 53.2 us
-    ("fp8", 28672, 4096, 64): GemvConfig(64, 64, 1, 4, 3, True),  # gate_up: 72.0 us,   1690 GB/s  56%; _scaled_mm per-tensor 48.2 us, _scaled_mm rowwise 51.6 us, fp8_linear (quant+rowwise) 54.5 us
-    ("fp8", 4096, 14336, 1): GemvConfig(32, 512, 5, 4, 3, False),  # down: 26.2 us,   2245 GB/s  75%; _scaled_mm per-tensor 26.0 us, _scaled_mm rowwise 48.2 us, fp8_linear (quant+rowwise) 51.9 us
+    # int4 and fp8: session 8's run 51 (one H100 80GB HBM3, 2026-11-24, main + s8-fp8 at 7693a21): int4 M = 1 rows
+    # mostly on the bf16x2 word sums (half_fma: rel error ~3e-3 against the float32 reference, the float32 FMA path
+    # ~3e-9), M = 16 rows on one dot per nibble slot; fp8 M = 1 rows on 32-bit words of four codes (fp8_words). In run
+    # 41 the int4 shapes took 14.7 / 11.6 / 55.8 / 28.4 us at M = 1. fp8 "down" at M = 16 and 64 are run 41's (the
+    # sweep's budget ran out before them).
+    ("int4", 6144, 4096, 1): GemvConfig(512, 64, 44, 4, 3, False, half_fma=True),  # qkv: 10.1 us,   1323 GB/s  44%; old int4 GEMM tile 35.9 us
+    ("int4", 6144, 4096, 16): GemvConfig(256, 128, 6, 8, 3, True, slot_dot=True),  # qkv: 29.1 us,    471 GB/s  16%; old int4 GEMM tile 36.2 us
+    ("int4", 4096, 4096, 1): GemvConfig(128, 128, 17, 2, 3, False),  # o: 8.3 us,   1081 GB/s  36%; old int4 GEMM tile 28.8 us
+    ("int4", 4096, 4096, 16): GemvConfig(64, 128, 9, 4, 4, True, slot_dot=True),  # o: 22.4 us,    410 GB/s  14%; old int4 GEMM tile 29.4 us
+    ("int4", 28672, 4096, 1): GemvConfig(1024, 64, 10, 8, 3, False, half_fma=True),  # gate_up: 28.4 us,   2200 GB/s  73%; old int4 GEMM tile 132.2 us
+    ("int4", 28672, 4096, 16): GemvConfig(128, 128, 3, 4, 3, True, slot_dot=True),  # gate_up: 84.4 us,    752 GB/s  25%; old int4 GEMM tile 131.8 us
+    ("int4", 4096, 14336, 1): GemvConfig(1024, 64, 66, 8, 3, False, half_fma=True),  # down: 18.8 us,   1657 GB/s  55%; old int4 GEMM tile 95.2 us
+    ("int4", 4096, 14336, 16): GemvConfig(128, 128, 9, 4, 3, True, slot_dot=True),  # down: 62.0 us,    513 GB/s  17%; old int4 GEMM tile 94.8 us
+    ("fp8", 6144, 4096, 1): GemvConfig(32, 512, 2, 8, 3, False, fp8_words=True),  # qkv: 12.3 us,   2049 GB/s  68%; _scaled_mm per-tensor 13.0 us, _scaled_mm rowwise 18.9 us, fp8_linear (quant+rowwise) 20.4 us
+    ("fp8", 6144, 4096, 16): GemvConfig(32, 256, 1, 4, 4, True),  # qkv: 16.3 us,   1566 GB/s  52%; _scaled_mm per-tensor 13.0 us, _scaled_mm rowwise 17.7 us, fp8_linear (quant+rowwise) 19.2 us
+    ("fp8", 6144, 4096, 64): GemvConfig(32, 128, 2, 4, 3, True),  # qkv: 22.0 us,   1203 GB/s  40%; _scaled_mm per-tensor 13.3 us, _scaled_mm rowwise 15.2 us, fp8_linear (quant+rowwise) 17.3 us
+    ("fp8", 4096, 4096, 1): GemvConfig(64, 512, 5, 8, 3, False, fp8_words=True),  # o: 9.3 us,   1798 GB/s  60%; _scaled_mm per-tensor 9.4 us, _scaled_mm rowwise 13.9 us, fp8_linear (quant+rowwise) 15.8 us
+    ("fp8", 4096, 4096, 16): GemvConfig(32, 256, 5, 4, 4, True),  # o: 12.0 us,   1419 GB/s  47%; _scaled_mm per-tensor 9.4 us, _scaled_mm rowwise 13.6 us, fp8_linear (quant+rowwise) 15.5 us
+    ("fp8", 4096, 4096, 64): GemvConfig(32, 128, 3, 4, 3, True),  # o: 17.7 us,   1006 GB/s  33%; _scaled_mm per-tensor 9.7 us, _scaled_mm rowwise 13.7 us, fp8_linear (quant+rowwise) 15.8 us
+    ("fp8", 28672, 4096, 1): GemvConfig(64, 512, 1, 8, 3, False, fp8_words=True),  # gate_up: 42.5 us,   2770 GB/s  92%; _scaled_mm per-tensor 43.8 us, _scaled_mm rowwise 48.6 us, fp8_linear (quant+rowwise) 50.8 us
+    ("fp8", 28672, 4096, 16): GemvConfig(32, 256, 1, 4, 4, True),  # gate_up: 46.5 us,   2553 GB/s  85%; _scaled_mm per-tensor 44.8 us, _scaled_mm rowwise 49.5 us, fp8_linear (quant+rowwise) 51.4 us
+    ("fp8", 28672, 4096, 64): GemvConfig(64, 128, 1, 4, 3, True),  # gate_up: 76.5 us,   1591 GB/s  53%; _scaled_mm per-tensor 48.1 us, _scaled_mm rowwise 50.5 us, fp8_linear (quant+rowwise) 53.1 us
+    ("fp8", 4096, 14336, 1): GemvConfig(64, 256, 9, 4, 3, False, fp8_words=True),  # down: 24.8 us,   2372 GB/s  79%; _scaled_mm per-tensor 26.7 us, _scaled_mm rowwise 41.5 us, fp8_linear (quant+rowwise) 45.0 us
     ("fp8", 4096, 14336, 16): GemvConfig(32, 256, 3, 4, 3, True),  # down: 28.3 us,   2100 GB/s  70%; _scaled_mm per-tensor 27.3 us, _scaled_mm rowwise 45.8 us, fp8_linear (quant+rowwise) 48.7 us
     ("fp8", 4096, 14336, 64): GemvConfig(32, 128, 3, 4, 3, True),  # down: 43.7 us,   1397 GB/s  47%; _scaled_mm per-tensor 25.3 us, _scaled_mm rowwise 39.3 us, fp8_linear (quant+rowwise) 44.6 us
     ("bf16", 6144, 4096, 1): GemvConfig(32, 256, 1, 4, 3, True),  # qkv: 21.6 us,   2329 GB/s  78%; cuBLAS F.linear 22.5 us
