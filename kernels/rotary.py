@@ -34,6 +34,10 @@ def _rotate_heads(
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
     out1 = out1.to(x_ptr.dtype.element_ty)
     out2 = out2.to(x_ptr.dtype.element_ty)
+    # In place: every thread's loads done before any store. A tile with fewer elements than threads (one kv head
+    # of 64 pairs over 128 threads) is held by two threads each; without the barrier one could store the rotated
+    # values before its twin loads them, and the twin would rotate them again (and may be the one that stores).
+    tl.debug_barrier()
     tl.store(first, out1, mask=mask)
     tl.store(first + HALF, out2, mask=mask)
     return out1, out2

@@ -326,6 +326,17 @@ def compile_kernel(fn, types, constants):
     prefetched = fn is not quant_gemv._gemv_kernel or "prefetch.global.L2" in ptx
     return "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx and prefetched
 
+
+def barrier_between(fn, types, constants, after: str, before: str) -> bool:
+    # A bar.sync between the first PTX line containing `before` and the last `after` line ahead of it? (Threads
+    # of one program reading what others of it stored: the in-place rotary, the fused decode merge.)
+    signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+                 for a in fn.arg_names}
+    lines = triton.compile(ASTSource(fn, signature, constants), target=target).asm["ptx"].splitlines()
+    first = next(i for i, line in enumerate(lines) if before in line)
+    last = max(i for i, line in enumerate(lines[:first]) if after in line)
+    return any("bar.sync" in line or "barrier.sync" in line for line in lines[last:first])
+
 decode = dict(NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
               DOT_F32=False, PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=False, FUSED_REDUCE=True,
               SPLITS_PAD=4)
@@ -366,6 +377,16 @@ kernels = [
 ]
 ok = [compile_kernel(*k) for k in kernels]
 print("with griddepcontrol", sum(ok), "of", len(ok))
+rotary_kernel, decode_kernel = kernels[5], kernels[6]
+guards = [
+    barrier_between(rotary_kernel[0], rotary_kernel[1], dict(rotary_kernel[2], USE_PDL=False), "ld.global",
+                    "st.global"),
+    barrier_between(rotary._rotary_kernel, kernels[3][1], dict(kernels[3][2], USE_PDL=False), "ld.global",
+                    "st.global"),
+    barrier_between(decode_kernel[0], decode_kernel[1], dict(decode_kernel[2], NUM_SPLITS=1, SPLITS_PAD=1,
+                                                              USE_PDL=False), "st.global", "ld.global.cg"),
+]
+print("barriers", guards)
 """
 
 
@@ -373,7 +394,8 @@ print("with griddepcontrol", sum(ok), "of", len(ok))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run these kernels natively")
 def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     """Without a GPU: every decode-path kernel compiled for sm_90 with USE_PDL carries griddepcontrol.wait and
-    launch_dependents in its PTX (and ptxas accepts it). About a minute on 2 loaded cores (a fresh Triton cache)."""
+    launch_dependents in its PTX (and ptxas accepts it); the GEMV prefetches; and a bar.sync separates the stores and
+    loads of one program that other threads of it read back (run 51 found the one-split merge without it). About a minute on 2 loaded cores (a fresh Triton cache)."""
     import subprocess
     import sys
 
