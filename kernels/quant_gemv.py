@@ -272,51 +272,6 @@ def _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr):
     return words_k, row_mask, words
 
 
-# A packed word's 8 nibbles as q - z in bf16 (fp16: the same with 0x6400 / 1024 and one 0x3c00), exactly, for
-# tl.dot: nibbles j and j + 4 at a time, from the two 16-bit halves of the word shifted right by 4 j (one shift,
-# one LOP3 ORing them under the exponent of 128, whose unit in the last place is 1, one FMA adding -(128 + z));
-# about 1.2 instructions per weight instead of 2.5 through float32. $8: the word; $9: -(128 + z) in both halves;
-# $0 ... $7: q - z of nibbles 0 ... 7.
-_HALF_CODES_ASM = tl.constexpr("""{
-    .reg .b32 one, nib, shifted, d0, d1, d2, d3;
-    mov.b32 one, ONE;
-    lop3.b32 nib, $8, 0x000f000f, MAGIC, 0xea;
-    fma.rn.TYPE d0, nib, one, $9;
-    shr.u32 shifted, $8, 4;
-    lop3.b32 nib, shifted, 0x000f000f, MAGIC, 0xea;
-    fma.rn.TYPE d1, nib, one, $9;
-    shr.u32 shifted, $8, 8;
-    lop3.b32 nib, shifted, 0x000f000f, MAGIC, 0xea;
-    fma.rn.TYPE d2, nib, one, $9;
-    shr.u32 shifted, $8, 12;
-    lop3.b32 nib, shifted, 0x000f000f, MAGIC, 0xea;
-    fma.rn.TYPE d3, nib, one, $9;
-    mov.b32 {$0, $4}, d0;
-    mov.b32 {$1, $5}, d1;
-    mov.b32 {$2, $6}, d2;
-    mov.b32 {$3, $7}, d3;
-}""")
-_BF16_CODES_ASM = tl.constexpr(_HALF_CODES_ASM.value.replace("ONE", "0x3f803f80").replace("MAGIC", "0x43004300")
-                               .replace("TYPE", "bf16x2"))
-_FP16_CODES_ASM = tl.constexpr(_HALF_CODES_ASM.value.replace("ONE", "0x3c003c00").replace("MAGIC", "0x64006400")
-                               .replace("TYPE", "f16x2"))
-
-
-@triton.jit
-def _half_codes(words, zero, X_FP16: tl.constexpr):
-    """W's packed words [R, C] as 8 tensors [R, C] of q - z in bf16 (fp16 with X_FP16), nibble j at j, exactly
-    (inline PTX: `_HALF_CODES_ASM`); zero [C] float32."""
-    if X_FP16:
-        bits = (-1024.0 - zero).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return tl.inline_asm_elementwise(_FP16_CODES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-                                         [words, (bits | (bits << 16))[None, :]], dtype=(tl.float16,) * 8,
-                                         is_pure=True, pack=1)
-    bits = (-128.0 - zero).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return tl.inline_asm_elementwise(_BF16_CODES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-                                     [words, (bits | (bits << 16))[None, :]], dtype=(tl.bfloat16,) * 8,
-                                     is_pure=True, pack=1)
-
-
 @triton.jit
 def _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K: tl.constexpr,
                    ASM: tl.constexpr):
@@ -353,19 +308,14 @@ def _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N
 
 @triton.jit
 def _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
-                        stride_xm, group_size, DOT_FP32: tl.constexpr, X_FP16: tl.constexpr, BLOCK_K: tl.constexpr,
-                        ASM: tl.constexpr):
+                        stride_xm, group_size, DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """acc [BM, BN] plus x's rows times W's int4 tile at input k0 (BLOCK_K >= 128), as 8 tl.dot of K = BLOCK_K / 8:
-    slot j multiplies x's inputs 8 w + j by the words' nibble j, made q - z exactly in x's half type (on CUDA by
-    `_half_codes`, else through float32 by `_int4_centered`: the same values, |q - z| < 16). No 3D reshuffle of
-    the nibbles, no x-sum correction; the group's scale multiplies the tile's sum once."""
-    if ASM and not DOT_FP32:  # the codes straight in x's half type
-        words_k, word_mask, words = _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)
-        scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)
-        codes = _half_codes(words, zero, X_FP16)
-    else:  # through float32 (Triton's interpreter, float32 x)
-        words_k, word_mask, codes, scale = _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
-                                                          group_size, BLOCK_K, ASM)
+    slot j multiplies x's inputs 8 w + j by the words' nibble j, made q - z exactly (`_int4_centered`) and rounded
+    to x's half type (exact: |q - z| < 16). No 3D reshuffle of the nibbles, no x-sum correction; the group's scale
+    multiplies the tile's sum once. (Making the codes in bf16 by PTX instead cut instructions but measured slower
+    at M = 16 in run 51, together with 2-slice reduction rounds; both reverted.)"""
+    words_k, word_mask, codes, scale = _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
+                                                      group_size, BLOCK_K, ASM)
     part = tl.zeros(acc.shape, dtype=tl.float32)
     for j in tl.static_range(8):
         x_j = tl.load(x_ptr + rows[:, None] * stride_xm + (8 * words_k + j)[None, :],
@@ -634,7 +584,7 @@ def _gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         if USE_DOT and INT4 and X_HALF and SLOT_DOT:
             acc = _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N,
-                                      K, stride_xm, group_size, DOT_FP32, X_FP16, BLOCK_K, ASM)
+                                      K, stride_xm, group_size, DOT_FP32, BLOCK_K, ASM)
         elif USE_DOT:
             acc = _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
                             stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N)
@@ -727,8 +677,11 @@ class _Launch:
 
 
 def _reduce_chunk(block_m: int, config: GemvConfig) -> int:
-    """K slices the last program of an N tile loads per round when it sums the partials: up to 8, as many as keep
-    about 32 float32 values a thread per round."""
+    """K slices the last program of an N tile loads per round when it sums the partials: at M == 1 up to 8, as many
+    as keep about 32 float32 values a thread per round; 1 for the tl.dot tiles (2 a round measured slower at M = 16
+    in run 51, with the PTX slot_dot codes; reverted to run 48's state)."""
+    if block_m > 1:
+        return 1
     per_slice = block_m * config.block_n / (32 * config.num_warps)  # values a thread loads per slice
     return max(1, min(8, 1 << int(math.log2(max(1.0, 32 / per_slice)))))
 

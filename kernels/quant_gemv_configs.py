@@ -18,15 +18,16 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     # mostly on the bf16x2 word sums (half_fma: rel error ~3e-3 against the float32 reference, the float32 FMA path
     # ~3e-9), M = 16 rows on one dot per nibble slot; fp8 M = 1 rows on 32-bit words of four codes (fp8_words). In run
     # 41 the int4 shapes took 14.7 / 11.6 / 55.8 / 28.4 us at M = 1. fp8 "down" at M = 16 and 64 are run 41's (the
-    # sweep's budget ran out before them).
+    # sweep's budget ran out before them). The int4 M = 16 rows are run 48's: the M = 16 kernel changes measured in
+    # run 51 (PTX slot_dot codes, 2-slice reduction rounds) were slower and are reverted to run 48's code.
     ("int4", 6144, 4096, 1): GemvConfig(512, 64, 44, 4, 3, False, half_fma=True),  # qkv: 10.1 us,   1323 GB/s  44%; old int4 GEMM tile 35.9 us
-    ("int4", 6144, 4096, 16): GemvConfig(256, 128, 6, 8, 3, True, slot_dot=True),  # qkv: 29.1 us,    471 GB/s  16%; old int4 GEMM tile 36.2 us
+    ("int4", 6144, 4096, 16): GemvConfig(128, 128, 11, 4, 3, True, slot_dot=True),  # qkv: 21.4 us,    641 GB/s  22%; old int4 GEMM tile 35.9 us (run 48)
     ("int4", 4096, 4096, 1): GemvConfig(128, 128, 17, 2, 3, False),  # o: 8.3 us,   1081 GB/s  36%; old int4 GEMM tile 28.8 us
-    ("int4", 4096, 4096, 16): GemvConfig(64, 128, 9, 4, 4, True, slot_dot=True),  # o: 22.4 us,    410 GB/s  14%; old int4 GEMM tile 29.4 us
+    ("int4", 4096, 4096, 16): GemvConfig(128, 128, 9, 4, 3, True, slot_dot=True),  # o: 17.5 us,    524 GB/s  18%; old int4 GEMM tile 28.8 us (run 48)
     ("int4", 28672, 4096, 1): GemvConfig(1024, 64, 10, 8, 3, False, half_fma=True),  # gate_up: 28.4 us,   2200 GB/s  73%; old int4 GEMM tile 132.2 us
-    ("int4", 28672, 4096, 16): GemvConfig(128, 128, 3, 4, 3, True, slot_dot=True),  # gate_up: 84.4 us,    752 GB/s  25%; old int4 GEMM tile 131.8 us
+    ("int4", 28672, 4096, 16): GemvConfig(128, 128, 2, 4, 3, True, slot_dot=True),  # gate_up: 70.1 us,    905 GB/s  31%; old int4 GEMM tile 132.2 us (run 48)
     ("int4", 4096, 14336, 1): GemvConfig(1024, 64, 66, 8, 3, False, half_fma=True),  # down: 18.8 us,   1657 GB/s  55%; old int4 GEMM tile 95.2 us
-    ("int4", 4096, 14336, 16): GemvConfig(128, 128, 9, 4, 3, True, slot_dot=True),  # down: 62.0 us,    513 GB/s  17%; old int4 GEMM tile 94.8 us
+    ("int4", 4096, 14336, 16): GemvConfig(128, 128, 17, 4, 3, True, slot_dot=True),  # down: 39.1 us,    813 GB/s  27%; old int4 GEMM tile 94.3 us (run 48)
     ("fp8", 6144, 4096, 1): GemvConfig(32, 512, 2, 8, 3, False, fp8_words=True),  # qkv: 12.3 us,   2049 GB/s  68%; _scaled_mm per-tensor 13.0 us, _scaled_mm rowwise 18.9 us, fp8_linear (quant+rowwise) 20.4 us
     ("fp8", 6144, 4096, 16): GemvConfig(32, 256, 1, 4, 4, True),  # qkv: 16.3 us,   1566 GB/s  52%; _scaled_mm per-tensor 13.0 us, _scaled_mm rowwise 17.7 us, fp8_linear (quant+rowwise) 19.2 us
     ("fp8", 6144, 4096, 64): GemvConfig(32, 128, 2, 4, 3, True),  # qkv: 22.0 us,   1203 GB/s  40%; _scaled_mm per-tensor 13.3 us, _scaled_mm rowwise 15.2 us, fp8_linear (quant+rowwise) 17.3 us

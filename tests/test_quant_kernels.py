@@ -168,8 +168,8 @@ def test_int4_fma_gemv_is_exact_for_every_nibble_value_in_every_position(dtype, 
 
 @pytest.mark.parametrize("m", [1, 5])
 def test_gemv_split_k_sums_more_slices_than_one_chunk(m):
-    """11 K slices (the last program of an N tile sums them 8 at a time with these small tiles: one full chunk, one
-    ragged), for a dense and an int4 weight, against the references."""
+    """11 K slices (the last program of an N tile sums them 8 at a time at M = 1: one full chunk, one ragged; one
+    at a time at M = 5), for a dense and an int4 weight, against the references."""
     from asyncengine.kernels import quant_gemv, quant_reference
 
     config = quant_gemv.GemvConfig(16, 16, 13, dot=m > 1)
