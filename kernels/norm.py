@@ -17,12 +17,40 @@ from .pdl import enabled as pdl_enabled, wait_for_prior_grids
 
 @triton.jit
 def _normalize_row(x_raw, w_ptr, cols, col_mask, H, eps):
-    """x_raw: [BLOCK_H] in x's dtype (zeros past H) -> weight * round_to_x_dtype(x * rsqrt(mean(x^2) + eps)), fp32."""
+    """x_raw: [BLOCK_H] or [ROWS, BLOCK_H] in x's dtype (zeros past H) -> each row's
+    weight * round_to_x_dtype(x * rsqrt(mean(x^2) + eps)), float32, x_raw's shape. The one definition of the
+    math: every kernel that RMS-normalises calls it, so they agree bit for bit on the same tile."""
     x = x_raw.to(tl.float32)
-    variance = tl.sum(x * x, axis=0) / H
+    variance = tl.sum(x * x, axis=-1, keep_dims=True) / H  # [1] or [ROWS, 1]
     normed = (x * tl.rsqrt(variance + eps)).to(x_raw.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)  # [BLOCK_H]
     return normed * w
+
+
+@triton.jit
+def normalize_heads_in_place(
+    x_ptr,  # [num_heads, head_dim] of one token, heads contiguous
+    w_ptr,  # [head_dim]
+    num_heads,
+    head_dim,  # a runtime int, as `rms_norm` passes it (a constexpr would compile the mean's division otherwise)
+    eps,
+    ROWS: tl.constexpr,  # rows per tile: `head_norm_tile`'s, the tile `rms_norm` uses for rows of head_dim
+    BLOCK_H: tl.constexpr,  # next power of two >= head_dim
+):
+    """RMS-normalises each head in place, leaving x as `rms_norm` would write it (weight of x's dtype). A float32
+    sum's bits depend on the order of its additions, which the tile's layout fixes: the same tile shape and warps
+    as `rms_norm` give the same order. Ends with a barrier, so the caller's threads may read what any stored."""
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < head_dim
+    for start in range(0, num_heads, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        mask = (rows < num_heads)[:, None] & col_mask[None, :]
+        tile = x_ptr + rows[:, None] * head_dim + cols[None, :]  # [ROWS, BLOCK_H]
+        y = _normalize_row(tl.load(tile, mask=mask, other=0.0), w_ptr, cols, col_mask, head_dim, eps)
+        # In place: every thread's loads before any store (a thread must not read a twin's normalised value).
+        tl.debug_barrier()
+        tl.store(tile, y.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -46,11 +74,7 @@ def _rms_norm_kernel(
     mask = (rows < num_rows)[:, None] & (cols < H)[None, :]
     x_rows = (rows // heads) * stride_token + (rows % heads) * stride_head
     x_raw = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)  # [ROWS, BLOCK_H]
-    x = x_raw.to(tl.float32)
-    variance = tl.sum(x * x, axis=1) / H  # [ROWS]
-    normed = (x * tl.rsqrt(variance + eps)[:, None]).to(x_raw.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    y = normed * w[None, :]
+    y = _normalize_row(x_raw, w_ptr, cols, cols < H, H, eps)
     tl.store(out_ptr + rows[:, None] * H + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -102,6 +126,14 @@ def _rows_per_program(block: int) -> tuple[int, int]:
     if block >= 2048:
         return 1, min(16, block // 512)
     return 2048 // block, 4
+
+
+def head_norm_tile(head_dim: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_H, num_warps) with which `rms_norm` normalises rows of head_dim: a kernel that normalises heads
+    itself (`normalize_heads_in_place`) launches with these to give the same bits."""
+    block = triton.next_power_of_2(head_dim)
+    rows, warps = _rows_per_program(block)
+    return rows, block, warps
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

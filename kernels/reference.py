@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, H], weight: [H] -> [T, H] in x's dtype. Math in float32, as transformers does."""
+    """x: [..., H] (e.g. [T, H] or [T, heads, H]), weight: [H] -> x's shape in promote(x, weight) dtype, each
+    row of H normalised. Math in float32, as transformers does."""
     x32 = x.float()
     variance = x32.pow(2).mean(-1, keepdim=True)
     return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
@@ -129,9 +130,16 @@ def rotary_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    eps: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_embedding of q [T, H, D] and k [T, KVH, D], then reshape_and_cache of the rotated k and v [T, KVH, D];
-    returns the rotated (q, k) as new tensors (the Triton kernel rotates them in place)."""
+    returns the rotated (q, k) as new tensors (the Triton kernel rotates them in place).
+    q_norm_weight, k_norm_weight [D] and eps (Qwen3): q and k are rms_norm'ed over each head first."""
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
     head_dim = q.shape[-1]
     q_rot, k_rot = rotary_embedding(positions, q.flatten(1), k.flatten(1), cos_sin_cache, head_dim)
     q_rot, k_rot = q_rot.view(q.shape), k_rot.view(k.shape)

@@ -7,6 +7,10 @@ One launch instead of `rotary.rotary_embedding` followed by `cache.reshape_and_c
 arithmetic: each rotated half is rounded to k's dtype, stored back into k, and converted to the cache's dtype from
 that rounded value (an FP8 cache: scaled by 1 / k_scale, saturated, rounded to e4m3, as `reference.quantize_kv`).
 So the caches, q and k end bit for bit as the two kernels leave them. Cache layout and strides as in cache.py.
+
+Given per-head norm weights (Qwen3's q_norm / k_norm), each program first RMS-normalises its q heads and its k
+head in place, with `norm.normalize_heads_in_place` on `rms_norm`'s tile, so the launch also replaces the two
+`rms_norm` launches before it, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import triton
 import triton.language as tl
 
 from asyncengine.kernels.cache import _store_token, check_cache_inputs, to_cache_dtype
+from asyncengine.kernels.norm import head_norm_tile, normalize_heads_in_place
 from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
 from asyncengine.kernels.reference import is_fp8
 from asyncengine.kernels.rotary import _cos_sin, _rotate_heads, check_rotary_inputs
@@ -52,6 +57,8 @@ def _rotary_cache_kernel(
     k_cache_ptr,  # [NB, BS, KVH, D]
     v_cache_ptr,  # [NB, BS, KVH, D]
     slot_ptr,  # [T] int, < 0 = padding
+    q_norm_ptr,  # [D] q's per-head norm weight (read only with NORM)
+    k_norm_ptr,  # [D] k's
     stride_q,
     stride_k,
     stride_v_t,
@@ -66,20 +73,29 @@ def _rotary_cache_kernel(
     group,  # query heads per kv head
     k_inv_scale,  # float32 1 / k_scale (read only with QUANT)
     v_inv_scale,
+    head_dim,  # D (used only with NORM)
+    eps,  # the norms' epsilon (read only with NORM)
     HALF: tl.constexpr,  # D / 2
     GROUP_PAD: tl.constexpr,  # next power of two >= group
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache page
     QUANT: tl.constexpr,  # the caches are e4m3
+    NORM: tl.constexpr,  # RMS-normalise the q and k heads first (Qwen3)
+    NORM_ROWS: tl.constexpr,  # rows per normalisation tile (norm.head_norm_tile)
+    HEAD_DIM_PAD: tl.constexpr,  # next power of two >= D
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
     wait_for_prior_grids(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
+    q_heads = q_ptr + token * stride_q + kv_head * group * (2 * HALF)  # [group, D]: the kv head's q heads
+    k_head = k_ptr + token * stride_k + kv_head * (2 * HALF)  # [1, D]
+    if NORM:  # in place, then rotated from what was stored (the helper ends with a barrier)
+        normalize_heads_in_place(q_heads, q_norm_ptr, group, head_dim, eps, NORM_ROWS, HEAD_DIM_PAD)
+        normalize_heads_in_place(k_head, k_norm_ptr, 1, head_dim, eps, NORM_ROWS, HEAD_DIM_PAD)
     cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cos_sin, HALF, HALF_PAD)
-    q_heads = q_ptr + token * stride_q + kv_head * group * (2 * HALF)  # the kv head's group of q heads
     _rotate_heads(q_heads, cos, sin, group, HALF, GROUP_PAD, HALF_PAD)
-    k1, k2 = _rotate_heads(k_ptr + token * stride_k + kv_head * (2 * HALF), cos, sin, 1, HALF, 1, HALF_PAD)
+    k1, k2 = _rotate_heads(k_head, cos, sin, 1, HALF, 1, HALF_PAD)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         block = slot // BLOCK_SIZE
@@ -89,6 +105,23 @@ def _rotary_cache_kernel(
         _store_token(v_ptr + token * stride_v_t + kv_head * stride_v_h,
                      v_cache_ptr + block * stride_vc_b + offset * stride_vc_s + kv_head * stride_vc_h,
                      stride_v_h, stride_vc_h, 1, v_inv_scale, 2 * HALF, 1, 2 * HALF_PAD, QUANT)
+
+
+def _check_qk_norm(q: torch.Tensor, q_norm_weight, k_norm_weight, eps) -> bool:
+    """True when the per-head norms are given (both weights and eps); ValueError naming the argument when only
+    some are, or when a weight is not a contiguous [D] of q's dtype (rms_norm would then round its output to
+    another dtype than q's, and the in-place result could not match it)."""
+    given = {"q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight, "eps": eps}
+    if all(x is None for x in given.values()):
+        return False
+    missing = [name for name, x in given.items() if x is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing: the q/k norms need q_norm_weight, k_norm_weight and eps")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w.shape != (q.shape[-1],) or w.stride(0) != 1 or w.dtype != q.dtype:
+            raise ValueError(f"{name} must be a contiguous [{q.shape[-1]}] tensor of q's dtype {q.dtype}, got "
+                             f"{tuple(w.shape)} {w.dtype}")
+    return True
 
 
 def rotary_and_cache(
@@ -102,9 +135,17 @@ def rotary_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rotary_embedding(positions, q, k, cos_sin_cache, D)` then `reshape_and_cache(k, v, ...)` in one launch;
     returns (q, k), rotated IN PLACE (the same tensors).
+
+    q_norm_weight, k_norm_weight ([D], q's dtype) and eps, given together: q and k are first replaced by
+    `rms_norm(q, q_norm_weight, eps)` and `rms_norm(k, k_norm_weight, eps)` (Qwen3's per-head norms), bit for bit
+    as the norm kernel writes them; the returned q and k, and the cached k, are normalised and rotated.
 
     q: [T, H, D], k, v: [T, KVH, D] (token strides free, e.g. views of a fused qkv output; each token's q and k
     heads contiguous, v's last dim contiguous); positions, slot_mapping: [T] int; cos_sin_cache: [max_pos, D]
@@ -120,18 +161,22 @@ def rotary_and_cache(
     tokens, num_kv_heads = k.shape[0], k.shape[1]
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"q's {q.shape[1]} heads are not a multiple of k's {num_kv_heads}")
+    norm = _check_qk_norm(q, q_norm_weight, k_norm_weight, eps)
     if tokens == 0:
         return q, k
     group = q.shape[1] // num_kv_heads
     half = head_dim // 2
+    # With the norms: rms_norm's tile and warps (norm.head_norm_tile), for its bits; 4 warps for D <= 1024.
+    norm_rows, head_dim_pad, warps = head_norm_tile(head_dim) if norm else (1, 1, 4)
     pdl = pdl_enabled(q.device)
     _rotary_cache_kernel[(tokens, num_kv_heads)](
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q_norm_weight if norm else q, k_norm_weight if norm else k,
         q.stride(0), k.stride(0), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        group, 1.0 / k_scale, 1.0 / v_scale,
+        group, 1.0 / k_scale, 1.0 / v_scale, head_dim, eps if norm else 0.0,
         HALF=half, GROUP_PAD=triton.next_power_of_2(group), HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1], QUANT=is_fp8(k_cache),
-        USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        NORM=norm, NORM_ROWS=norm_rows, HEAD_DIM_PAD=head_dim_pad, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
     return q, k
