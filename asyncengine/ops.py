@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -94,20 +95,35 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale: float
     _impl(key, "cache").reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
+class QKNorm(NamedTuple):
+    """Per-head RMSNorms of q and k, applied before rotary (Qwen3): weights [D] and their epsilon."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
 def cache_and_attend(q, k, v, k_cache, v_cache, metadata, scale: float, sliding_window=None,
-                     softcap=None, k_scale: float = 1.0, v_scale: float = 1.0, rotary=None) -> torch.Tensor:
+                     softcap=None, k_scale: float = 1.0, v_scale: float = 1.0, rotary=None,
+                     qk_norm: QKNorm | None = None) -> torch.Tensor:
     """reshape_and_cache(k, v, ...) then paged_attention(q, ...): q [T, H, D], k, v [T, KVH, D] -> [T, H, D].
     On CPU with the step's plan (metadata.cpu_plan) one fused call, which can skip reading back what it wrote.
     k_scale / v_scale: the layer's FP8 KV scales (read only when the caches are e4m3).
     rotary: None, or (positions [T], cos_sin_cache [max_pos, D]) to rotate q and k first (rotary_embedding); on
     CUDA the rotation and the cache write are one kernel (kernels/rotary_cache.py). q and k may be rotated in
-    place."""
+    place. qk_norm: q and k are first rms_norm'ed over each head; on CUDA with rotary inside the same kernel
+    (in place too), elsewhere by `rms_norm`, with the same bits."""
+    if rotary is not None and q.is_cuda:
+        positions, cos_sin_cache = rotary
+        norm = {} if qk_norm is None else dict(q_norm_weight=qk_norm.q_weight, k_norm_weight=qk_norm.k_weight,
+                                               eps=qk_norm.eps)
+        q, k = _impl(q, "rotary_cache").rotary_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                                         metadata.slot_mapping, k_scale, v_scale, **norm)
+        return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, softcap, k_scale, v_scale)
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm.q_weight, qk_norm.eps), rms_norm(k, qk_norm.k_weight, qk_norm.eps)
     if rotary is not None:
         positions, cos_sin_cache = rotary
-        if q.is_cuda:
-            q, k = _impl(q, "rotary_cache").rotary_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                                                             metadata.slot_mapping, k_scale, v_scale)
-            return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, softcap, k_scale, v_scale)
         q_rot, k_rot = rotary_embedding(positions, q.flatten(1), k.flatten(1), cos_sin_cache, q.shape[-1])
         q, k = q_rot.view(q.shape), k_rot.view(k.shape)
     if CPU_FAST_PATH and metadata.cpu_plan is not None and q.device.type == "cpu":

@@ -114,6 +114,87 @@ def test_rotary_and_cache_rejects_mismatched_shapes_naming_them():
         rotary_cache.rotary_and_cache(positions, q, k, v, cos_sin, k_cache, v_cache.to(FP8), slots)
 
 
+def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
+    """q [T, H, D], k, v [T, KVH, D]: views of a fused qkv [T, (H + 2 KVH) * D]."""
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    return tuple(x.unflatten(-1, (-1, head_dim)) for x in qkv.split(sizes, dim=-1))
+
+
+def check_qk_norm_fused_equals_two_steps(tokens, heads, kv_heads, head_dim, num_blocks, block_size, dtype,
+                                         cache_dtype, scales, poison=False, device=DEVICE):
+    """rotary_and_cache with the q/k norms == rms_norm of q and k, then rotary_and_cache, bit for bit: q and k
+    (normalised and rotated in place in qkv), both caches (written slots and untouched ones) and v (untouched).
+    poison: the caches start as NaN (e4m3 NaN bytes), so a slot written by one path only shows.
+    Returns the fused path's (q, k, caches) and the inputs, for the callers' own checks."""
+    from asyncengine.kernels import norm, rotary_cache
+
+    qkv, q, k, v, slots, positions, cos_sin, k_cache, v_cache = qkv_step(
+        tokens, heads, kv_heads, head_dim, num_blocks, block_size, dtype, cache_dtype, device=device)
+    if poison:
+        for cache in (k_cache, v_cache):
+            cache.view(torch.uint8).fill_(0x7F) if cache_dtype == FP8 else cache.fill_(float("nan"))
+    q_weight, k_weight = (1.0 + 0.3 * torch.randn(head_dim, device=device)).to(dtype), torch.rand(
+        head_dim, device=device).to(dtype) * 2  # Qwen3's trained norms sit around 1
+    eps = 1e-6
+    inputs = dict(qkv=qkv.clone(), slots=slots, positions=positions, cos_sin=cos_sin, k_cache=k_cache.clone(),
+                  v_cache=v_cache.clone(), q_weight=q_weight, k_weight=k_weight, eps=eps)
+    two_qkv, two_k_cache, two_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    two_q, two_k, two_v = split_heads(two_qkv, heads, kv_heads, head_dim)
+    normed_q, normed_k = norm.rms_norm(two_q, q_weight, eps), norm.rms_norm(two_k, k_weight, eps)
+    rotary_cache.rotary_and_cache(positions, normed_q, normed_k, two_v, cos_sin, two_k_cache, two_v_cache, slots,
+                                  *scales)
+
+    out_q, out_k = rotary_cache.rotary_and_cache(positions, q, k, v, cos_sin, k_cache, v_cache, slots, *scales,
+                                                 q_norm_weight=q_weight, k_norm_weight=k_weight, eps=eps)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    assert same(q, normed_q), "q differs from rms_norm then rotary_and_cache"
+    assert same(k, normed_k), "k differs from rms_norm then rotary_and_cache"
+    assert same(v, two_v), "v was touched"
+    assert same(k_cache, two_k_cache) and same(v_cache, two_v_cache), "a cache differs from the two-step path"
+    return q, k, k_cache, v_cache, inputs
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("dtype,cache_dtype", CASES)
+def test_rotary_and_cache_with_qk_norm_equals_rms_norm_then_rotary_and_cache_bit_for_bit(dtype, cache_dtype, group):
+    kv_heads, head_dim, block_size = 2, 64, 16
+    scales = (0.37, 1.9) if cache_dtype == FP8 else (1.0, 1.0)
+    q, k, k_cache, _, inputs = check_qk_norm_fused_equals_two_steps(
+        7, group * kv_heads, kv_heads, head_dim, 4, block_size, dtype, cache_dtype, scales)
+    # And close to the references (norm, rotary, cache in torch).
+    ref_q, ref_k, ref_v = split_heads(inputs["qkv"], group * kv_heads, kv_heads, head_dim)
+    ref_k_cache, ref_v_cache = inputs["k_cache"], inputs["v_cache"]
+    ref_q, ref_k = reference.rotary_and_cache(inputs["positions"], ref_q, ref_k, ref_v, inputs["cos_sin"],
+                                              ref_k_cache, ref_v_cache, inputs["slots"], *scales,
+                                              q_norm_weight=inputs["q_weight"], k_norm_weight=inputs["k_weight"],
+                                              eps=inputs["eps"])
+    tolerance = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (0.05, 0.02)}  # bf16: a rounding of normed * w
+    assert_matches(q, ref_q, tolerance)
+    assert_matches(k, ref_k, tolerance)
+    written = inputs["slots"][inputs["slots"] >= 0]
+    rows, ref_rows = k_cache.view(-1, kv_heads, head_dim)[written], ref_k_cache.view(-1, kv_heads, head_dim)[written]
+    rtol = 0.13 if cache_dtype == FP8 else tolerance[dtype][1]
+    torch.testing.assert_close(rows.float(), ref_rows.float(), rtol=rtol, atol=tolerance[dtype][0] + (
+        0.13 if cache_dtype == FP8 else 0))
+
+
+def test_rotary_and_cache_rejects_incomplete_or_mismatched_norms_naming_them():
+    from asyncengine.kernels import rotary_cache
+
+    _, q, k, v, slots, positions, cos_sin, k_cache, v_cache = qkv_step(3, 4, 2, 64, 2, 16, torch.float32,
+                                                                      torch.float32)
+    weight = torch.ones(64)
+    args = (positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="k_norm_weight, eps missing"):
+        rotary_cache.rotary_and_cache(*args, q_norm_weight=weight)
+    with pytest.raises(ValueError, match="k_norm_weight must be a contiguous"):
+        rotary_cache.rotary_and_cache(*args, q_norm_weight=weight, k_norm_weight=weight.bfloat16(), eps=1e-6)
+    with pytest.raises(ValueError, match="q_norm_weight must be a contiguous"):
+        rotary_cache.rotary_and_cache(*args, q_norm_weight=torch.ones(32), k_norm_weight=weight, eps=1e-6)
+
+
 def decode_metadata(seq_lens, block_size, device=DEVICE):
     """AttentionMetadata of a decode step (one new token per sequence) over shuffled block tables, and the slots
     of the new tokens."""
@@ -152,6 +233,36 @@ def test_cache_and_attend_with_rotary_equals_rotating_first(cache_dtype, fast_cp
     out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, 0.125, k_scale=0.5, v_scale=2.0,
                                rotary=(positions, cos_sin))
     assert_matches(out, ref, ATTENTION_TOLERANCE)
+
+
+@pytest.mark.parametrize("fast_cpu", [True, False])
+def test_cache_and_attend_with_qk_norm_equals_norming_first(fast_cpu, monkeypatch):
+    """Qwen3's layer call: the norms inside (fused with rotary and the cache write with CUDA) == rms_norm of q and
+    k first, then the same call without them; bit for bit (the same kernels, or the fused one that matches them)."""
+    from asyncengine import ops
+    from asyncengine.kernels import cpu
+
+    monkeypatch.setattr(ops, "CPU_FAST_PATH", fast_cpu)
+    heads, kv_heads, head_dim, block_size, seq_lens = 4, 2, 64, 16, [37, 5, 70]
+    metadata, num_blocks = decode_metadata(seq_lens, block_size)
+    if fast_cpu and DEVICE == "cpu":
+        metadata.cpu_plan = cpu.plan_attention(metadata.query_start_loc_cpu.numpy(), metadata.seq_lens_cpu.numpy(),
+                                               metadata.block_tables.numpy(), block_size)
+    _, q, k, v, _, _, cos_sin, k_cache, v_cache = qkv_step(3, heads, kv_heads, head_dim, num_blocks, block_size,
+                                                             torch.float32, torch.float32)
+    positions = torch.tensor([n - 1 for n in seq_lens], device=DEVICE)
+    plain = (q.clone(), k.clone(), k_cache.clone(), v_cache.clone())  # the inputs (with CUDA rotated in place)
+    qk_norm = ops.QKNorm(torch.rand(head_dim, device=DEVICE) + 0.5, torch.rand(head_dim, device=DEVICE) + 0.5, 1e-6)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    ref_q, ref_k = ops.rms_norm(q, qk_norm.q_weight, 1e-6), ops.rms_norm(k, qk_norm.k_weight, 1e-6)
+    ref = ops.cache_and_attend(ref_q, ref_k, v, ref_k_cache, ref_v_cache, metadata, 0.125,
+                               rotary=(positions, cos_sin))
+    out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, 0.125, rotary=(positions, cos_sin),
+                               qk_norm=qk_norm)
+    assert not out.isnan().any()
+    assert same(out, ref) and same(k_cache, ref_k_cache) and same(v_cache, ref_v_cache)
+    unnormed = ops.cache_and_attend(*plain[:2], v, *plain[2:], metadata, 0.125, rotary=(positions, cos_sin))
+    assert not same(out, unnormed), "the norms changed nothing: the test proves nothing"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -200,6 +311,33 @@ def test_gpu_rotary_and_cache_at_llama_sizes_equals_the_two_kernels_bit_for_bit(
     assert same(qkv, two_qkv) and same(k_cache, two_k_cache) and same(v_cache, two_v_cache)
     assert_matches(q.flatten(1), ref_q)
     assert_matches(k.flatten(1), ref_k)
+
+
+QWEN3_MOE_HEADS, QWEN3_MOE_KV_HEADS = 32, 4  # Qwen3-30B-A3B's attention (D = 128): groups of 8 q heads
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 300])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_gpu_rotary_and_cache_with_qk_norm_at_qwen3_moe_sizes_equals_the_two_steps_bit_for_bit(cache_dtype, tokens):
+    """Qwen3-30B-A3B attention shape, bf16, caches poisoned with NaN: the fused norms + rotary + cache write leave
+    q, k and the caches bit for bit as rms_norm then rotary_and_cache; written slots hold no NaN."""
+    scales = (0.05, 0.03) if cache_dtype == FP8 else (1.0, 1.0)
+    q, k, k_cache, v_cache, inputs = check_qk_norm_fused_equals_two_steps(
+        tokens, QWEN3_MOE_HEADS, QWEN3_MOE_KV_HEADS, HEAD_DIM, 512, BLOCK, torch.bfloat16, cache_dtype, scales,
+        poison=True, device="cuda")
+    written = inputs["slots"][inputs["slots"] >= 0]
+    for cache in (k_cache, v_cache):
+        assert not cache.view(-1, QWEN3_MOE_KV_HEADS, HEAD_DIM)[written].float().isnan().any(), "a slot unwritten"
+    ref_q, ref_k, _ = split_heads(inputs["qkv"], QWEN3_MOE_HEADS, QWEN3_MOE_KV_HEADS, HEAD_DIM)
+    ref_q = reference.rms_norm(ref_q, inputs["q_weight"], inputs["eps"])
+    ref_k = reference.rms_norm(ref_k, inputs["k_weight"], inputs["eps"])
+    ref_q, ref_k = reference.rotary_embedding(inputs["positions"], ref_q.flatten(1), ref_k.flatten(1),
+                                              inputs["cos_sin"], HEAD_DIM)
+    tolerance = {torch.bfloat16: (0.05, 0.02)}
+    assert_matches(q.flatten(1), ref_q, tolerance)
+    assert_matches(k.flatten(1), ref_k, tolerance)
 
 
 def decode_layer_weights(quant: str):
@@ -349,8 +487,8 @@ kernels = [
     (cache._reshape_and_cache_kernel, dict(slot_ptr=i64, k_inv_scale="fp32", v_inv_scale="fp32"),
      dict(BLOCK_SIZE=16, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128, QUANT=False)),
     (rotary_cache._rotary_cache_kernel, dict(positions_ptr=i64, cos_sin_ptr=f32, k_cache_ptr=fp8, v_cache_ptr=fp8,
-                                             slot_ptr=i64, k_inv_scale="fp32", v_inv_scale="fp32"),
-     dict(HALF=64, GROUP_PAD=4, HALF_PAD=64, BLOCK_SIZE=16, QUANT=True)),
+                                             slot_ptr=i64, k_inv_scale="fp32", v_inv_scale="fp32", eps="fp32"),
+     dict(HALF=64, GROUP_PAD=4, HALF_PAD=64, BLOCK_SIZE=16, QUANT=True, NORM=True, NORM_ROWS=16, HEAD_DIM_PAD=128)),
     (attention._decode_partial_kernel, dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, counter_ptr=i32,
                                             query_start_loc_ptr=i32, seq_lens_ptr=i32, block_tables_ptr=i32,
                                             qk_scale="fp32", v_scale="fp32"), decode),
@@ -379,6 +517,9 @@ ok = [compile_kernel(*k) for k in kernels]
 print("with griddepcontrol", sum(ok), "of", len(ok))
 rotary_kernel, decode_kernel = kernels[5], kernels[6]
 guards = [
+    barrier_between(rotary_kernel[0], rotary_kernel[1], dict(rotary_kernel[2], NORM=False, USE_PDL=False),
+                    "ld.global", "st.global"),
+    # with the q/k norms the first store is the in-place normalisation's
     barrier_between(rotary_kernel[0], rotary_kernel[1], dict(rotary_kernel[2], USE_PDL=False), "ld.global",
                     "st.global"),
     barrier_between(rotary._rotary_kernel, kernels[3][1], dict(kernels[3][2], USE_PDL=False), "ld.global",
@@ -402,6 +543,7 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
     assert "with griddepcontrol 12 of 12" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "barriers [True, True, True, True]" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
 
 
 # ----------------------------------------------------------------------------------------------------------------

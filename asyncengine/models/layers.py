@@ -357,9 +357,11 @@ class PagedAttention(nn.Module):
         self.k_scale, self.v_scale = 1.0, 1.0
 
     def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                rotary: Optional[tuple[torch.Tensor, "RotaryEmbedding"]] = None):
+                rotary: Optional[tuple[torch.Tensor, "RotaryEmbedding"]] = None,
+                qk_norm: Optional[ops.QKNorm] = None):
         """q: [T, H*D], k, v: [T, KVH*D] -> [T, H*D]. rotary: (positions [T], the layer's RotaryEmbedding) to
-        rotate q and k first (in place; on CUDA in the same kernel as the cache write)."""
+        rotate q and k first (in place; on CUDA in the same kernel as the cache write). qk_norm: per-head norms
+        of q and k before the rotation (on CUDA in that kernel too)."""
         tokens = q.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -369,7 +371,7 @@ class PagedAttention(nn.Module):
             positions, embedding = rotary
             rotary = (positions, embedding.cos_sin_cache)
         out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, self.scale, self.sliding_window,
-                                   self.softcap, self.k_scale, self.v_scale, rotary)
+                                   self.softcap, self.k_scale, self.v_scale, rotary, qk_norm)
         return out.reshape(tokens, self.num_heads * self.head_dim)
 
 

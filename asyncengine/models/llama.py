@@ -86,13 +86,17 @@ class Attention(nn.Module):
     def forward(self, positions, hidden_states, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rotary, read in place from qkv
-            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(1)  # [T, heads, D] -> [T, q_size]
-            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(1)
         # q, k, v stay strided views of qkv (rows qkv_size apart): the kernels take row strides, so no copies.
-        # Rotary is applied inside the attention layer (on CUDA fused with the KV-cache write).
-        out = self.attn(q, k, v, kv_cache, metadata, rotary=(positions, self.rotary_emb))
+        # Rotary, and Qwen3's RMSNorm over each q and k head before it, are applied inside the attention layer (on
+        # CUDA fused with the KV-cache write).
+        out = self.attn(q, k, v, kv_cache, metadata, rotary=(positions, self.rotary_emb), qk_norm=self.qk_norm())
         return self.o_proj(out)
+
+    def qk_norm(self) -> Optional[ops.QKNorm]:
+        """The per-head q/k norms (Qwen3; Gemma 3's too, whose weights hold 1 + w), or None."""
+        if self.q_norm is None:
+            return None
+        return ops.QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
 
 class MLP(nn.Module):
