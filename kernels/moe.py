@@ -512,45 +512,26 @@ def _down_reduce_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    INTER_PAD: tl.constexpr,  # I rounded up to a power of two (the whole-row tile of WHOLE_ROWS)
-    WHOLE_ROWS: tl.constexpr,  # the program's [BLOCK_N, I] weights as one tile, loaded before the PDL wait
-    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and act
 ):
     """partial[i, cols] = weight[i] * (act[i] @ w2[ids[i]]^T)[cols] for one assignment i; the last of a token's
     TOP_K programs on these columns to arrive sums its partials in the order k = 0 .. TOP_K - 1 (so the result
-    does not depend on which arrived last) into out[token, cols] and resets the counter.
-
-    WHOLE_ROWS (small I): the expert's [BLOCK_N, I] weights are loaded as one tile BEFORE the PDL wait, so they
-    stream while gate_up_act (the kernel before) finishes. That reads ids before the wait, an exception to
-    pdl.py's rule 1 that holds here: ids was written by route, two kernels back, and gate_up_act (between) waits
-    for route's completion before it lets this kernel start; ids is read through L2 (.cg), never this SM's L1,
-    which may hold an earlier layer's ids at the same address. act (gate_up_act's output) is read after the wait."""
+    does not depend on which arrived last) into out[token, cols] and resets the counter."""
+    wait_for_prior_grids(USE_PDL)
     assignment = tl.program_id(0)
     col_block = tl.program_id(1)
     token = assignment // TOP_K
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < hidden_size
+    expert = tl.load(ids_ptr + assignment).to(tl.int64)
+    rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     act_row = act_ptr + assignment.to(tl.int64) * stride_act
-    if WHOLE_ROWS:
-        expert = tl.load(ids_ptr + assignment, cache_modifier=".cg").to(tl.int64)
-        rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-        js = tl.arange(0, INTER_PAD)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
+    for j_start in range(0, inter, BLOCK_K):
+        js = j_start + tl.arange(0, BLOCK_K)
         j_valid = js < inter
-        w = tl.load(rows + js[None, :], mask=col_valid[:, None] & j_valid[None, :], other=0.0)  # [BLOCK_N, I_PAD]
-        wait_for_prior_grids(USE_PDL)
         a = tl.load(act_row + js, mask=j_valid, other=0.0).to(tl.float32)[None, :]
-        acc = w.to(tl.float32) * a
-    else:
-        wait_for_prior_grids(USE_PDL)
-        expert = tl.load(ids_ptr + assignment).to(tl.int64)
-        rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
-        for j_start in range(0, inter, BLOCK_K):
-            js = j_start + tl.arange(0, BLOCK_K)
-            j_valid = js < inter
-            a = tl.load(act_row + js, mask=j_valid, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(rows + js[None, :], mask=col_valid[:, None] & j_valid[None, :], other=0.0)
-            acc += w.to(tl.float32) * a
+        acc += tl.load(rows + js[None, :], mask=col_valid[:, None] & j_valid[None, :], other=0.0).to(tl.float32) * a
     # the expert's output rounds to the dtype (as the reference's projection), then weighs in float32
     part = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + assignment)
     row_offsets = cols.to(tl.int64)  # [BLOCK_N] within one [H] row of partial
@@ -566,14 +547,6 @@ def _down_reduce_kernel(
                              cache_modifier=".cg")
         tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=col_valid)
         tl.atomic_xchg(counter, 0)
-
-
-WHOLE_ROW_ELEMENTS = 128  # weights a thread may hold for down_reduce's whole-row tile (64 registers in bf16)
-
-
-def down_whole_rows(tiles: GemvTiles, inter: int) -> bool:
-    """Does down_reduce hold its program's [block_n, I] weights as one tile (loaded before its PDL wait)?"""
-    return tiles.block_n * triton.next_power_of_2(inter) <= WHOLE_ROW_ELEMENTS * 32 * tiles.num_warps
 
 
 def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optional[DecodeConfig] = None):
@@ -598,8 +571,7 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
     _down_reduce_kernel[(num, col_blocks)](
         act, w2, ids, weights, partial, arrivals, out, size, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        INTER_PAD=triton.next_power_of_2(inter), WHOLE_ROWS=down_whole_rows(down, inter), USE_PDL=pdl,
+        out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k, USE_PDL=pdl,
         num_warps=down.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
