@@ -143,6 +143,9 @@ def test_requests_of_every_kind_leave_no_per_request_state_behind():
             one_round(server.url)
             wait_until(server.engine_idle, 30)
             after_third, traced_third = live_objects(), tracemalloc.take_snapshot().filter_traces(PROJECT_FILES)
+            one_round(server.url)
+            wait_until(server.engine_idle, 30)
+            traced_fourth = tracemalloc.take_snapshot().filter_traces(PROJECT_FILES)
         finally:
             tracemalloc.stop()
         # what is left is the last step's (the step loop holds it until its next turn: at most one batch)
@@ -151,10 +154,13 @@ def test_requests_of_every_kind_leave_no_per_request_state_behind():
         assert {name: after_third[name] - after_second[name] for name in PER_REQUEST
                 if after_third[name] != after_second[name]} == {}
         assert server.on_loop(project_tasks) == tasks
-        # What the project's code allocated and still holds barely grew with the third round: the bound leaves
-        # room for torch.tensor's own small objects (sampler.to_device: about 3 KiB a round at first, a plateau of
-        # about 35 KiB after 1,000 requests in the long fuzz run); a round's requests each leaking a 1 KiB of
-        # state would pass it.
-        growth = traced_third.compare_to(traced_second, "lineno")
-        grown = sum(stat.size_diff for stat in growth)
-        assert grown < 8192, (grown, growth[:10])
+        # What the project's code allocated and still holds barely grew with the third or the fourth round: the
+        # bound leaves room for torch.tensor's own small objects (sampler.to_device: about 3 KiB a round at first, a
+        # plateau of about 35 KiB after 1,000 requests in the long fuzz run); a round's requests each leaking 1 KiB
+        # of state would fail it. A leak grows in every round; what the step loop still holds of its last step is
+        # transient and differs with the kind of that step (one CI run on a loaded machine saw 8.7 KiB of a CPU
+        # decode step's q/k views in one round), so the smaller of two consecutive rounds' growth is bounded.
+        growths = [later.compare_to(earlier, "lineno")
+                   for earlier, later in ((traced_second, traced_third), (traced_third, traced_fourth))]
+        grown = [sum(stat.size_diff for stat in growth) for growth in growths]
+        assert min(grown) < 8192, (grown, [growth[:5] for growth in growths])
