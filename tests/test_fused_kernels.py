@@ -195,9 +195,10 @@ def test_rotary_and_cache_rejects_incomplete_or_mismatched_norms_naming_them():
         rotary_cache.rotary_and_cache(*args, q_norm_weight=torch.ones(32), k_norm_weight=weight, eps=1e-6)
 
 
-def decode_metadata(seq_lens, block_size, device=DEVICE):
+def decode_metadata(seq_lens, block_size, device=DEVICE, cpu_plan=False):
     """AttentionMetadata of a decode step (one new token per sequence) over shuffled block tables, and the slots
-    of the new tokens."""
+    of the new tokens. cpu_plan: on CPU, also the step's plan that the CPU fast path reads."""
+    from asyncengine.kernels import cpu
     from asyncengine.models.layers import AttentionMetadata
 
     tables, num_blocks = shuffled_block_tables(seq_lens, block_size, spare_blocks=2, spare_columns=1)
@@ -207,6 +208,8 @@ def decode_metadata(seq_lens, block_size, device=DEVICE):
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     metadata = AttentionMetadata(qsl.to(device), lens.to(device), tables.to(device), slots.to(device), qsl, lens,
                                  max_query_len=1, max_seq_len=max(seq_lens))
+    if cpu_plan and device == "cpu":
+        metadata.cpu_plan = cpu.plan_attention(qsl.numpy(), lens.numpy(), tables.numpy(), block_size)
     return metadata, num_blocks
 
 
@@ -215,14 +218,10 @@ def decode_metadata(seq_lens, block_size, device=DEVICE):
 def test_cache_and_attend_with_rotary_equals_rotating_first(cache_dtype, fast_cpu, monkeypatch):
     """The layer's one call: rotation inside (fused with the cache write with CUDA) == rotary, then cache+attend."""
     from asyncengine import ops
-    from asyncengine.kernels import cpu
 
     monkeypatch.setattr(ops, "CPU_FAST_PATH", fast_cpu)
     heads, kv_heads, head_dim, block_size, seq_lens = 4, 2, 64, 16, [37, 5, 70]
-    metadata, num_blocks = decode_metadata(seq_lens, block_size)
-    if fast_cpu and DEVICE == "cpu":
-        metadata.cpu_plan = cpu.plan_attention(metadata.query_start_loc_cpu.numpy(), metadata.seq_lens_cpu.numpy(),
-                                               metadata.block_tables.numpy(), block_size)
+    metadata, num_blocks = decode_metadata(seq_lens, block_size, cpu_plan=fast_cpu)
     qkv, q, k, v, _, _, cos_sin, k_cache, v_cache = qkv_step(3, heads, kv_heads, head_dim, num_blocks, block_size,
                                                              torch.float32, cache_dtype)
     positions = torch.tensor([n - 1 for n in seq_lens], device=DEVICE)
@@ -240,14 +239,10 @@ def test_cache_and_attend_with_qk_norm_equals_norming_first(fast_cpu, monkeypatc
     """Qwen3's layer call: the norms inside (fused with rotary and the cache write with CUDA) == rms_norm of q and
     k first, then the same call without them; bit for bit (the same kernels, or the fused one that matches them)."""
     from asyncengine import ops
-    from asyncengine.kernels import cpu
 
     monkeypatch.setattr(ops, "CPU_FAST_PATH", fast_cpu)
     heads, kv_heads, head_dim, block_size, seq_lens = 4, 2, 64, 16, [37, 5, 70]
-    metadata, num_blocks = decode_metadata(seq_lens, block_size)
-    if fast_cpu and DEVICE == "cpu":
-        metadata.cpu_plan = cpu.plan_attention(metadata.query_start_loc_cpu.numpy(), metadata.seq_lens_cpu.numpy(),
-                                               metadata.block_tables.numpy(), block_size)
+    metadata, num_blocks = decode_metadata(seq_lens, block_size, cpu_plan=fast_cpu)
     _, q, k, v, _, _, cos_sin, k_cache, v_cache = qkv_step(3, heads, kv_heads, head_dim, num_blocks, block_size,
                                                              torch.float32, torch.float32)
     positions = torch.tensor([n - 1 for n in seq_lens], device=DEVICE)
