@@ -871,7 +871,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                         help="the tensor-parallel mode (--tp-model): W1, W3 over N GPUs")
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
-    parser.add_argument("--tp-model", nargs="+", choices=["8b", "70b"], default=["70b"],
+    parser.add_argument("--tp-model", nargs="+", choices=["8b", "8b-greedy", "70b"], default=["70b"],
                         help="the tensor-parallel mode's model: 8b (TP=1 against TP=N, same weights, greedy check) "
                              "or 70b (TP=N alone)")
     args = parser.parse_args(argv)

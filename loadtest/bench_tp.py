@@ -206,11 +206,16 @@ def build_tiny_checkpoint(folder: Path, shape: dict) -> Path:
     return folder
 
 
-def run_8b(args, tp: int, tiny: bool, results: dict, save) -> None:
+def checkpoint_8b(args, tiny: bool, results: dict) -> Path:
     folder = Path(args.checkpoint) if args.checkpoint_given else Path(f"/tmp/llama3-8b-tp{'-tiny' if tiny else ''}")
     t0 = time.perf_counter()
     folder = build_tiny_checkpoint(folder, TINY_8B_LIKE) if tiny else build_checkpoint(folder)
     results["build_checkpoint_s"] = time.perf_counter() - t0
+    return folder
+
+
+def run_8b(args, tp: int, tiny: bool, results: dict, save) -> None:
+    folder = checkpoint_8b(args, tiny, results)
     copy = results.get("copy_bandwidth_GBps", 0.0)
     for size in (1, tp):
         measure_engine(folder, size, args, tiny, copy, results.setdefault(f"8b_tp{size}", {}), save)
@@ -218,7 +223,19 @@ def run_8b(args, tp: int, tiny: bool, results: dict, save) -> None:
     results["8b_W3_ratio"] = many["W3_ms_per_token"] / one["W3_ms_per_token"]
     results["8b_W1_ratio"] = many["W1"]["req_per_s"] / one["W1"]["req_per_s"]
     save()
-    tokens = {size: greedy_tokens(folder, size, args, tiny) for size in (1, tp)}
+    run_8b_greedy(args, tp, tiny, results, save, folder)
+
+
+def run_8b_greedy(args, tp: int, tiny: bool, results: dict, save, folder: Path | None = None) -> None:
+    """The float32 greedy comparison alone (--tp-model 8b-greedy), each engine's wall time recorded."""
+    folder = folder or checkpoint_8b(args, tiny, results)
+    tokens = {}
+    for size in (1, tp):
+        t0 = time.perf_counter()
+        tokens[size] = greedy_tokens(folder, size, args, tiny)
+        results[f"8b_greedy_tp{size}_s"] = time.perf_counter() - t0
+        print(f"greedy float32 TP={size}: {results[f'8b_greedy_tp{size}_s']:.1f} s", flush=True)
+        save()
     results["8b_greedy_float32_equal"] = [a == b for a, b in zip(tokens[1], tokens[tp])]
     save()
 
@@ -250,7 +267,7 @@ def main(args) -> int:
             results["allreduce_us"] = allreduce_microseconds(tp, hidden)
         save()
     for model in args.tp_model:
-        (run_8b if model == "8b" else run_70b)(args, tp, tiny, results, save)
+        {"8b": run_8b, "8b-greedy": run_8b_greedy, "70b": run_70b}[model](args, tp, tiny, results, save)
     print_table(results, tp)
     return 0
 
