@@ -55,4 +55,34 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("bf16", 128256, 4096, 1): GemvConfig(16, 512, 1, 8, 3, False),  # lm_head: 341.3 us,   3079 GB/s 103%; cuBLAS F.linear 372.5 us
     ("bf16", 128256, 4096, 16): GemvConfig(64, 256, 1, 4, 4, True),  # lm_head: 350.3 us,   3012 GB/s 101%; cuBLAS F.linear 381.3 us
     ("bf16", 128256, 4096, 64): GemvConfig(64, 128, 1, 4, 3, True),  # lm_head: 366.3 us,   2915 GB/s  97%; cuBLAS F.linear 389.0 us
+    # bf16 at other models' per-rank shapes: session 9's run 57 (one NVIDIA H200, copy ~4,250 GB/s, 2026-11-24),
+    # `--gemv-sweep --formats bf16 --shapes qwen3-30b-a3b,70b-tp2,8b-tp2 --ms 1,16`: Qwen3-30B-A3B's dense linears,
+    # and the Llama-3-70B and -8B shapes at TP=2. At M = 1 every winner is the FMA path with load-ahead; the untuned
+    # default lost to cuBLAS at all of these in run 55-56's start-up choice (e.g. 70B qkv 53.2 vs 35.1 us).
+    ("bf16", 5120, 2048, 1): GemvConfig(16, 512, 1, 8, 3, False, load_ahead=True),  # qwen3-30b-a3b qkv: 8.0 us,   2637 GB/s  62%; cuBLAS F.linear 9.0 us
+    ("bf16", 5120, 2048, 16): GemvConfig(64, 128, 1, 4, 4, True),  # qwen3-30b-a3b qkv: 9.1 us,   2326 GB/s  55%; cuBLAS F.linear 8.8 us
+    ("bf16", 2048, 4096, 1): GemvConfig(32, 512, 5, 8, 3, False, load_ahead=True),  # qwen3-30b-a3b o: 7.7 us,   2180 GB/s  52%; cuBLAS F.linear 9.9 us
+    ("bf16", 2048, 4096, 16): GemvConfig(64, 256, 5, 4, 4, True),  # qwen3-30b-a3b o: 8.0 us,   2122 GB/s  50%; cuBLAS F.linear 9.9 us
+    ("bf16", 151936, 2048, 1): GemvConfig(32, 512, 1, 8, 3, False, load_ahead=True),  # qwen3-30b-a3b lm_head: 140.7 us,   4425 GB/s 105%; cuBLAS F.linear 145.2 us
+    ("bf16", 151936, 2048, 16): GemvConfig(64, 256, 1, 4, 3, True),  # qwen3-30b-a3b lm_head: 145.9 us,   4298 GB/s 102%; cuBLAS F.linear 149.5 us
+    ("bf16", 5120, 8192, 1): GemvConfig(16, 256, 2, 8, 3, False, load_ahead=True),  # 70b-tp2 qkv: 24.4 us,   3434 GB/s  81%; cuBLAS F.linear 26.5 us
+    ("bf16", 5120, 8192, 16): GemvConfig(64, 128, 2, 4, 4, True),  # 70b-tp2 qkv: 26.4 us,   3191 GB/s  76%; cuBLAS F.linear 26.9 us
+    ("bf16", 8192, 4096, 1): GemvConfig(32, 512, 1, 8, 3, False, load_ahead=True),  # 70b-tp2 o: 18.5 us,   3634 GB/s  86%; cuBLAS F.linear 20.0 us
+    ("bf16", 8192, 4096, 16): GemvConfig(64, 256, 1, 4, 4, True),  # 70b-tp2 o: 19.1 us,   3530 GB/s  84%; cuBLAS F.linear 20.0 us
+    ("bf16", 28672, 8192, 1): GemvConfig(64, 256, 1, 8, 3, False, load_ahead=True),  # 70b-tp2 gate_up: 108.3 us,   4339 GB/s 103%; cuBLAS F.linear 116.3 us
+    ("bf16", 28672, 8192, 16): GemvConfig(64, 256, 1, 4, 3, True),  # 70b-tp2 gate_up: 110.1 us,   4277 GB/s 101%; cuBLAS F.linear 117.9 us
+    ("bf16", 8192, 14336, 1): GemvConfig(32, 512, 1, 8, 3, False, load_ahead=True),  # 70b-tp2 down: 55.5 us,   4229 GB/s 100%; cuBLAS F.linear 60.2 us
+    ("bf16", 8192, 14336, 16): GemvConfig(64, 256, 1, 4, 4, True),  # 70b-tp2 down: 56.4 us,   4181 GB/s  99%; cuBLAS F.linear 60.6 us
+    ("bf16", 64128, 8192, 1): GemvConfig(32, 256, 1, 4, 3, False, load_ahead=True),  # 70b-tp2 lm_head: 232.4 us,   4521 GB/s 107%; cuBLAS F.linear 251.8 us
+    ("bf16", 64128, 8192, 16): GemvConfig(64, 256, 1, 4, 3, True),  # 70b-tp2 lm_head: 237.5 us,   4434 GB/s 105%; cuBLAS F.linear 253.8 us
+    ("bf16", 3072, 4096, 1): GemvConfig(16, 512, 2, 8, 3, False, load_ahead=True),  # 8b-tp2 qkv: 9.7 us,   2588 GB/s  61%; cuBLAS F.linear 12.3 us
+    ("bf16", 3072, 4096, 16): GemvConfig(64, 256, 6, 4, 3, True),  # 8b-tp2 qkv: 11.3 us,   2244 GB/s  53%; cuBLAS F.linear 12.4 us
+    ("bf16", 4096, 2048, 1): GemvConfig(32, 512, 3, 8, 3, False, load_ahead=True),  # 8b-tp2 o: 7.6 us,   2206 GB/s  52%; cuBLAS F.linear 7.7 us
+    ("bf16", 4096, 2048, 16): GemvConfig(32, 256, 1, 4, 4, True),  # 8b-tp2 o: 7.8 us,   2179 GB/s  52%; cuBLAS F.linear 7.8 us
+    ("bf16", 14336, 4096, 1): GemvConfig(32, 512, 1, 8, 3, False, load_ahead=True),  # 8b-tp2 gate_up: 31.2 us,   3760 GB/s  89%; cuBLAS F.linear 33.1 us
+    ("bf16", 14336, 4096, 16): GemvConfig(64, 256, 1, 4, 4, True),  # 8b-tp2 gate_up: 32.2 us,   3662 GB/s  87%; cuBLAS F.linear 33.3 us
+    ("bf16", 4096, 7168, 1): GemvConfig(32, 512, 2, 8, 3, False, load_ahead=True),  # 8b-tp2 down: 18.0 us,   3256 GB/s  77%; cuBLAS F.linear 20.2 us
+    ("bf16", 4096, 7168, 16): GemvConfig(32, 256, 1, 4, 4, True),  # 8b-tp2 down: 19.9 us,   2972 GB/s  70%; cuBLAS F.linear 20.8 us
+    ("bf16", 64128, 4096, 1): GemvConfig(64, 256, 1, 8, 3, False, load_ahead=True),  # 8b-tp2 lm_head: 119.5 us,   4399 GB/s 104%; cuBLAS F.linear 127.8 us
+    ("bf16", 64128, 4096, 16): GemvConfig(64, 256, 1, 4, 3, True),  # 8b-tp2 lm_head: 122.0 us,   4324 GB/s 102%; cuBLAS F.linear 128.8 us
 }

@@ -31,6 +31,15 @@ import torch
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}  # name: (K, N)
 TINY_SHAPES = {"qkv": (256, 96), "down": (512, 64)}
+# --shapes: other models' per-rank shapes (name: (K, N)); TP=2 halves qkv/gate_up/LM head rows and o/down columns
+SHAPE_SETS = {
+    "8b": SHAPES,
+    "8b-tp2": {"qkv": (4096, 3072), "o": (2048, 4096), "gate_up": (4096, 14336), "down": (7168, 4096),
+               "lm_head": (4096, 64128)},
+    "70b-tp2": {"qkv": (8192, 5120), "o": (4096, 8192), "gate_up": (8192, 28672), "down": (14336, 8192),
+                "lm_head": (8192, 64128)},
+    "qwen3-30b-a3b": {"qkv": (2048, 5120), "o": (4096, 2048), "lm_head": (2048, 151936)},  # the dense linears
+}
 GROUP_SIZE = 128
 L2_DEFEAT_BYTES = 256 << 20  # weights cycled per graph: several times any current L2
 
@@ -376,15 +385,21 @@ def _int4_variant(config) -> str:
     return (", slot_dot=True" if config.slot_dot else "") + (", half_fma=True" if config.half_fma else "")
 
 
-def groups_for(formats: list[str], tiny: bool) -> list[Group]:
-    shapes = TINY_SHAPES if tiny else SHAPES
+def groups_for(formats: list[str], tiny: bool, shape_sets: tuple[str, ...] = ("8b",),
+               ms: Optional[tuple[int, ...]] = None) -> list[Group]:
+    """The sweep's cells: each format x shape (of each named set; the toy shapes with `tiny`) x M (`ms`, or the
+    format's own: 1 and 16 for int4, also 64 for the dense formats)."""
+    shapes = [(f"{name}" if set_name == "8b" else f"{set_name} {name}", kn)
+              for set_name in (("tiny",) if tiny else shape_sets)
+              for name, kn in (TINY_SHAPES if tiny else SHAPE_SETS[set_name]).items()]
     out = []
     for fmt in formats:
-        for name, (k, n) in shapes.items():
-            if name == "lm_head" and fmt != "bf16":  # the engine keeps the LM head in the model's dtype
+        for name, (k, n) in shapes:
+            if name.endswith("lm_head") and fmt != "bf16":  # the engine keeps the LM head in the model's dtype
                 continue
             # int4 takes the GEMV up to M = 16 (quant_int4.GEMV_MAX_M); dense formats up to 64 where it wins
-            out += [Group(fmt, name, k, n, m) for m in ((1, 16) if fmt == "int4" else (1, 16, 64))]
+            own = (1, 16) if fmt == "int4" else (1, 16, 64)
+            out += [Group(fmt, name, k, n, m) for m in (ms or own)]
     return out
 
 
@@ -395,6 +410,8 @@ def run_sweep(argv: list[str]) -> int:
     parser.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--budget-s", type=float, default=330.0, help="skip the groups not started by then")
     parser.add_argument("--formats", default="int4,fp8,bf16", help="in this order (the budget cuts the last)")
+    parser.add_argument("--shapes", default="8b", help=f"comma-separated shape sets, of {sorted(SHAPE_SETS)}")
+    parser.add_argument("--ms", default="", help="comma-separated M values (default: each format's own)")
     args = parser.parse_args(argv)
     if args.tiny and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it once, when first imported
         raise SystemExit("--tiny runs in Triton's interpreter: TRITON_INTERPRET=1 python -m loadtest.bench_kernels "
@@ -411,7 +428,12 @@ def run_sweep(argv: list[str]) -> int:
         torch.cuda.empty_cache()  # its 4 GiB back for the compile workers
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         print(f"device: {torch.cuda.get_device_name()}  {num_sms} SMs  copy {copy_gbps:.0f} GB/s")
-    work = [(g, candidates(g, num_sms, args.tiny)) for g in groups_for(formats, args.tiny)]
+    unknown = set(args.shapes.split(",")) - set(SHAPE_SETS)
+    if unknown:
+        parser.error(f"--shapes: unknown set(s) {sorted(unknown)}; known: {sorted(SHAPE_SETS)}")
+    ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else None
+    groups = groups_for(formats, args.tiny, tuple(args.shapes.split(",")), ms)
+    work = [(g, candidates(g, num_sms, args.tiny)) for g in groups]
     print(f"{len(work)} groups, {sum(len(c) for _, c in work)} candidates; compiling in {args.jobs} processes")
     flush()
     failed = precompile(work, args.jobs)  # on CPU too: a smoke run of the pool (the interpreter compiles nothing)
