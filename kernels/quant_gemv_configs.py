@@ -13,6 +13,9 @@ from .quant_gemv import GemvConfig
 
 # Measured on: one NVIDIA H100 80GB HBM3 (132 SMs, copy 2995 GB/s), 2026-11-24, session 7's sweep (run 41); the
 # Llama-3-8B shapes. Comments: our time, GB/s, share of the copy bandwidth; the library's time beside it.
+# The bf16 8B rows at M = 1 and 16 are session 9's run 58 (one NVIDIA H200, copy ~4,230 GB/s; written by
+# `--gemv-sweep --formats bf16 --shapes 8b --ms 1,16 --write-table`): the FMA path with load-ahead (session 8) now
+# wins at M = 1 where run 41's H100 sweep, before load-ahead existed, chose tl.dot. Their M = 64 rows are run 41's.
 TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     # int4 and fp8: session 8's run 51 (one H100 80GB HBM3, 2026-11-24, main + s8-fp8 at 7693a21): int4 M = 1 rows
     # mostly on the bf16x2 word sums (half_fma: rel error ~3e-3 against the float32 reference, the float32 FMA path
@@ -40,20 +43,20 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("fp8", 4096, 14336, 1): GemvConfig(64, 256, 9, 4, 3, False, fp8_words=True),  # down: 24.8 us,   2372 GB/s  79%; _scaled_mm per-tensor 26.7 us, _scaled_mm rowwise 41.5 us, fp8_linear (quant+rowwise) 45.0 us
     ("fp8", 4096, 14336, 16): GemvConfig(32, 256, 3, 4, 3, True),  # down: 28.3 us,   2100 GB/s  70%; _scaled_mm per-tensor 27.3 us, _scaled_mm rowwise 45.8 us, fp8_linear (quant+rowwise) 48.7 us
     ("fp8", 4096, 14336, 64): GemvConfig(32, 128, 3, 4, 3, True),  # down: 43.7 us,   1397 GB/s  47%; _scaled_mm per-tensor 25.3 us, _scaled_mm rowwise 39.3 us, fp8_linear (quant+rowwise) 44.6 us
-    ("bf16", 6144, 4096, 1): GemvConfig(32, 256, 1, 4, 3, True),  # qkv: 21.6 us,   2329 GB/s  78%; cuBLAS F.linear 22.5 us
-    ("bf16", 6144, 4096, 16): GemvConfig(32, 256, 1, 4, 3, True),  # qkv: 22.0 us,   2306 GB/s  77%; cuBLAS F.linear 22.6 us
+    ("bf16", 6144, 4096, 1): GemvConfig(16, 512, 1, 8, 3, False, load_ahead=True),  # qkv: 15.0 us,   3367 GB/s  81%; cuBLAS F.linear 16.7 us
+    ("bf16", 6144, 4096, 16): GemvConfig(32, 256, 2, 4, 4, True),  # qkv: 17.4 us,   2911 GB/s  70%; cuBLAS F.linear 17.0 us
     ("bf16", 6144, 4096, 64): GemvConfig(64, 256, 1, 4, 3, True),  # qkv: 22.6 us,   2290 GB/s  76%; cuBLAS F.linear 21.9 us
-    ("bf16", 4096, 4096, 1): GemvConfig(32, 256, 1, 4, 3, True),  # o: 16.2 us,   2067 GB/s  69%; cuBLAS F.linear 17.5 us
-    ("bf16", 4096, 4096, 16): GemvConfig(32, 256, 1, 4, 4, True),  # o: 15.7 us,   2158 GB/s  72%; cuBLAS F.linear 17.7 us
+    ("bf16", 4096, 4096, 1): GemvConfig(16, 512, 2, 4, 3, False, load_ahead=True),  # o: 12.1 us,   2784 GB/s  67%; cuBLAS F.linear 14.5 us
+    ("bf16", 4096, 4096, 16): GemvConfig(64, 256, 5, 4, 3, True),  # o: 12.7 us,   2671 GB/s  65%; cuBLAS F.linear 14.4 us
     ("bf16", 4096, 4096, 64): GemvConfig(32, 256, 1, 4, 3, True),  # o: 17.0 us,   2037 GB/s  68%; cuBLAS F.linear 16.1 us
-    ("bf16", 28672, 4096, 1): GemvConfig(32, 128, 1, 4, 3, True),  # gate_up: 81.4 us,   2886 GB/s  96%; cuBLAS F.linear 83.4 us
-    ("bf16", 28672, 4096, 16): GemvConfig(32, 128, 1, 4, 3, True),  # gate_up: 82.9 us,   2844 GB/s  95%; cuBLAS F.linear 84.7 us
+    ("bf16", 28672, 4096, 1): GemvConfig(32, 256, 1, 4, 3, False, load_ahead=True),  # gate_up: 57.3 us,   4103 GB/s  99%; cuBLAS F.linear 56.3 us
+    ("bf16", 28672, 4096, 16): GemvConfig(64, 256, 1, 4, 3, True),  # gate_up: 58.1 us,   4057 GB/s  98%; cuBLAS F.linear 57.3 us
     ("bf16", 28672, 4096, 64): GemvConfig(64, 128, 1, 4, 3, True),  # gate_up: 86.4 us,   2768 GB/s  92%; cuBLAS F.linear 87.9 us
-    ("bf16", 4096, 14336, 1): GemvConfig(32, 256, 2, 4, 3, True),  # down: 44.4 us,   2645 GB/s  88%; cuBLAS F.linear 45.9 us
-    ("bf16", 4096, 14336, 16): GemvConfig(32, 256, 1, 4, 4, True),  # down: 45.0 us,   2624 GB/s  88%; cuBLAS F.linear 46.5 us
+    ("bf16", 4096, 14336, 1): GemvConfig(32, 512, 2, 8, 3, False, load_ahead=True),  # down: 31.2 us,   3771 GB/s  91%; cuBLAS F.linear 32.6 us
+    ("bf16", 4096, 14336, 16): GemvConfig(64, 128, 3, 4, 4, True),  # down: 33.9 us,   3482 GB/s  84%; cuBLAS F.linear 33.2 us
     ("bf16", 4096, 14336, 64): GemvConfig(32, 128, 3, 4, 3, True),  # down: 48.9 us,   2452 GB/s  82%; cuBLAS F.linear 48.3 us
-    ("bf16", 128256, 4096, 1): GemvConfig(16, 512, 1, 8, 3, False),  # lm_head: 341.3 us,   3079 GB/s 103%; cuBLAS F.linear 372.5 us
-    ("bf16", 128256, 4096, 16): GemvConfig(64, 256, 1, 4, 4, True),  # lm_head: 350.3 us,   3012 GB/s 101%; cuBLAS F.linear 381.3 us
+    ("bf16", 128256, 4096, 1): GemvConfig(64, 128, 1, 4, 3, False, load_ahead=True),  # lm_head: 232.9 us,   4513 GB/s 109%; cuBLAS F.linear 239.3 us
+    ("bf16", 128256, 4096, 16): GemvConfig(64, 128, 1, 4, 4, True),  # lm_head: 239.1 us,   4412 GB/s 107%; cuBLAS F.linear 243.6 us
     ("bf16", 128256, 4096, 64): GemvConfig(64, 128, 1, 4, 3, True),  # lm_head: 366.3 us,   2915 GB/s  97%; cuBLAS F.linear 389.0 us
     # bf16 at other models' per-rank shapes: session 9's run 57 (one NVIDIA H200, copy ~4,250 GB/s, 2026-11-24),
     # `--gemv-sweep --formats bf16 --shapes qwen3-30b-a3b,70b-tp2,8b-tp2 --ms 1,16`: Qwen3-30B-A3B's dense linears,

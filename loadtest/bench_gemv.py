@@ -364,6 +364,23 @@ def winner_line(r: Result, copy_gbps: float) -> str:
             f"{'; ' + lib if lib else ''}")
 
 
+def write_table(lines: list[str], path: str) -> int:
+    """Put winner lines into the TUNED table at `path` (kernels/quant_gemv_configs.py): a line whose key is already
+    there replaces it, a new key goes before the table's closing brace. Returns the lines written."""
+    text = open(path).read()
+    head, close, tail = text.rpartition("\n}")
+    rows = head.split("\n")
+    for line in lines:
+        key = line.strip().split(":", 1)[0]  # '("bf16", 6144, 4096, 1)'
+        at = [i for i, row in enumerate(rows) if row.strip().startswith(key + ":")]
+        if at:
+            rows[at[0]] = line
+        else:
+            rows.append(line)
+    open(path, "w").write("\n".join(rows) + close + tail)
+    return len(lines)
+
+
 def _best_per_path(best: list) -> dict[str, float]:
     """The fastest time of each path among the timed (us, config), sorted fastest first: FMA or tl.dot, and each
     alternative (int4 slot_dot / half_fma, FP8 word path, load_ahead)."""
@@ -412,6 +429,8 @@ def run_sweep(argv: list[str]) -> int:
     parser.add_argument("--formats", default="int4,fp8,bf16", help="in this order (the budget cuts the last)")
     parser.add_argument("--shapes", default="8b", help=f"comma-separated shape sets, of {sorted(SHAPE_SETS)}")
     parser.add_argument("--ms", default="", help="comma-separated M values (default: each format's own)")
+    parser.add_argument("--write-table", action="store_true",
+                        help="also write the winners into kernels/quant_gemv_configs.py (replacing their keys' rows)")
     args = parser.parse_args(argv)
     if args.tiny and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it once, when first imported
         raise SystemExit("--tiny runs in Triton's interpreter: TRITON_INTERPRET=1 python -m loadtest.bench_kernels "
@@ -447,9 +466,12 @@ def run_sweep(argv: list[str]) -> int:
             continue
         results.append(sweep_group(group, configs, failed, device, num_sms, copy_gbps))
     print(f"\nwinners ({time.perf_counter() - start:.0f} s; paste into kernels/quant_gemv_configs.py TUNED):")
-    for r in results:
-        if r.best:
-            print(winner_line(r, copy_gbps))
+    lines = [winner_line(r, copy_gbps) for r in results if r.best]
+    print("\n".join(lines))
+    if args.write_table and lines and not args.tiny:
+        from asyncengine.kernels import quant_gemv_configs
+
+        print(f"wrote {write_table(lines, quant_gemv_configs.__file__)} rows into {quant_gemv_configs.__file__}")
     for group in skipped:
         print(f"    # skipped (over --budget-s): {group}")
     return 0

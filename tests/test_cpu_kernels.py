@@ -226,3 +226,81 @@ def test_default_model_greedy_tokens_identical_on_fast_and_reference_paths(defau
     monkeypatch.setattr(ops, "CPU_FAST_PATH", False)
     slow = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
     assert fast == slow
+
+
+class MirroredSteps:
+    """Steps of a model with `layers` layers, each run twice: through an engine-like DecodeKVMirror and through the
+    gather path, on two copies of the heads-major caches; every layer's outputs must be bit-identical."""
+
+    def __init__(self, layers=2, heads=4, kv_heads=2, head_dim=16, block_size=8, num_blocks=96, **mirror_kwargs):
+        self.heads, self.kv_heads, self.head_dim, self.block_size = heads, kv_heads, head_dim, block_size
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.gathered = [tuple(cpu.allocate_kv_cache(shape, torch.float32).normal_() for _ in "kv")
+                         for _ in range(layers)]
+        self.mirrored = [tuple(cpu.allocate_kv_cache(shape, torch.float32).copy_(c) for c in kv)
+                         for kv in self.gathered]
+        self.mirror = cpu.DecodeKVMirror(**mirror_kwargs)
+
+    def step(self, seqs, layers=None) -> cpu.MirrorStep:
+        """seqs: (blocks, length after this step, new tokens this step); runs `layers` (default all)."""
+        q_lens = np.array([n for _, _, n in seqs])
+        lens = np.array([length for _, length, _ in seqs], dtype=np.int32)
+        width = max(len(blocks) for blocks, _, _ in seqs)
+        tables = np.array([blocks + [0] * (width - len(blocks)) for blocks, _, _ in seqs], dtype=np.int32)
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        positions = np.concatenate([np.arange(s - n, s) for n, s in zip(q_lens, lens)])
+        rows = np.repeat(np.arange(len(seqs)), q_lens)
+        slots = torch.from_numpy(tables[rows, positions // self.block_size].astype(np.int64) * self.block_size
+                                 + positions % self.block_size)
+        plans = (cpu.plan_attention(qsl, lens, tables, self.block_size, mirror=self.mirror),
+                 cpu.plan_attention(qsl, lens, tables, self.block_size))
+        tokens = int(qsl[-1])
+        for layer in range(len(self.gathered)) if layers is None else layers:
+            q = torch.randn(tokens, self.heads, self.head_dim)
+            key, value = (torch.randn(tokens, self.kv_heads, self.head_dim) for _ in "kv")
+            outs = [cpu.cache_and_attend(q, key, value, *caches[layer], slots, plan, 0.3)
+                    for caches, plan in zip((self.mirrored, self.gathered), plans)]
+            assert torch.equal(outs[0], outs[1]), f"layer {layer}: the mirror's attention differs from the gather's"
+        return plans[0].mirror
+
+
+def test_decode_mirror_appends_while_the_rows_stay_and_gives_the_gather_paths_bits():
+    steps = MirroredSteps()
+    a, b, c = [0, 1, 2, 3], [10, 11, 12, 13, 14], [20, 21, 22]
+    first = steps.step([(a, 9, 9), (b, 16, 16)])  # prefills only: no decode rows, no mirror step
+    assert first is None
+    lens = {"a": 10, "b": 17}
+    rebuilt = steps.step([(a, lens["a"], 1), (b, lens["b"], 1)])
+    assert rebuilt.appends_to is None
+    for i in range(12):  # 10 -> 22 keys: past the first capacity (doubling), across block boundaries
+        lens = {k: v + 1 for k, v in lens.items()}
+        appended = steps.step([(a, lens["a"], 1), (b, lens["b"], 1)])
+        assert appended.appends_to == appended.step - 1
+    # a prompt joins as a prefill row: the decode rows are the same, they still append
+    mixed = steps.step([(a, lens["a"] + 1, 1), (c, 7, 7), (b, lens["b"] + 1, 1)])
+    assert mixed.appends_to is not None
+    # the prompt's first decode: the rows changed, every layer gathers again
+    changed = steps.step([(a, lens["a"] + 2, 1), (c, 8, 1), (b, lens["b"] + 2, 1)])
+    assert changed.appends_to is None
+    # a layer that skipped a step gathers again on its next one (the others append)
+    steps.step([(a, lens["a"] + 3, 1), (c, 9, 1), (b, lens["b"] + 3, 1)], layers=[0])
+    steps.step([(a, lens["a"] + 4, 1), (c, 10, 1), (b, lens["b"] + 4, 1)])
+
+
+def test_decode_mirror_does_not_take_two_sequences_sharing_a_prefix_for_each_other():
+    steps = MirroredSteps()
+    shared = [0, 1]  # two full blocks of a common prompt, then each sequence's own blocks
+    x, y = shared + [5], shared + [6, 7]
+    steps.step([(x, 20, 1), (y, 21, 1)])
+    swapped = steps.step([(y, 21, 1), (x, 21, 1)])  # lengths fit "one longer" for one row only
+    assert swapped.appends_to is None
+    steps.step([(x, 22, 1), (y, 22, 1)])
+    swapped = steps.step([(y, 23, 1), (x, 23, 1)])  # same lengths, rows swapped: their own last blocks differ
+    assert swapped.appends_to is None
+
+
+def test_decode_mirror_past_its_memory_bound_gathers():
+    steps = MirroredSteps(max_bytes=4096)  # less than one layer's [2, 2, 16, 16] float32 keys and values
+    steps.step([([0, 1], 10, 1), ([2, 3], 12, 1)])
+    steps.step([([0, 1], 11, 1), ([2, 3], 13, 1)])
+    assert not steps.mirror._layers

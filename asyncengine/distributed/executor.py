@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from asyncengine.distributed import parallel_state
-from asyncengine.kernels.cpu import plan_attention
+from asyncengine.kernels.cpu import DecodeKVMirror, plan_attention
 from asyncengine.models.layers import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class StepChannel:
 
     def __init__(self, device: torch.device, block_size: int):
         self.device, self.block_size = device, block_size
+        self.cpu_mirror = DecodeKVMirror() if device.type == "cpu" else None  # a worker's (kernels/cpu.py)
         self._header_in_flight: Optional[tuple[Any, torch.Tensor]] = None  # rank 0: (its pending send, header)
 
     def send(self, input_ids, positions, metadata: AttentionMetadata, logits_indices, graph_size) -> None:
@@ -121,8 +122,8 @@ class StepChannel:
             query_start_loc=qsl.int(), seq_lens=seq_lens.int(), block_tables=tables.int().view(b, width),
             slot_mapping=slots, query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu,
             max_query_len=max_q, max_seq_len=max_s,
-            cpu_plan=(plan_attention(qsl_cpu.numpy(), lens_cpu.numpy(), tables_cpu.numpy(), self.block_size)
-                      if self.device.type == "cpu" else None),
+            cpu_plan=(plan_attention(qsl_cpu.numpy(), lens_cpu.numpy(), tables_cpu.numpy(), self.block_size,
+                                     mirror=self.cpu_mirror) if self.device.type == "cpu" else None),
         )
         return FollowerStep(ids, positions, metadata, logits_idx, graph or None)
 
