@@ -648,23 +648,15 @@ def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int
 def default_config(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     """Untuned tiles: wide K strips for dense weights (contiguous along K), wide N rows for int4 (contiguous
     along N), and the split from `split_k_for`. int4 takes the paths that won every 8B shape in run 48 (half_fma
-    at M == 1, slot_dot above; each applies only where its conditions hold, see GemvConfig). bf16/fp16 take the
-    tiles that won most of the 13 shapes of run 57's sweep (one H200): at M == 1 the FMA path with load-ahead on
-    32 x 512 tiles and 8 warps (8 of 13 winners, the others within a few percent), at M of 2..16 tl.dot on 64 x 256
-    tiles in 4 stages (9 of 13); the old defaults lost to cuBLAS at every one of those shapes."""
-    dot, int4, half = m > 1, fmt == "int4", fmt in ("bf16", "fp16")
-    warps, stages, load_ahead = 4, 3, False
-    if int4:
+    at M == 1, slot_dot above; each applies only where its conditions hold, see GemvConfig)."""
+    dot = m > 1
+    if fmt == "int4":
         block_n, block_k = 64, 128
-    elif half and not dot:
-        block_n, block_k, warps, load_ahead = 32, 512, 8, True
-    elif half and m <= 16:
-        block_n, block_k, stages = 64, 256, 4
     else:
         block_n, block_k = (32, 512 if fmt == "fp8" else 256) if not dot else (32, 128)
-    return GemvConfig(block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), num_warps=warps,
-                      num_stages=stages, dot=dot, slot_dot=int4 and dot, half_fma=int4 and not dot,
-                      load_ahead=load_ahead)
+    int4 = fmt == "int4"
+    return GemvConfig(block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), num_warps=4, num_stages=3,
+                      dot=dot, slot_dot=int4 and dot, half_fma=int4 and not dot)
 
 
 def config_for(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:

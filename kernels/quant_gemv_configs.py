@@ -13,7 +13,7 @@ from .quant_gemv import GemvConfig
 
 # Measured on: one NVIDIA H100 80GB HBM3 (132 SMs, copy 2995 GB/s), 2026-11-24, session 7's sweep (run 41); the
 # Llama-3-8B shapes. Comments: our time, GB/s, share of the copy bandwidth; the library's time beside it.
-# The bf16 8B rows at M = 1 and 16 are session 9's run 58 (one NVIDIA H200, copy ~4,230 GB/s; written by
+# The bf16 8B rows at M = 1 and 16 are session 9's run 59 (one NVIDIA H200, copy ~4,230 GB/s; written by
 # `--gemv-sweep --formats bf16 --shapes 8b --ms 1,16 --write-table`): the FMA path with load-ahead (session 8) now
 # wins at M = 1 where run 41's H100 sweep, before load-ahead existed, chose tl.dot. Their M = 64 rows are run 41's.
 TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
