@@ -145,6 +145,8 @@ def plan_attention(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tabl
     if mirror is not None and num_decode and sliding_window is None:
         keys_len = blocks.shape[0] // num_decode * block_size
         mirror_step = mirror.begin_step(seq_lens[decode], block_tables[decode], block_size, keys_len)
+    elif mirror is not None:
+        mirror.begin_step_without_decode_rows()
     return AttentionPlan(num_decode, rows, blocks, mask, prefills, layout, mirror_step)
 
 
@@ -321,15 +323,15 @@ class MirrorStep:
 
 @dataclass
 class _LayerMirror:
-    keys: torch.Tensor  # [Bd, KVH, capacity, D]
+    keys: torch.Tensor  # [row capacity, KVH, key capacity, D]; a step uses [:Bd, :, :keys_len]
     values: torch.Tensor
     step: int  # the last step whose keys it holds
 
 
 class DecodeKVMirror:
     """Each layer's decode-row K/V as [Bd, KVH, capacity, D] buffers (one per cache, keyed by the cache) that
-    outlive the step. `begin_step` (host, in forward order) tells whether this step's decode rows are last step's
-    sequences one token on; `keys_values` (the model's thread) then appends each row's new key and value, or fills
+    outlive the step. `begin_step` (host, every step's plan, in forward order) tells whether this step's decode
+    rows are the previous step's sequences one token on; `keys_values` (the model's thread) then appends each row's new key and value, or fills
     the mirror with the gather path's result when the rows changed (or the layer skipped a step). Positions past a
     row's length hold finite stale values, which the plan's mask hides, as the gather path's padding."""
 
@@ -347,6 +349,12 @@ class DecodeKVMirror:
         appends_to = self._last[0] if self._extends_last(lens, tables, used) else None
         self._last = (self._step, lens, tables.copy(), used)
         return MirrorStep(self, self._step, appends_to, torch.from_numpy(lens - 1), keys_len)
+
+    def begin_step_without_decode_rows(self) -> None:
+        """A step with no decode rows (prefills only): the next step's decode rows cannot extend an earlier one's
+        (in between, a finished sequence's blocks may have gone to a new prompt of the same length)."""
+        self._step += 1
+        self._last = None
 
     def _extends_last(self, lens, tables, used) -> bool:
         """The same sequences in the same rows, each one key longer: same count, lengths + 1, and the blocks of
@@ -380,28 +388,28 @@ class DecodeKVMirror:
                 self._layers.pop(key, None)
                 return keys, values
             layer = self._layers[key]
-            layer.keys[:, :, : step.keys_len].copy_(keys)
-            layer.values[:, :, : step.keys_len].copy_(values)
+            layer.keys[:rows, :, : step.keys_len].copy_(keys)
+            layer.values[:rows, :, : step.keys_len].copy_(values)
         layer.step = step.step
-        return layer.keys[:, :, : step.keys_len], layer.values[:, :, : step.keys_len]
+        return layer.keys[:rows, :, : step.keys_len], layer.values[:rows, :, : step.keys_len]
 
     def _fits(self, layer: Optional[_LayerMirror], key: int, rows: int, keys_len: int, cache, keep: bool = True):
-        """Make this layer's buffers hold `rows` rows of at least keys_len keys (keep: their contents too),
-        doubling the capacity when it grows; False (and nothing allocated) past max_bytes."""
-        if layer is not None and layer.keys.shape[0] == rows and layer.keys.shape[2] >= keys_len:
+        """Make this layer's buffers hold at least `rows` rows of keys_len keys (keep: their contents too); a
+        buffer grows to twice its capacity along the one that is short (fewer reallocations as sequences come,
+        go and lengthen); False (and nothing allocated) past max_bytes."""
+        have_rows, have_keys = (0, 0) if layer is None else (layer.keys.shape[0], layer.keys.shape[2])
+        if rows <= have_rows and keys_len <= have_keys:
             return True
-        capacity = keys_len if layer is None or layer.keys.shape[0] != rows else max(keys_len, 2 * layer.keys.shape[2])
-        kv_heads, head_dim = cache.shape[2], cache.shape[3]
-        shape = (rows, kv_heads, capacity, head_dim)
+        shape = (have_rows if rows <= have_rows else max(rows, 2 * have_rows), cache.shape[2],
+                 have_keys if keys_len <= have_keys else max(keys_len, 2 * have_keys), cache.shape[3])
         others = sum(m.keys.nbytes * 2 for k, m in self._layers.items() if k != key)
         if others + 2 * math.prod(shape) * cache.element_size() > self.max_bytes:
             return False
         grown = _LayerMirror(torch.zeros(shape, dtype=cache.dtype), torch.zeros(shape, dtype=cache.dtype),
                              layer.step if layer is not None else -1)
         if keep and layer is not None:
-            old = layer.keys.shape[2]
-            grown.keys[:, :, :old].copy_(layer.keys)
-            grown.values[:, :, :old].copy_(layer.values)
+            grown.keys[:have_rows, :, :have_keys].copy_(layer.keys)
+            grown.values[:have_rows, :, :have_keys].copy_(layer.values)
         self._layers[key] = grown
         return True
 

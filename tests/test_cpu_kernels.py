@@ -304,3 +304,13 @@ def test_decode_mirror_past_its_memory_bound_gathers():
     steps.step([([0, 1], 10, 1), ([2, 3], 12, 1)])
     steps.step([([0, 1], 11, 1), ([2, 3], 13, 1)])
     assert not steps.mirror._layers
+
+
+def test_decode_mirror_does_not_extend_a_step_before_a_prefill_only_step():
+    # (the failure a 200-stream server test found: the mirror took a new prompt's first decode for the extension
+    # of the finished sequence whose freed block it had been given, across the prefill-only step between them)
+    steps = MirroredSteps()
+    steps.step([([0], 7, 1)])  # X decodes its 7th key in block 0, and finishes
+    steps.step([([0], 7, 7)])  # Y, a 7-token prompt, prefills in X's freed block: no decode rows this step
+    y = steps.step([([0], 8, 1)])  # Y's first decode: X's length plus one, in the same block
+    assert y.appends_to is None
