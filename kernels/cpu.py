@@ -396,18 +396,24 @@ class DecodeKVMirror:
     def _fits(self, layer: Optional[_LayerMirror], key: int, rows: int, keys_len: int, cache, keep: bool = True):
         """Make this layer's buffers hold at least `rows` rows of keys_len keys (keep: their contents too); a
         buffer grows to twice its capacity along the one that is short (fewer reallocations as sequences come,
-        go and lengthen); False (and nothing allocated) past max_bytes."""
+        go and lengthen), and when it is refilled (not keep) at under a quarter of its size it shrinks to fit, so
+        that what a burst of sequences took is given back once fewer decode; False (and nothing allocated) past
+        max_bytes."""
         have_rows, have_keys = (0, 0) if layer is None else (layer.keys.shape[0], layer.keys.shape[2])
-        if rows <= have_rows and keys_len <= have_keys:
+        oversized = not keep and have_rows * have_keys > 4 * rows * keys_len
+        if rows <= have_rows and keys_len <= have_keys and not oversized:
             return True
-        shape = (have_rows if rows <= have_rows else max(rows, 2 * have_rows), cache.shape[2],
-                 have_keys if keys_len <= have_keys else max(keys_len, 2 * have_keys), cache.shape[3])
+        if oversized:
+            shape = (rows, cache.shape[2], keys_len, cache.shape[3])
+        else:
+            shape = (have_rows if rows <= have_rows else max(rows, 2 * have_rows), cache.shape[2],
+                     have_keys if keys_len <= have_keys else max(keys_len, 2 * have_keys), cache.shape[3])
         others = sum(m.keys.nbytes * 2 for k, m in self._layers.items() if k != key)
         if others + 2 * math.prod(shape) * cache.element_size() > self.max_bytes:
             return False
         grown = _LayerMirror(torch.zeros(shape, dtype=cache.dtype), torch.zeros(shape, dtype=cache.dtype),
                              layer.step if layer is not None else -1)
-        if keep and layer is not None:
+        if keep and layer is not None:  # (keep never shrinks)
             grown.keys[:have_rows, :, :have_keys].copy_(layer.keys)
             grown.values[:have_rows, :, :have_keys].copy_(layer.values)
         self._layers[key] = grown

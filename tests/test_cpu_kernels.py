@@ -314,3 +314,13 @@ def test_decode_mirror_does_not_extend_a_step_before_a_prefill_only_step():
     steps.step([([0], 7, 7)])  # Y, a 7-token prompt, prefills in X's freed block: no decode rows this step
     y = steps.step([([0], 8, 1)])  # Y's first decode: X's length plus one, in the same block
     assert y.appends_to is None
+
+
+def test_decode_mirror_gives_back_a_bursts_memory_once_fewer_rows_decode():
+    steps = MirroredSteps(num_blocks=200)
+    burst = [([3 * i, 3 * i + 1, 3 * i + 2], 20, 1) for i in range(40)]  # 40 rows of 20 keys
+    steps.step(burst)
+    big = sum(m.keys.nbytes for m in steps.mirror._layers.values())
+    steps.step([([0, 1, 2], 21, 1), ([3, 4, 5], 21, 1)])  # two of them go on: the rows changed, layers refill
+    small = sum(m.keys.nbytes for m in steps.mirror._layers.values())
+    assert small * 10 < big, (small, big)
