@@ -204,6 +204,13 @@ def fp8_linear(x, w_fp8, w_scale, input_scale, bias=None) -> torch.Tensor:
     return _quant_impl(x).fp8_linear(x, w_fp8, w_scale, input_scale, bias)
 
 
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [S, K] x weight [V, K]^T -> logits [S, V] (maybe a strided view): the LM head's product."""
+    if CPU_FAST_PATH and hidden.device.type == "cpu":
+        return cpu.head_logits(hidden, weight)
+    return torch.nn.functional.linear(hidden, weight)
+
+
 def dense_gemv(x, weight, bias=None, w_scale=None) -> torch.Tensor:
     """Decode GEMV (M <= 16): x [M, K] @ (weight [N, K] * w_scale)^T (+ bias), weight dense or FP8 (weight-only)."""
     return _quant_impl(x).dense_gemv(x, weight, bias, w_scale)

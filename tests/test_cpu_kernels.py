@@ -176,6 +176,17 @@ def test_silu_and_mul_matches_reference():
     torch.testing.assert_close(cpu.silu_and_mul(x), expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_head_logits_match_f_linear_and_the_sampler_takes_the_transposed_view(rows):
+    hidden, weight = torch.randn(rows, 48), torch.randn(1000, 48)
+    logits = cpu.head_logits(hidden, weight)
+    assert logits.shape == (rows, 1000)
+    torch.testing.assert_close(logits, torch.nn.functional.linear(hidden, weight), atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits.argmax(dim=-1), logits.contiguous().argmax(dim=-1))
+    column_major = weight.t().contiguous().t()  # not row-major: F.linear as before
+    torch.testing.assert_close(cpu.head_logits(hidden, column_major), logits, atol=1e-5, rtol=1e-5)
+
+
 def rotary_cache(head_dim: int, max_positions: int = 128) -> torch.Tensor:
     """[max_positions, head_dim] float32 = [cos | sin] at rope base 10000."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))

@@ -230,7 +230,7 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size
     if hidden.shape[0] <= gemv_max_m:
         local = ops.dense_gemv(hidden, weight)  # [S, vocab_per_rank]
     else:
-        local = F.linear(hidden, weight)
+        local = ops.head_logits(hidden, weight)
     if tp_size() == 1:
         return local
     return all_gather(local, dim=-1)[:, :vocab_size]
