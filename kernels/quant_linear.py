@@ -52,19 +52,31 @@ def gemv_max_m(key: tuple, ours: Callable, library: Callable, k: int, dtype: tor
     return _chosen[key]
 
 
-def device_time_ms(fn: Callable, reps: int = 25) -> float:
+def device_time_ms(fn: Callable, reps: int = 25, dirty_flush: bool = False) -> float:
     """Median GPU time of one fn() call, as a CUDA graph replay sees it: weights out of L2 (a flush before each call)
     and without the host's launch cost. Before each call the GPU is kept busy (a flush, then a spin of ~200 us)
     while the host enqueues the timing events and fn's kernels, so a wrapper's Python time does not show up as an
     idle GPU between the events. triton's do_bench timed that idle gap too: at start-up it charged our GEMV's
     Python wrapper (tens of microseconds) against cuBLAS's C++ one and picked cuBLAS for shapes where the sweep,
-    in CUDA graphs, has ours 4-8% faster (runs 45 and 48)."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    in CUDA graphs, has ours 4-8% faster (runs 45 and 48).
+
+    The flush *reads* a buffer larger than L2 (a sum), leaving L2 full of clean lines, as the previous kernel of a
+    decode step leaves it (it read its weights). A flush that wrote the buffer (zero_, until session 10) left L2
+    full of dirty lines, whose write-back to memory the timed kernel then paid for: start-up timed cuBLAS at
+    35.1 us on the 70B TP=2 qkv shard where the sweep (graphs, clean L2) has 26.5, and the choice between two
+    kernels became a draw of which one the write-back hurt more (session 9: bf16 o and down stayed on cuBLAS
+    although the sweep has ours 5-20% faster). `dirty_flush`: flush by writing, the old way (for
+    `bench_kernels --gemv-sweep --startup-check`, which compares the two)."""
+    flush = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
     fn()  # compile / warm up
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        flush.zero_()
+        if dirty_flush:
+            flush.fill_(1.0)
+        else:
+            torch.sum(flush, dim=0, out=sink)
         torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         fn()
