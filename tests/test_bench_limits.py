@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from asyncengine import EngineConfig, LLMEngine, SamplingParams
+from asyncengine import EngineConfig, LLMEngine, SamplingParams, ops
 from loadtest.bench_matmul import linear_weights_in_order
 from loadtest.bench_offline import w2_ceiling, w3_per_layer
 
@@ -48,7 +48,12 @@ def test_floor_weights_are_every_matrix_the_forward_pass_multiplies_by(llama_dir
         seen.append(weight)
         return original(x, weight, bias)
 
+    def head_spy(hidden, weight):  # the LM head's product (on CPU not F.linear: kernels/cpu.head_logits)
+        seen.append(weight)
+        return original(hidden, weight)
+
     monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    monkeypatch.setattr(ops, "head_logits", head_spy)
     engine.add_request("one", [5, 6, 7], SamplingParams(max_tokens=1))
     while engine.has_unfinished_requests():
         engine.step()
