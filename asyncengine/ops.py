@@ -216,10 +216,12 @@ def dense_gemv(x, weight, bias=None, w_scale=None) -> torch.Tensor:
     return _quant_impl(x).dense_gemv(x, weight, bias, w_scale)
 
 
-def decode_gemv_max_m(key: tuple, ours, library, k: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Up to which decode batch size `ours` (our GEMV) beats `library` on this shape: measured once per key on
-    CUDA at start-up (kernels.quant_linear.gemv_max_m); 0 elsewhere (CPU runs the references)."""
+def decode_gemv_max_m(key: tuple, ours, library, weights: tuple, k: int, dtype: torch.dtype,
+                      device: torch.device) -> int:
+    """Up to which decode batch size `ours(x, w)` (our GEMV) beats `library(x, w)` on this shape, w being `weights`
+    or a copy of them: measured once per key on CUDA at start-up (kernels.quant_linear.gemv_max_m); 0 elsewhere
+    (CPU runs the references)."""
     kernels = _quant_kernels() if device.type == "cuda" else None
     if kernels is None:
         return 0
-    return kernels.gemv_max_m(key, ours, library, k, dtype, device)
+    return kernels.gemv_max_m(key, ours, library, weights, k, dtype, device)

@@ -6,7 +6,7 @@ decode GEMV and the library's product, made once per shape at start-up.
     fp8_linear         quant_fp8: per-token quantization + torch._scaled_mm (per-tensor form when it applies)
     dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 64 (where measured faster)
     (the GEMV's tiles per shape: quant_gemv_configs.TUNED, filled from `bench_kernels --gemv-sweep`)
-    gemv_max_m         measures dense_gemv against the library per decode batch size
+    gemv_max_m         measures dense_gemv against the library per decode batch size (graph_time_us)
 Same signatures as kernels/quant_reference.py.
 """
 
@@ -26,61 +26,72 @@ __all__ = ["dense_gemv", "fp8_linear", "gemv_max_m", "int_weight_matmul"]
 
 logger = logging.getLogger(__name__)
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes measured; a choice holds up to the next one
-MEASURE_ROUNDS = 3  # alternating (ours, library) measurements per batch size; the medians decide
-L2_FLUSH_BYTES = 256 << 20  # larger than any GPU's L2 (H100: 50 MB, H200: 60 MB)
-SPIN_CYCLES = 350_000  # ~200 us at ~1.7 GHz: longer than a GEMV wrapper's host time
+MEASURE_ROUNDS = 2  # alternating (ours, library) measurements per batch size; the medians decide
+L2_DEFEAT_BYTES = 256 << 20  # weight copies cycled per timed graph: several times any GPU's L2 (H200: 60 MB)
 _chosen: dict[tuple, int] = {}
 
 
-def gemv_max_m(key: tuple, ours: Callable, library: Callable, k: int, dtype: torch.dtype, device) -> int:
-    """The largest decode batch size M (of DECODE_SIZES, up to MAX_M) for which `ours(x)` beat `library(x)` on
-    x [M, k] at every size up to it (0: never). Measured once per `key` (the shape and format: layers of one shape
-    share it) with `device_time_ms`, medians of alternating rounds, and logged."""
+def gemv_max_m(key: tuple, ours: Callable, library: Callable, weights: tuple, k: int, dtype: torch.dtype,
+               device) -> int:
+    """The largest decode batch size M (of DECODE_SIZES, up to MAX_M) for which `ours(x, w)` beat `library(x, w)`
+    on x [M, k] at every size up to it (0: never); w: `weights` (the layer's weight tensors, e.g. (weight, scale)),
+    or a copy of them. Measured once per `key` (the shape and format: layers of one shape share it) with
+    `graph_time_us` over copies of the weights, the medians of alternating rounds, and logged.
+
+    Why graphs: decode steps replay CUDA graphs, where each kernel's launch and tail overlap its neighbours'
+    (programmatic dependent launch). Timing one call between events (sessions 8-9) charged our GEMV a fixed ~3 us
+    that graphs hide: on an H200 it timed the 8B `o` GEMV at 15.2 us against cuBLAS's 14.6 and kept cuBLAS, where
+    in graphs ours takes 12.1 us and cuBLAS 14.5 (run 60)."""
     if key in _chosen:
         return _chosen[key]
+    copies = _copies(weights)
     chosen, timings = 0, []
     for m in DECODE_SIZES:
         x = torch.randn(m, k, dtype=dtype, device=device)
-        rounds = [(device_time_ms(lambda: ours(x)), device_time_ms(lambda: library(x))) for _ in range(MEASURE_ROUNDS)]
+        rounds = [(graph_time_us(lambda w: ours(x, w), copies), graph_time_us(lambda w: library(x, w), copies))
+                  for _ in range(MEASURE_ROUNDS)]
         t_ours, t_library = (statistics.median(times) for times in zip(*rounds))
-        timings.append(f"M={m}: {t_ours * 1e3:.1f} vs {t_library * 1e3:.1f} us")
+        timings.append(f"M={m}: {t_ours:.1f} vs {t_library:.1f} us")
         if t_ours >= t_library:
             break
         chosen = m
+    del copies
+    torch.cuda.empty_cache()  # the copies' memory back before the KV cache is sized
     _chosen[key] = min(chosen, MAX_M)
     logger.info("decode GEMV for %s: ours up to M=%d (%s)", key, chosen, "; ".join(timings))
     return _chosen[key]
 
 
-def device_time_ms(fn: Callable, reps: int = 25, dirty_flush: bool = False) -> float:
-    """Median GPU time of one fn() call, as a CUDA graph replay sees it: weights out of L2 (a flush before each call)
-    and without the host's launch cost. Before each call the GPU is kept busy (a flush, then a spin of ~200 us)
-    while the host enqueues the timing events and fn's kernels, so a wrapper's Python time does not show up as an
-    idle GPU between the events. triton's do_bench timed that idle gap too: at start-up it charged our GEMV's
-    Python wrapper (tens of microseconds) against cuBLAS's C++ one and picked cuBLAS for shapes where the sweep,
-    in CUDA graphs, has ours 4-8% faster (runs 45 and 48).
+def _copies(weights: tuple) -> list[tuple]:
+    """`weights` and enough clones of it that cycling through them reads past L2 (at most 64 in all)."""
+    nbytes = sum(t.numel() * t.element_size() for t in weights)
+    count = max(1, min(64, L2_DEFEAT_BYTES // max(nbytes, 1) + 1))
+    return [weights] + [tuple(t.clone() for t in weights) for _ in range(count - 1)]
 
-    The flush *reads* a buffer larger than L2 (a sum), leaving L2 full of clean lines, as the previous kernel of a
-    decode step leaves it (it read its weights). A flush that wrote the buffer (zero_, until session 10) left L2
-    full of dirty lines, whose write-back to memory the timed kernel then paid for: start-up timed cuBLAS at
-    35.1 us on the 70B TP=2 qkv shard where the sweep (graphs, clean L2) has 26.5, and the choice between two
-    kernels became a draw of which one the write-back hurt more (session 9: bf16 o and down stayed on cuBLAS
-    although the sweep has ours 5-20% faster). `dirty_flush`: flush by writing, the old way (for
-    `bench_kernels --gemv-sweep --startup-check`, which compares the two)."""
-    flush = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
-    sink = torch.empty((), dtype=torch.float32, device="cuda")
-    fn()  # compile / warm up
+
+def graph_time_us(call: Callable, copies: list, replays: int = 10) -> float:
+    """GPU time of one call(w), from a CUDA graph of call(w) over every weight copy in `copies` in turn (at least 8
+    calls; the copies defeat L2, so each call reads its weights from memory as a decode step's does): the median
+    of `replays` timed replays, over the calls per replay. The host's time (a wrapper's Python) is outside the
+    graph; neighbouring calls overlap their launches and tails as in a decode step's graph."""
+    order = [copies[i % len(copies)] for i in range(max(8, len(copies)))]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(order[0])  # compile / warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in order:
+            call(w)
+    graph.replay()
     times = []
-    for _ in range(reps):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if dirty_flush:
-            flush.fill_(1.0)
-        else:
-            torch.sum(flush, dim=0, out=sink)
-        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) * 1e3 / len(order))
+    del graph
     return statistics.median(times)

@@ -204,8 +204,9 @@ def copies_for(group: Group) -> int:
 # -- timing -------------------------------------------------------------------------------------------------
 
 def time_per_call_us(call: Callable, weights: list, device: str) -> float:
-    """Median time of one call, from a CUDA graph cycling over every weight copy (at least 8 calls), or on CPU
-    the median wall time of a few eager calls."""
+    """Median time of one call, from a CUDA graph cycling over every weight copy (at least 8 calls; the engine's
+    start-up choice times the same way, quant_linear.graph_time_us), or on CPU the median wall time of a few eager
+    calls."""
     if device != "cuda":
         times = []
         for w in weights[:1] * 3:
@@ -213,21 +214,9 @@ def time_per_call_us(call: Callable, weights: list, device: str) -> float:
             call(w)
             times.append(time.perf_counter() - t0)
         return sorted(times)[1] * 1e6
-    from triton.testing import do_bench
+    from asyncengine.kernels.quant_linear import graph_time_us
 
-    order = [weights[i % len(weights)] for i in range(max(8, len(weights)))]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call(order[0])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in order:
-            call(w)
-    ms = do_bench(graph.replay, warmup=3, rep=10, return_mode="median")
-    del graph
-    return ms * 1e3 / len(order)
+    return graph_time_us(call, weights)
 
 
 # -- compiling ahead in worker processes ----------------------------------------------------------------------
@@ -431,10 +420,6 @@ def run_sweep(argv: list[str]) -> int:
     parser.add_argument("--ms", default="", help="comma-separated M values (default: each format's own)")
     parser.add_argument("--write-table", action="store_true",
                         help="also write the winners into kernels/quant_gemv_configs.py (replacing their keys' rows)")
-    parser.add_argument("--startup-check", action="store_true",
-                        help="no sweep: time the engine's GEMV (its table's tile) and the library per cell both as "
-                             "start-up does (quant_linear.device_time_ms) and in CUDA graphs, and say whether the "
-                             "two methods pick the same winner (bf16 and fp8)")
     args = parser.parse_args(argv)
     if args.tiny and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it once, when first imported
         raise SystemExit("--tiny runs in Triton's interpreter: TRITON_INTERPRET=1 python -m loadtest.bench_kernels "
@@ -459,8 +444,6 @@ def run_sweep(argv: list[str]) -> int:
     except ValueError:
         parser.error(f"--ms: comma-separated integers, not {args.ms!r}")
     groups = groups_for(formats, args.tiny, tuple(args.shapes.split(",")), ms)
-    if args.startup_check:
-        return startup_check([g for g in groups if g.fmt != "int4"], device)
     work = [(g, candidates(g, num_sms, args.tiny)) for g in groups]
     print(f"{len(work)} groups, {sum(len(c) for _, c in work)} candidates; compiling in {args.jobs} processes")
     flush()
@@ -485,40 +468,3 @@ def run_sweep(argv: list[str]) -> int:
         print(f"    # skipped (over --budget-s): {group}")
     return 0
 
-
-def startup_check(groups: list[Group], device: str) -> int:
-    """Per cell: the engine's GEMV (quant_gemv's dispatch, its TUNED tile) and the library's product (the one the
-    engine weighs it against: cuBLAS for bf16, fp8_linear for FP8) timed as the start-up choice times them
-    (`quant_linear.device_time_ms`, one weight copy, L2 flushed) and in CUDA graphs cycling weight copies (the
-    sweep's method), and as start-up timed them before session 10 (a flush that wrote L2 dirty). Prints all three and
-    whether start-up and the graphs pick the same winner."""
-    if device != "cuda":
-        raise SystemExit("--startup-check needs a GPU")
-    from asyncengine.kernels import quant_fp8, quant_gemv
-    from asyncengine.kernels.quant_linear import device_time_ms
-
-    print(f"{'cell':34} {'start-up ours / lib us':>24} {'(dirty flush)':>16} {'graphs ours / lib us':>22}  same winner")
-    disagree = 0
-    for group in groups:
-        case = Case(group, device, copies_for(group))
-        x = case.x
-        if group.fmt == "fp8":
-            ours = lambda w: quant_gemv.dense_gemv(x, w[0], None, w[1])  # noqa: E731
-            library = lambda w: quant_fp8.fp8_linear(x, w[0], w[1], None)  # noqa: E731
-        else:
-            ours = lambda w: quant_gemv.dense_gemv(x, w[0])  # noqa: E731
-            library = lambda w: torch.nn.functional.linear(x, w[0])  # noqa: E731
-        one = case.weights[0]
-        startup = [device_time_ms(lambda: f(one)) * 1e3 for f in (ours, library)]
-        dirty = [device_time_ms(lambda: f(one), dirty_flush=True) * 1e3 for f in (ours, library)]
-        graphs = [time_per_call_us(f, case.weights, device) for f in (ours, library)]
-        same = (startup[0] < startup[1]) == (graphs[0] < graphs[1])
-        disagree += not same
-        cell = f"{group.fmt} {group.name} M={group.m}"
-        print(f"{cell:34} {startup[0]:11.1f} / {startup[1]:6.1f}  {dirty[0]:7.1f} / {dirty[1]:6.1f}  "
-              f"{graphs[0]:9.1f} / {graphs[1]:6.1f}   "
-              f"{'yes' if same else 'NO'}")
-        del case
-        torch.cuda.empty_cache()
-    print(f"{disagree} of {len(groups)} cells pick differently")
-    return 0

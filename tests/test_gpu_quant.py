@@ -241,20 +241,31 @@ def test_gpu_gemv_chosen_configs_match_reference_in_cuda_graph_replays(fmt, m):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_start_up_timing_ignores_the_host_time_of_a_slow_wrapper():
-    """device_time_ms (the decode GEMV's start-up choice) sees device time only: a product whose Python wrapper
-    first sleeps ~100 us on the host measures within 5 us of the same product called directly."""
+def test_gpu_start_up_choice_times_device_work_in_graphs_and_picks_the_faster_product():
+    """gemv_max_m times in CUDA graphs: a wrapper's host time (a 200 us sleep) is not charged, while a product that
+    does 4x the device work loses at every decode size."""
     import time
 
-    from asyncengine.kernels.quant_linear import device_time_ms
+    from asyncengine.kernels import quant_linear
 
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 
-    def slow_wrapper():
-        time.sleep(100e-6)
-        return torch.nn.functional.linear(x, w)
+    def slow_host(x, ws):
+        time.sleep(200e-6)
+        return torch.nn.functional.linear(x, ws[0])
 
-    direct = device_time_ms(lambda: torch.nn.functional.linear(x, w))
-    wrapped = device_time_ms(slow_wrapper)
-    assert abs(wrapped - direct) < 5e-3, (wrapped, direct)
+    def four_times(x, ws):
+        for _ in range(3):
+            torch.nn.functional.linear(x, ws[0])
+        return torch.nn.functional.linear(x, ws[0])
+
+    copies = quant_linear._copies((w,))
+    assert len(copies) > 8 and all(c[0].data_ptr() != w.data_ptr() for c in copies[1:])
+    direct = quant_linear.graph_time_us(lambda ws: torch.nn.functional.linear(torch.ones(1, 4096, device="cuda",
+                                                                                          dtype=w.dtype), ws[0]),
+                                        copies)
+    x = torch.ones(1, 4096, device="cuda", dtype=w.dtype)
+    assert quant_linear.graph_time_us(lambda ws: slow_host(x, ws), copies) < 1.5 * direct + 2
+    assert quant_linear.gemv_max_m(("test-slow-host",), slow_host, four_times, (w,), 4096, w.dtype, "cuda") == \
+        quant_linear.MAX_M
+    assert quant_linear.gemv_max_m(("test-four-times",), four_times, slow_host, (w,), 4096, w.dtype, "cuda") == 0

@@ -240,8 +240,9 @@ def head_gemv_max_m(weight: torch.Tensor) -> int:
     """Up to which decode batch size the LM head's product [S, hidden] x weight^T runs our GEMV (measured once per
     shape at start-up against cuBLAS, as the linear layers are; 0 on CPU). The head is the largest single product of
     a decode step (Llama-3-8B: 1 GB, 0.34 ms on an H100)."""
-    return ops.decode_gemv_max_m(("dense", *weight.shape, weight.dtype), lambda x: ops.dense_gemv(x, weight),
-                                 lambda x: F.linear(x, weight), weight.shape[1], weight.dtype, weight.device)
+    return ops.decode_gemv_max_m(("dense", *weight.shape, weight.dtype), lambda x, w: ops.dense_gemv(x, w[0]),
+                                 lambda x, w: F.linear(x, w[0]), (weight,), weight.shape[1], weight.dtype,
+                                 weight.device)
 
 
 class RMSNorm(nn.Module):

@@ -59,8 +59,8 @@ class UnquantizedLinearMethod(LinearMethod):
         use_cpu_gemm_layout(layer.weight)
         weight = layer.weight
         layer.gemv_max_m = ops.decode_gemv_max_m(
-            ("dense", *weight.shape, weight.dtype), lambda x: ops.dense_gemv(x, weight), lambda x: F.linear(x, weight),
-            weight.shape[1], weight.dtype, weight.device)
+            ("dense", *weight.shape, weight.dtype), lambda x, w: ops.dense_gemv(x, w[0]),
+            lambda x, w: F.linear(x, w[0]), (weight,), weight.shape[1], weight.dtype, weight.device)
 
     def apply(self, layer, x, bias):
         if x.shape[0] <= getattr(layer, "gemv_max_m", 0):

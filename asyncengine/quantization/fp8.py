@@ -65,8 +65,9 @@ class Fp8LinearMethod(LinearMethod):
         # Decode-sized batches: our weight-only FP8 GEMV (x unquantized) where it beats the W8A8 product.
         w, s, input_scale = layer.weight, layer.weight_scale, layer.input_scale
         layer.gemv_max_m = ops.decode_gemv_max_m(
-            ("fp8", *w.shape, s.numel() == 1, input_scale is None), lambda x: ops.dense_gemv(x, w, None, s),
-            lambda x: ops.fp8_linear(x, w, s, input_scale), w.shape[1], layer.activation_dtype, w.device)
+            ("fp8", *w.shape, s.numel() == 1, input_scale is None), lambda x, ws: ops.dense_gemv(x, ws[0], None, ws[1]),
+            lambda x, ws: ops.fp8_linear(x, ws[0], ws[1], input_scale), (w, s), w.shape[1], layer.activation_dtype,
+            w.device)
 
     def apply(self, layer, x, bias):
         """x: [T, K] -> [T, N]."""
