@@ -366,7 +366,7 @@ class DecodeKVMirror:
     def __init__(self, max_bytes: int = MIRROR_MAX_BYTES):
         self.max_bytes = max_bytes
         self._step = 0
-        self._last: Optional[tuple] = None  # (step, lens [Bd], tables [Bd, W], blocks used per row [Bd])
+        self._last: Optional[tuple] = None  # (step, lens [Bd], tables [Bd, W]) of the last step with decode rows
         self._layers: dict[int, _LayerMirror] = {}
 
     def begin_step(self, lens: np.ndarray, tables: np.ndarray, block_size: int, keys_len: int) -> MirrorStep:
@@ -375,7 +375,7 @@ class DecodeKVMirror:
         lens = lens.astype(np.int64)
         used = -(-(lens - 1) // block_size)  # blocks holding each row's earlier keys
         appends_to = self._last[0] if self._extends_last(lens, tables, used) else None
-        self._last = (self._step, lens, tables.copy(), used)
+        self._last = (self._step, lens, tables.copy())
         return MirrorStep(self, self._step, appends_to, torch.from_numpy(lens - 1), keys_len)
 
     def begin_step_without_decode_rows(self) -> None:
@@ -389,7 +389,7 @@ class DecodeKVMirror:
         every earlier key unchanged (a row's last, partly filled block is its own: no other sequence shares it)."""
         if self._last is None:
             return False
-        _, last_lens, last_tables, _ = self._last
+        _, last_lens, last_tables = self._last
         if len(last_lens) != len(lens) or not np.array_equal(last_lens + 1, lens):
             return False
         width = int(used.max(initial=0))

@@ -350,3 +350,25 @@ def test_dense_gemv_load_ahead_matches_reference(fmt, n, k, config):
     out = quant_gemv.dense_gemv(x, w, None, scale, config=quant_gemv.GemvConfig(*config, load_ahead=True))
     ref = quant_reference.dense_gemv(x, w, None, scale)
     assert_matches(out, ref, {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
+
+
+def test_gemv_sweep_write_table_replaces_known_keys_and_adds_new_ones_to_an_importable_table(tmp_path):
+    """bench_gemv.write_table (what `--gemv-sweep --write-table` runs) on a copy of the real TUNED table."""
+    import importlib.util
+
+    from asyncengine.kernels import quant_gemv_configs
+    from loadtest.bench_gemv import write_table
+
+    path = tmp_path / "quant_gemv_configs.py"
+    path.write_text(open(quant_gemv_configs.__file__).read())
+    replaced = '    ("bf16", 4096, 4096, 1): GemvConfig(64, 128, 3, 4, 3, False),  # o: replaced'
+    added = '    ("bf16", 1234, 5678, 1): GemvConfig(32, 256, 1, 4, 3, False),  # a new shape'
+    assert write_table([replaced, added], str(path)) == 2
+    text = path.read_text()
+    assert text.count('("bf16", 4096, 4096, 1):') == 1 and replaced in text and added in text
+    spec = importlib.util.spec_from_file_location("asyncengine.kernels.rewritten_configs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.TUNED[("bf16", 4096, 4096, 1)].split_k == 3
+    assert module.TUNED[("bf16", 1234, 5678, 1)].block_k == 256
+    assert len(module.TUNED) == len(quant_gemv_configs.TUNED) + 1
