@@ -299,13 +299,19 @@ class GrammarBatch:
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """In place on logits [S, V]: tokens the grammar forbids become -inf in the constrained rows. xgrammar's
         kernel takes a bitmask row per logits row, so the C constrained rows are gathered [C, V], masked and put
-        back (on the device, no sync)."""
+        back (on the device, no sync). The kernel reads rows as contiguous memory: logits of other strides (the CPU's
+        LM head gives a transposed view, kernels/cpu.head_logits) are masked in a contiguous copy and copied back."""
         apply = _xgrammar().apply_token_bitmask_inplace
         if len(self.rows) == logits.shape[0]:
-            apply(logits, bitmask, vocab_size=self.vocab_size)
+            if logits.is_contiguous():
+                apply(logits, bitmask, vocab_size=self.vocab_size)
+            else:
+                masked = logits.contiguous()
+                apply(masked, bitmask, vocab_size=self.vocab_size)
+                logits.copy_(masked)
             return
         rows = self._rows_on_device  # [C]
-        constrained = logits.index_select(0, rows)  # [C, V]
+        constrained = logits.index_select(0, rows).contiguous()  # [C, V]
         apply(constrained, bitmask, vocab_size=self.vocab_size)
         logits.index_copy_(0, rows, constrained)
 
