@@ -41,7 +41,9 @@ def gemv_max_m(key: tuple, ours: Callable, library: Callable, weights: tuple, k:
     Why graphs: decode steps replay CUDA graphs, where each kernel's launch and tail overlap its neighbours'
     (programmatic dependent launch). Timing one call between events (sessions 8-9) charged our GEMV a fixed ~3 us
     that graphs hide: on an H200 it timed the 8B `o` GEMV at 15.2 us against cuBLAS's 14.6 and kept cuBLAS, where
-    in graphs ours takes 12.1 us and cuBLAS 14.5 (run 60)."""
+    in graphs ours takes 12.1 us and cuBLAS 14.5 (run 60). End to end the graphs' choices were no faster than the
+    single-call ones (run 67, one H200: 8B bf16 W3 4.62 against 4.53 ms; FP8 3.07 against 3.09): at margins of a
+    few percent an isolated kernel's time does not predict its cost inside the step's graph."""
     if key in _chosen:
         return _chosen[key]
     copies = _copies(weights)
