@@ -467,4 +467,3 @@ def run_sweep(argv: list[str]) -> int:
     for group in skipped:
         print(f"    # skipped (over --budget-s): {group}")
     return 0
-
