@@ -12,7 +12,7 @@ are the same parser. Modules, in dependency order: config -> records -> datasets
 -> runner -> report -> __main__. They import each other relatively, so the folder works under both names.
 
 The names below are imported on first use, so that importing `config` (to build the command line) does not
-need the `bench` extra's httpx.
+need the `bench` extra's aiohttp.
 """
 
 from importlib import import_module

@@ -2,7 +2,7 @@
 `run_benchmark`.
 
 Exit status: 0 when at least one request completed, 1 when none did (or the `bench` extra is missing), 2 on a
-usage error (argparse). Building the parser needs nothing beyond the core install; running needs httpx (and
+usage error (argparse). Building the parser needs nothing beyond the core install; running needs aiohttp (and
 matplotlib for --plot), the `bench` extra: without it the command says so in one line.
 """
 
@@ -102,7 +102,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    needed = ["httpx", *(["matplotlib"] if args.plot else [])]
+    needed = ["aiohttp", *(["matplotlib"] if args.plot else [])]
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         print(f"{parser.prog}: error: {MISSING_EXTRA.format(module=missing[0])}", file=sys.stderr)

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -204,14 +205,13 @@ class InProcessServer:
         self._thread.start()
         if not ready.wait(30):
             raise RuntimeError("the server's loop did not start")
-        import httpx
-
         deadline = time.monotonic() + 30
         while True:
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:  # refused while starting; urllib's HTTPError and URLError are OSErrors
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not become healthy within 30 s")

@@ -10,6 +10,11 @@ Timing contract (all from `time.perf_counter()`):
   - output tokens are the server's `usage.completion_tokens` when it reports usage (we ask for it with
     `stream_options.include_usage`), else the number of content chunks.
 A request succeeds only on HTTP 200, at least one content chunk, no error event and a final `data: [DONE]`.
+
+The transport is aiohttp (its HTTP parser is C). On a 2-core machine the client shares the cores with the server it
+measures, so its cost per SSE event biases the figure: 64 streams x 64 tokens against `asyncengine serve` on CPU,
+httpx's client took 130 us of CPU per event (its stream reader, httpcore and anyio in Python), aiohttp's 45 us
+(session 11, loadtest/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import asyncio
 import json
 import time
 
-import httpx
+import aiohttp
 
 from .config import BenchmarkConfig
 from .datasets import SampleRequest
@@ -28,26 +33,27 @@ DONE = "[DONE]"
 MAX_ERROR_CHARS = 500
 
 
-def make_http_client(config: BenchmarkConfig) -> httpx.AsyncClient:
-    """An AsyncClient with a pool sized by `config.pool_size()`; the per-request deadline is enforced by
-    `send_request`, so httpx's own timeouts only bound connecting and silent reads."""
+def make_http_client(config: BenchmarkConfig) -> aiohttp.ClientSession:
+    """A session whose connection pool is sized by `config.pool_size()`; the per-request deadline is enforced by
+    `send_request`, so the session's own timeouts only bound connecting and silent reads (each `config.timeout`).
+    Use it as an async context manager (it closes its connections)."""
     size = config.pool_size()
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    return httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
-        timeout=httpx.Timeout(config.timeout, pool=None),
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=size, limit_per_host=size),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.timeout, sock_read=config.timeout),
         headers=headers,
     )
 
 
-async def fetch_first_model(client: httpx.AsyncClient, config: BenchmarkConfig) -> str:
+async def fetch_first_model(client: aiohttp.ClientSession, config: BenchmarkConfig) -> str:
     """The id of the first model listed by GET /v1/models; RuntimeError with the reason when there is none."""
     url = config.base_url + "/v1/models"
     try:
-        response = await client.get(url, timeout=min(config.timeout, 30.0))
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+        async with client.get(url, timeout=aiohttp.ClientTimeout(total=min(config.timeout, 30.0))) as response:
+            response.raise_for_status()
+            return (await response.json(content_type=None))["data"][0]["id"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError) as exc:
         raise RuntimeError(f"cannot read a model id from {url}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -71,7 +77,7 @@ def build_payload(config: BenchmarkConfig, model: str, request: SampleRequest) -
 
 
 async def send_request(
-    client: httpx.AsyncClient, config: BenchmarkConfig, payload: dict, record: RequestRecord
+    client: aiohttp.ClientSession, config: BenchmarkConfig, payload: dict, record: RequestRecord
 ) -> RequestRecord:
     """Send one streaming request and fill `record` in place as events arrive (so a caller that cancels this
     coroutine still holds what was measured). Never raises except on cancellation; failures are recorded
@@ -99,16 +105,30 @@ class _StreamState:
 
 
 async def _stream(
-    client: httpx.AsyncClient, config: BenchmarkConfig, payload: dict, record: RequestRecord, state: _StreamState
+    client: aiohttp.ClientSession, config: BenchmarkConfig, payload: dict, record: RequestRecord,
+    state: _StreamState,
 ) -> None:
-    async with client.stream("POST", config.url, json=payload) as response:
-        if response.status_code != 200:
-            body = (await response.aread()).decode(errors="replace")
-            record.error = f"HTTP {response.status_code}: {body}"[:MAX_ERROR_CHARS]
+    async with client.post(config.url, json=payload) as response:
+        if response.status != 200:
+            body = (await response.read()).decode(errors="replace")
+            record.error = f"HTTP {response.status}: {body}"[:MAX_ERROR_CHARS]
             return
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response.content):
             if not _handle_line(line, config.is_chat, record, state):
                 return
+
+
+async def sse_lines(stream: aiohttp.StreamReader):
+    """The lines of a response body as str, without their line ends (LF or CRLF), as the bytes arrive; no limit
+    on a line's length (a logprobs event can be long), unlike StreamReader.readline."""
+    pending = b""
+    async for data in stream.iter_any():
+        lines = (pending + data).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if pending:
+        yield pending.rstrip(b"\r").decode()
 
 
 def _handle_line(line: str, is_chat: bool, record: RequestRecord, state: _StreamState) -> bool:

@@ -2,7 +2,7 @@
 
 Life of a run:
   1. build the request list (datasets) and the send offsets (arrivals, seeded with `config.seed + 1`);
-  2. open one pooled httpx client; resolve the model id if none was given;
+  2. open one pooled HTTP client (aiohttp); resolve the model id if none was given;
   3. dispatch: sleep until each request's offset, take a `max_concurrency` slot if there is a limit, then
      start a task that streams it (client.send_request);
   4. wait for all of them, or until `duration` seconds have passed: then cancel the rest. Requests that were
@@ -20,8 +20,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+import aiohttp
 import anyio
-import httpx
 from tqdm import tqdm
 
 from .arrivals import arrival_offsets
@@ -63,7 +63,7 @@ async def run_benchmark(config: BenchmarkConfig) -> BenchmarkResult:
 
 
 async def _drive(
-    client: httpx.AsyncClient, config: BenchmarkConfig, model: str, requests: list[SampleRequest],
+    client: aiohttp.ClientSession, config: BenchmarkConfig, model: str, requests: list[SampleRequest],
     offsets: list[float],
 ) -> tuple[list[RequestRecord], float]:
     """Send every request at its offset; return the records of those sent and the run's duration (s).

@@ -120,11 +120,11 @@ def test_serve_help_is_the_same_from_the_console_script_and_python_m():
 
 
 def test_bench_serve_without_its_extra_says_so_in_one_line(monkeypatch, capsys):
-    """httpx made unimportable, as on an install without the 'bench' extra: one line naming the extra."""
-    monkeypatch.setitem(sys.modules, "httpx", None)
+    """aiohttp made unimportable, as on an install without the 'bench' extra: one line naming the extra."""
+    monkeypatch.setitem(sys.modules, "aiohttp", None)
     assert main(["bench", "serve", "--num-prompts", "2"]) == 1
     assert capsys.readouterr().err.splitlines() == [
-        "asyncengine bench serve: error: needs the 'bench' extra (httpx is not installed): "
+        "asyncengine bench serve: error: needs the 'bench' extra (aiohttp is not installed): "
         "pip install 'asyncengine[bench]'"]
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `loadtest` lives
 from loadtest import BenchmarkConfig, RequestRecord, format_table, run_benchmark, write_json, write_plot  # noqa: E402
 from loadtest.__main__ import main as cli_main  # noqa: E402
 from loadtest.arrivals import arrival_offsets, poisson_gaps  # noqa: E402
-from loadtest.client import build_payload, chunk_content, sse_data  # noqa: E402
+from loadtest.client import build_payload, chunk_content, sse_data, sse_lines  # noqa: E402
 from loadtest.config import parse_goodput  # noqa: E402
 from loadtest.datasets import WORDS, jsonl_requests, load_requests, random_requests, sample_lengths  # noqa: E402
 from loadtest.metrics import latency_stats, meets_slos, rolling_percentile, summarize, tpot_s  # noqa: E402
@@ -275,6 +275,24 @@ def test_sse_parsing_and_chunk_content():
     assert chunk_content({"choices": [{"delta": {"role": "assistant"}}]}, is_chat=True) == ""
     assert chunk_content({"choices": [], "usage": {}}, is_chat=False) == ""
     assert chunk_content({"choices": [{"delta": {"reasoning_content": "hmm"}}]}, is_chat=True) == "hmm"
+
+
+def test_sse_lines_split_across_reads_with_any_line_end_and_length():
+    """Lines cut anywhere between network reads, LF or CRLF ends, a 1 MB line (past aiohttp's readline limit), a
+    multi-byte character split between reads, and a last line with no end."""
+    long = "x" * (1 << 20)
+    body = f"data: a\r\n\ndata: {long}\n: ping\ndata: é\ndata: [DONE]".encode()
+    cuts = [0, 3, 8, 9, 500_000, len(body) - 20, len(body) - 14, len(body)]
+
+    class Body:  # what sse_lines reads of aiohttp's StreamReader
+        async def iter_any(self):
+            for start, end in zip(cuts, cuts[1:]):
+                yield body[start:end]
+
+    async def read() -> list[str]:
+        return [line async for line in sse_lines(Body())]
+
+    assert asyncio.run(read()) == ["data: a", "", f"data: {long}", ": ping", "data: é", "data: [DONE]"]
 
 
 def test_payload_streams_with_usage_and_ignore_eos():
