@@ -10,6 +10,13 @@ The rule every PDL kernel of this package keeps (and a new one must keep):
   1. Before `wait_for_prior_grids` a program reads only tensors that no kernel of the forward pass writes
      (weights, constant tables) and writes nothing at all: no stores, no atomics (an output buffer may be memory
      the previous kernel is still reading: the caching allocator reuses it in stream order).
+     One exception, argued from rule 2: a program may read before its wait what kernels *before its immediate
+     predecessor* wrote (and what the host copied in before the forward pass). This kernel's programs start only
+     once every program of the predecessor has called launch_dependents, which each does after its own wait, i.e.
+     after everything before the predecessor completed. What the predecessor itself writes is read after the
+     wait. The split-KV decode (attention.py) uses it: it preloads the step's metadata and the first block of
+     each segment's earlier keys, and reads the step's newest key (which the cache-writing kernel before it
+     writes) after the wait.
   2. Every program calls `wait_for_prior_grids` on every path, early exits included (the wait comes before any
      `return`), even one that reads nothing an earlier kernel wrote.
 Why 2 matters: a kernel C that reads what kernel A wrote, with B in between, only waits for B. B's grid completes

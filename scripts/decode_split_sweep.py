@@ -4,6 +4,7 @@ heads) and Qwen3-30B-A3B (32 q / 4 kv heads), head_dim 128, bf16, block size 16.
 
     python scripts/decode_split_sweep.py
 
+Session 11 adds the partial kernel's tiles and the merge's heads a pass (DECODE_MERGE_FLOATS) to the sweep.
 Run 65 (one H200) also varied a minimum segment length (a kernel parameter added for it and removed after: at batch
 1 no combination beat the engine's split count by more than 8%).
 """
@@ -14,6 +15,7 @@ import itertools
 import statistics
 
 import torch
+import triton
 
 from asyncengine.kernels import attention
 
@@ -56,20 +58,47 @@ def time_us(q, caches, qsl, lens, tables, splits) -> tuple[float, torch.Tensor]:
     return statistics.median(times), out.clone()
 
 
+TILES = ((64, 4, 3), (32, 4, 3), (64, 8, 3))  # (BLOCK_N, num_warps, num_stages) of the partial kernel
+MERGES = {"1 head a pass": 1, "8K": 8192, "32K": 32768}  # DECODE_MERGE_FLOATS values
+
+
+def configured(splits: int, tiles: tuple, merge_floats: int, data) -> tuple[float, torch.Tensor]:
+    """time_us with the partial kernel's tiles and the merge's budget replaced for this call."""
+    saved = attention.decode_tiles, attention.DECODE_MERGE_FLOATS
+    attention.decode_tiles = lambda fp32, merge_partials: tiles
+    attention.DECODE_MERGE_FLOATS = merge_floats
+    try:
+        return time_us(*data, splits)
+    finally:
+        attention.decode_tiles, attention.DECODE_MERGE_FLOATS = saved
+
+
 def main() -> None:
+    import os
+
+    table = open(os.path.join(os.environ.get("OUT", "."), "decode_sweep_table.txt"), "w")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name()}  {sms} SMs; us per layer call (median of 20 graph replays of {LAYERS})")
+    print(f"{torch.cuda.get_device_name()}  {sms} SMs; us per layer call (median of 20 graph replays of {LAYERS}); "
+          f"tiles (BLOCK_N, warps, stages); merge: 1 head a pass (session 10's order) or up to 8K / 32K partials a pass")
     for (heads, kv_heads), batch, context in itertools.product(((32, 8), (32, 4)), (1, 4), (1000, 4000)):
         data = case(batch, context, heads, kv_heads)
         engine_splits = attention.decode_num_splits(batch, kv_heads, 4096, sms)  # graphs: bound = max_model_len
         base, ref = time_us(*data, engine_splits)
         rows = []
-        for splits in (2, 4, 8, 9, 16, 17, 32):
-            us, out = time_us(*data, splits)
-            rows.append((us, splits, (out.float() - ref.float()).abs().max().item()))
-        timings = ", ".join(f"{s}: {us:.1f}" for us, s, _ in sorted(rows, key=lambda r: r[1]))
-        print(f"q/kv {heads}/{kv_heads} B={batch} ctx={context}: engine ({engine_splits} splits) {base:.1f} us; "
-              f"by splits {timings}; max |diff| {max(r[2] for r in rows):.3g}")
+        for splits, tiles, (merge, floats) in itertools.product(sorted({8, 16, 32, engine_splits}), TILES,
+                                                                MERGES.items()):
+            us, out = configured(splits, tiles, floats, data)
+            rows.append((us, f"{splits}/{tiles[0]}x{tiles[1]}/{merge}", (out.float() - ref.float()).abs().max().item()))
+        for us, name, diff in sorted(rows):
+            print(f"{heads}/{kv_heads} B={batch} ctx={context} {name}: {us:.2f} us (max |diff| {diff:.3g})", file=table)
+        best = ", ".join(f"{name}: {us:.1f}" for us, name, _ in sorted(rows)[:4])
+        per_head = {name: us for us, name, _ in rows}
+        engine_tiles = attention.decode_tiles(False, attention.merge_heads(
+            heads // kv_heads, triton.next_power_of_2(engine_splits), HEAD_DIM) * triton.next_power_of_2(engine_splits) * HEAD_DIM)
+        key = f"{engine_splits}/{engine_tiles[0]}x{engine_tiles[1]}/"
+        print(f"q/kv {heads}/{kv_heads} B={batch} ctx={context}: engine ({key}) {base:.1f} us "
+              f"(1 head a pass {per_head[key + '1 head a pass']:.1f}); best {best}; "
+              f"max |diff| {max(r[2] for r in rows):.3g}")
 
 
 if __name__ == "__main__":

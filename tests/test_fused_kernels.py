@@ -472,7 +472,7 @@ def barrier_between(fn, types, constants, after: str, before: str) -> bool:
 
 decode = dict(NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
               DOT_F32=False, PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=False, FUSED_REDUCE=True,
-              SPLITS_PAD=4)
+              SPLITS_PAD=4, MERGE_HEADS=4)
 kernels = [
     (norm._rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096, ROWS=1)),
     (norm._fused_add_rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096)),
@@ -489,7 +489,7 @@ kernels = [
                                             qk_scale="fp32", v_scale="fp32"), decode),
     (attention._decode_reduce_kernel, dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32,
                                            query_start_loc_ptr=i32),
-     dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128)),
+     dict(GROUP=4, MERGE_HEADS=4, NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128)),
     (quant_gemv._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=i32, scale_ptr=bf16, zero_ptr=bf16),
      dict(INT4=True, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
           X_FP16=False, ASM=True, X_BF16_PAIRS=True, SLOT_DOT=False, HALF_FMA=True, REDUCE_CHUNK=8, FP8_WORDS=False,
@@ -523,6 +523,14 @@ guards = [
                                                               USE_PDL=False), "st.global", "ld.global.cg"),
 ]
 print("barriers", guards)
+# the split-KV decode reads its cache's first block before the PDL wait (the latency the preload hides)
+decode_lines = triton.compile(ASTSource(decode_kernel[0], {a: "constexpr" if a in decode_kernel[2] or a == "USE_PDL"
+                                                           else decode_kernel[1].get(a, "*bf16" if a.endswith("_ptr")
+                                                                                     else "i32")
+                                                           for a in decode_kernel[0].arg_names},
+                                        dict(decode_kernel[2], USE_PDL=True)), target=target).asm["ptx"].splitlines()
+wait_line = next(i for i, line in enumerate(decode_lines) if "griddepcontrol.wait" in line)
+print("decode loads before its wait", sum("ld.global" in line for line in decode_lines[:wait_line]))
 """
 
 
@@ -539,6 +547,8 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
     assert "with griddepcontrol 12 of 12" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     assert "barriers [True, True, True, True]" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+    preloads = int(run.stdout.split("decode loads before its wait")[1].split()[0])
+    assert preloads >= 4, run.stdout[-3000:]  # metadata, block table, K and V tiles
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -585,6 +595,32 @@ def test_fused_split_kv_decode_equals_the_two_kernels_bit_for_bit(num_splits, dt
     again = decode(batch, num_splits, True, **scales)  # the counters were left zeroed: the same result again
     assert same(again, fused)
     assert not arrival_counters("split-KV decode", q.device, 1).any(), "arrival counters not reset"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="simulates the PDL wait in Triton's interpreter")
+@pytest.mark.parametrize("where", ["first", "inside", "last", "next block"])
+def test_split_kv_decode_reads_the_newest_key_after_the_pdl_wait(where, monkeypatch):
+    """Under PDL the decode kernel loads its first block of keys before waiting for the previous kernel (the
+    rotary + cache write), which may still be writing the step's newest key. Simulated in the interpreter: the
+    newest key and value hold garbage when the program starts and are written by a stand-in for the wait. The
+    output must be the attention over the written values (the preload's stale row is replaced after the wait)."""
+    from asyncengine.kernels import attention
+
+    block_n = attention.decode_tiles(True, 0)[0]  # the preloaded block's keys (float32 tiles, as here)
+    seq_len = {"first": 1, "inside": block_n // 2 + 3, "last": block_n, "next block": block_n + 1}[where]
+    batch = decode_batch([seq_len], heads=4, kv_heads=1)  # one program: it preloads before any wait ran
+    q, k_cache, v_cache, qsl, lens, tables = batch
+    block, offset = tables[0, (seq_len - 1) // 16].item(), (seq_len - 1) % 16
+    written = k_cache[block, offset].clone(), v_cache[block, offset].clone()
+    expected = reference.paged_attention(q, k_cache, v_cache, qsl, lens, tables, 0.125, None, None)
+    k_cache[block, offset], v_cache[block, offset] = float("nan"), float("nan")  # not yet written
+
+    def previous_kernel_finishes(USE_PDL):  # what griddepcontrol.wait guarantees: the write is visible
+        k_cache[block, offset], v_cache[block, offset] = written
+
+    monkeypatch.setattr(attention, "wait_for_prior_grids", previous_kernel_finishes)
+    out = decode(batch, 1, True)
+    assert_matches(out, expected, ATTENTION_TOLERANCE)
 
 
 @pytest.mark.parametrize("window,softcap", [(40, None), (None, 30.0), (100, 20.0)])

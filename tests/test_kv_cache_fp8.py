@@ -267,7 +267,7 @@ results = [
                         block_tables_ptr=i32),
                    dict(shape, **pdl, NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, DOT_F32=False,
                         PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=True, FUSED_REDUCE=True,
-                        SPLITS_PAD=4)),
+                        SPLITS_PAD=4, MERGE_HEADS=4)),
 ]
 print("compiled", sum(results), "of", len(results))
 """
