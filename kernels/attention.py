@@ -388,6 +388,24 @@ def _prefill_kernel(
 
 
 @triton.jit
+def _segments(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr):
+    """A sequence's split of its keys: (span_start, key_lo, segment, used). Segments are whole KV blocks, sized
+    from the sequence's own span of visible keys (from the window's first block with a sliding window; earlier
+    blocks are never read); key_lo is the first key the query sees. Only the first `used` segments hold keys (at
+    least one, so that a sequence without keys still gets its zeros): the others' programs store nothing, take no
+    part in the arrival count and are not merged, which at batch 1 saves the atomics and the merge's loads of a
+    split count sized for the longest context (32 splits of 64 keys each for the first 2,048 keys)."""
+    span_start = 0
+    key_lo = 0
+    if SLIDING_WINDOW > 0:
+        key_lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+        span_start = key_lo // BLOCK_N * BLOCK_N
+    segment = tl.cdiv(tl.cdiv(seq_len - span_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.maximum(tl.cdiv(seq_len - span_start, tl.maximum(segment, 1)), 1)
+    return span_start, key_lo, segment, used
+
+
+@triton.jit
 def _decode_partial_kernel(
     part_acc_ptr,  # [B, H, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalised
     part_max_ptr,  # [B, H, NUM_SPLITS] float32 (log2 domain)
@@ -441,14 +459,7 @@ def _decode_partial_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     has_query = tl.load(query_start_loc_ptr + seq + 1) != q_start
     seq_len = tl.where(has_query, tl.load(seq_lens_ptr + seq), 0)  # no query: nothing to load or attend
-    # Segments are whole KV blocks, sized from this sequence's own span of visible keys (from the window's first
-    # block with a sliding window; earlier blocks are never read); trailing ones may be empty.
-    span_start = 0
-    key_lo = 0  # the first key the query sees
-    if SLIDING_WINDOW > 0:
-        key_lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
-        span_start = key_lo // BLOCK_N * BLOCK_N
-    segment = tl.cdiv(tl.cdiv(seq_len - span_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    span_start, key_lo, segment, used = _segments(seq_len, NUM_SPLITS, BLOCK_N, SLIDING_WINDOW)
     seg_start = span_start + split * segment
     seg_end = tl.minimum(seg_start + segment, seq_len)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -464,8 +475,8 @@ def _decode_partial_kernel(
     newest_row_v = _kv_offsets(block_table_ptr, newest, newest_here, kv_head, stride_vb, stride_vs, stride_vh,
                                BLOCK_SIZE)
     wait_for_prior_grids(USE_PDL)
-    if not has_query:
-        return  # no query for this sequence
+    if not has_query or split >= used:
+        return  # no query for this sequence, or no keys in this segment (_segments)
 
     rows = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + rows  # [BLOCK_H]
@@ -499,7 +510,7 @@ def _decode_partial_kernel(
 
     if KV_FP8:
         acc = acc * v_scale
-    # Every (row, split) is written, empty segments included (max NEG_BIG, sum 0, acc 0): the reduction reads all.
+    # Every (row, used split) is written (an empty one as max NEG_BIG, sum 0, acc 0): the merge reads those.
     part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split  # [BLOCK_H]
     tl.store(part_max_ptr + part, m_i, mask=row_mask)
     tl.store(part_sum_ptr + part, l_i, mask=row_mask)
@@ -514,10 +525,10 @@ def _decode_partial_kernel(
         tl.debug_barrier()
         last = True
         if NUM_SPLITS > 1:
-            last = tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1
+            last = tl.atomic_add(counter, 1, sem="acq_rel") == used - 1
         if last:
             _merge_group(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, q_start, num_heads,
-                         stride_ot, stride_oh, GROUP, MERGE_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
+                         used, stride_ot, stride_oh, GROUP, MERGE_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
             if NUM_SPLITS > 1:
                 tl.atomic_xchg(counter, 0)
 
@@ -532,6 +543,7 @@ def _merge_group(
     kv_head,
     q_start,  # the sequence's query row
     num_heads,
+    used,  # the splits that hold keys (_segments): the first `used` partials of each head
     stride_ot,
     stride_oh,
     GROUP: tl.constexpr,  # query heads of the kv head
@@ -541,7 +553,7 @@ def _merge_group(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):
-    """out[q_start, h] for the GROUP heads h of kv_head: each head's NUM_SPLITS partials merged in split order
+    """out[q_start, h] for the GROUP heads h of kv_head: each head's `used` partials merged in split order
     (one fixed sum: the result depends on nothing but that head's partials). MERGE_HEADS heads a pass: a pass
     loads [MERGE_HEADS, SPLITS_PAD, HEAD_DIM_PAD] partials at once, so a group of G heads costs cdiv(G,
     MERGE_HEADS) dependent round trips instead of G (batch-1 decode is latency-bound: each is ~1 us). Partials are
@@ -551,7 +563,7 @@ def _merge_group(
     for first in tl.static_range(0, GROUP, MERGE_HEADS):
         rank = first + tl.arange(0, MERGE_HEADS)  # [MH] head within the group
         head = kv_head * GROUP + rank
-        valid = (rank < GROUP)[:, None] & (splits < NUM_SPLITS)[None, :]  # [MH, SP]
+        valid = (rank < GROUP)[:, None] & (splits < used)[None, :]  # [MH, SP]
         part = (seq.to(tl.int64) * num_heads + head)[:, None] * NUM_SPLITS + splits[None, :]  # [MH, SP]
         m = tl.load(part_max_ptr + part, mask=valid, other=NEG_BIG, cache_modifier=".cg")
         l = tl.load(part_sum_ptr + part, mask=valid, other=0.0, cache_modifier=".cg")
@@ -572,6 +584,7 @@ def _decode_reduce_kernel(
     part_max_ptr,  # [B, H, NUM_SPLITS] float32
     part_sum_ptr,  # [B, H, NUM_SPLITS] float32
     query_start_loc_ptr,  # [B + 1]
+    seq_lens_ptr,  # [B]
     num_heads,
     stride_ot,
     stride_oh,
@@ -581,6 +594,8 @@ def _decode_reduce_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the partial kernel's (for _segments)
+    SLIDING_WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): the wait comes before the early return
 ):
     """One program per (sequence, kv head): the fused kernel's merge, the same code, so the same bits."""
@@ -590,8 +605,9 @@ def _decode_reduce_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == q_start:
         return
-    _merge_group(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, q_start, num_heads, stride_ot,
-                 stride_oh, GROUP, MERGE_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
+    used = _segments(tl.load(seq_lens_ptr + seq), NUM_SPLITS, BLOCK_N, SLIDING_WINDOW)[3]
+    _merge_group(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, q_start, num_heads, used,
+                 stride_ot, stride_oh, GROUP, MERGE_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -757,9 +773,9 @@ def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     )  # fmt: skip
     if not fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_kv_heads)](
-            out, part_acc, part_max, part_sum, query_start_loc, num_heads, out.stride(0), out.stride(1),
+            out, part_acc, part_max, part_sum, query_start_loc, seq_lens, num_heads, out.stride(0), out.stride(1),
             GROUP=group, MERGE_HEADS=heads_per_pass, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, SLIDING_WINDOW=sliding_window or 0, USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
         )  # fmt: skip
 
 
