@@ -16,14 +16,21 @@ from .pdl import enabled as pdl_enabled, wait_for_prior_grids
 
 
 @triton.jit
-def _normalize_row(x_raw, w_ptr, cols, col_mask, H, eps):
-    """x_raw: [BLOCK_H] or [ROWS, BLOCK_H] in x's dtype (zeros past H) -> each row's
+def _load_weight(w_ptr, cols, col_mask):
+    """The norm's weight [BLOCK_H] as float32 (zeros past H). A weight no kernel writes: a PDL kernel loads it
+    before its wait (kernels/pdl.py rule 1), off the critical path; after the residual's store it could not be
+    hoisted (the compiler cannot tell the two apart) and cost a dependent round trip."""
+    return tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _normalize_row(x_raw, w, H, eps):
+    """x_raw: [BLOCK_H] or [ROWS, BLOCK_H] in x's dtype (zeros past H), w: `_load_weight`'s -> each row's
     weight * round_to_x_dtype(x * rsqrt(mean(x^2) + eps)), float32, x_raw's shape. The one definition of the
     math: every kernel that RMS-normalises calls it, so they agree bit for bit on the same tile."""
     x = x_raw.to(tl.float32)
     variance = tl.sum(x * x, axis=-1, keep_dims=True) / H  # [1] or [ROWS, 1]
     normed = (x * tl.rsqrt(variance + eps)).to(x_raw.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)  # [BLOCK_H]
     return normed * w
 
 
@@ -42,11 +49,12 @@ def normalize_heads_in_place(
     as `rms_norm` give the same order. Ends with a barrier, so the caller's threads may read what any stored."""
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < head_dim
+    w = _load_weight(w_ptr, cols, col_mask)
     for start in range(0, num_heads, ROWS):
         rows = start + tl.arange(0, ROWS)
         mask = (rows < num_heads)[:, None] & col_mask[None, :]
         tile = x_ptr + rows[:, None] * head_dim + cols[None, :]  # [ROWS, BLOCK_H]
-        y = _normalize_row(tl.load(tile, mask=mask, other=0.0), w_ptr, cols, col_mask, head_dim, eps)
+        y = _normalize_row(tl.load(tile, mask=mask, other=0.0), w, head_dim, eps)
         # In place: every thread's loads before any store (a thread must not read a twin's normalised value).
         tl.debug_barrier()
         tl.store(tile, y.to(x_ptr.dtype.element_ty), mask=mask)
@@ -68,13 +76,14 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,  # rows per program
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
+    cols = tl.arange(0, BLOCK_H)
+    w = _load_weight(w_ptr, cols, cols < H)
     wait_for_prior_grids(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-    cols = tl.arange(0, BLOCK_H)
     mask = (rows < num_rows)[:, None] & (cols < H)[None, :]
     x_rows = (rows // heads) * stride_token + (rows % heads) * stride_head
     x_raw = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)  # [ROWS, BLOCK_H]
-    y = _normalize_row(x_raw, w_ptr, cols, cols < H, H, eps)
+    y = _normalize_row(x_raw, w, H, eps)
     tl.store(out_ptr + rows[:, None] * H + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -92,16 +101,17 @@ def _fused_add_rms_norm_kernel(
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
-    wait_for_prior_grids(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
+    w = _load_weight(w_ptr, cols, col_mask)
+    wait_for_prior_grids(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + row * stride_res + cols, mask=col_mask, other=0.0)
     # The new residual is rounded to its dtype first, and normalised from that rounded value (as the reference).
     new_res = (x + res.to(tl.float32)).to(res.dtype)
     tl.store(res_ptr + row * stride_res + cols, new_res, mask=col_mask)
-    y = _normalize_row(new_res, w_ptr, cols, col_mask, H, eps)
+    y = _normalize_row(new_res, w, H, eps)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 

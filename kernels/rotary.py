@@ -70,9 +70,11 @@ def _rotary_kernel(
     HALF_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
-    wait_for_prior_grids(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
+    # before the wait: positions are the step's inputs, the table a constant (kernels/pdl.py rule 1), and the
+    # position -> row lookup is two dependent loads
     cos, sin = _cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF, HALF_PAD)
+    wait_for_prior_grids(USE_PDL)
     _rotate_heads(q_ptr + token * stride_q, cos, sin, num_heads, HALF, Q_HEADS_PAD, HALF_PAD)
     _rotate_heads(k_ptr + token * stride_k, cos, sin, num_kv_heads, HALF, K_HEADS_PAD, HALF_PAD)
 

@@ -85,18 +85,20 @@ def _rotary_cache_kernel(
     HEAD_DIM_PAD: tl.constexpr,  # next power of two >= D
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):
-    wait_for_prior_grids(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
+    # before the wait: the step's inputs and a constant table (kernels/pdl.py rule 1); position -> cos/sin row is
+    # two dependent loads, off the critical path this way
+    cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cos_sin, HALF, HALF_PAD)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    wait_for_prior_grids(USE_PDL)
     q_heads = q_ptr + token * stride_q + kv_head * group * (2 * HALF)  # [group, D]: the kv head's q heads
     k_head = k_ptr + token * stride_k + kv_head * (2 * HALF)  # [1, D]
     if NORM:  # in place, then rotated from what was stored (the helper ends with a barrier)
         normalize_heads_in_place(q_heads, q_norm_ptr, group, head_dim, eps, NORM_ROWS, HEAD_DIM_PAD)
         normalize_heads_in_place(k_head, k_norm_ptr, 1, head_dim, eps, NORM_ROWS, HEAD_DIM_PAD)
-    cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cos_sin, HALF, HALF_PAD)
     _rotate_heads(q_heads, cos, sin, group, HALF, GROUP_PAD, HALF_PAD)
     k1, k2 = _rotate_heads(k_head, cos, sin, 1, HALF, 1, HALF_PAD)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
