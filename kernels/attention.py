@@ -499,8 +499,8 @@ def _decode_partial_kernel(
         is_newest = ((seg_start + tl.arange(0, BLOCK_N)) == newest) & newest_here  # [BLOCK_N]
         k_first = tl.where(is_newest[:, None], newest_k[None, :], k_first)
         v_first = tl.where(is_newest[:, None], newest_v[None, :], v_first)
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, k_first, v_first, seg_start, seq_len, key_lo, qk_scale,
-                                      BLOCK_N, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP)
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, k_first, v_first, seg_start, seq_len, key_lo,
+                                      qk_scale, BLOCK_N, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP)
     for start in range(seg_start + BLOCK_N, seg_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, q_pos, start, seq_len, key_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
@@ -528,7 +528,8 @@ def _decode_partial_kernel(
             last = tl.atomic_add(counter, 1, sem="acq_rel") == used - 1
         if last:
             _merge_group(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, q_start, num_heads,
-                         used, stride_ot, stride_oh, GROUP, MERGE_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
+                         used, stride_ot, stride_oh, GROUP, MERGE_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM,
+                         HEAD_DIM_PAD)
             if NUM_SPLITS > 1:
                 tl.atomic_xchg(counter, 0)
 
@@ -646,6 +647,14 @@ def merge_heads(group: int, splits_pad: int, head_dim_pad: int) -> int:
     return min(triton.next_power_of_2(group), 1 << (fit.bit_length() - 1))
 
 
+def decode_config(group: int, num_splits: int, head_dim_pad: int, fp32: bool) -> tuple[int, int, int, int]:
+    """(heads merged a pass, block_n, num_warps, num_stages) of a split-KV decode launch: the one place that
+    derives them (the launcher, and the sweep that reports the engine's choice)."""
+    splits_pad = triton.next_power_of_2(num_splits)
+    heads_per_pass = merge_heads(group, splits_pad, head_dim_pad)
+    return heads_per_pass, *decode_tiles(fp32, heads_per_pass * splits_pad * head_dim_pad)
+
+
 def _dot_f32(q: torch.Tensor) -> bool:
     """Products in float32: under the interpreter (bf16 arithmetic is wrong there) or for float32 inputs."""
     return interpreting() or q.dtype == torch.float32
@@ -756,8 +765,7 @@ def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     fused_reduce = fused_reduce and num_seqs * num_kv_heads <= DECODE_COUNTER_SLOTS
     counters = arrival_counters("split-KV decode", q.device, DECODE_COUNTER_SLOTS) if fused_reduce else part_sum
     splits_pad = triton.next_power_of_2(num_splits)
-    heads_per_pass = merge_heads(group, splits_pad, head_dim_pad)
-    block_n, num_warps, num_stages = decode_tiles(_dot_f32(q), heads_per_pass * splits_pad * head_dim_pad)
+    heads_per_pass, block_n, num_warps, num_stages = decode_config(group, num_splits, head_dim_pad, _dot_f32(q))
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         part_acc, part_max, part_sum, out, counters, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         _score_scale(scale, softcap, k_cache, k_scale), v_scale, num_heads,
@@ -775,7 +783,8 @@ def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         _decode_reduce_kernel[(num_seqs, num_kv_heads)](
             out, part_acc, part_max, part_sum, query_start_loc, seq_lens, num_heads, out.stride(0), out.stride(1),
             GROUP=group, MERGE_HEADS=heads_per_pass, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, SLIDING_WINDOW=sliding_window or 0, USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, SLIDING_WINDOW=sliding_window or 0,
+            USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
         )  # fmt: skip
 
 

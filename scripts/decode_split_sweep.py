@@ -15,7 +15,6 @@ import itertools
 import statistics
 
 import torch
-import triton
 
 from asyncengine.kernels import attention
 
@@ -76,10 +75,16 @@ def configured(splits: int, tiles: tuple, merge_floats: int, data) -> tuple[floa
 def main() -> None:
     import os
 
-    table = open(os.path.join(os.environ.get("OUT", "."), "decode_sweep_table.txt"), "w")
+    with open(os.path.join(os.environ.get("OUT", "."), "decode_sweep_table.txt"), "w") as table:
+        sweep(table)
+
+
+def sweep(table) -> None:
+    """Print one line a case (the engine's choice, the best four) and every cell to `table`."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()}  {sms} SMs; us per layer call (median of 20 graph replays of {LAYERS}); "
-          f"tiles (BLOCK_N, warps, stages); merge: 1 head a pass (session 10's order) or up to 8K / 32K partials a pass")
+          "tiles (BLOCK_N, warps, stages); merge: 1 head a pass (session 10's order) or up to 8K / 32K partials "
+          "a pass")
     for (heads, kv_heads), batch, context in itertools.product(((32, 8), (32, 4)), (1, 4), (1000, 4000)):
         data = case(batch, context, heads, kv_heads)
         engine_splits = attention.decode_num_splits(batch, kv_heads, 4096, sms)  # graphs: bound = max_model_len
@@ -88,13 +93,13 @@ def main() -> None:
         for splits, tiles, (merge, floats) in itertools.product(sorted({8, 16, 32, engine_splits}), TILES,
                                                                 MERGES.items()):
             us, out = configured(splits, tiles, floats, data)
-            rows.append((us, f"{splits}/{tiles[0]}x{tiles[1]}/{merge}", (out.float() - ref.float()).abs().max().item()))
+            diff = (out.float() - ref.float()).abs().max().item()
+            rows.append((us, f"{splits}/{tiles[0]}x{tiles[1]}/{merge}", diff))
         for us, name, diff in sorted(rows):
             print(f"{heads}/{kv_heads} B={batch} ctx={context} {name}: {us:.2f} us (max |diff| {diff:.3g})", file=table)
         best = ", ".join(f"{name}: {us:.1f}" for us, name, _ in sorted(rows)[:4])
         per_head = {name: us for us, name, _ in rows}
-        engine_tiles = attention.decode_tiles(False, attention.merge_heads(
-            heads // kv_heads, triton.next_power_of_2(engine_splits), HEAD_DIM) * triton.next_power_of_2(engine_splits) * HEAD_DIM)
+        engine_tiles = attention.decode_config(heads // kv_heads, engine_splits, HEAD_DIM, False)[1:]
         key = f"{engine_splits}/{engine_tiles[0]}x{engine_tiles[1]}/"
         print(f"q/kv {heads}/{kv_heads} B={batch} ctx={context}: engine ({key}) {base:.1f} us "
               f"(1 head a pass {per_head[key + '1 head a pass']:.1f}); best {best}; "
