@@ -275,6 +275,14 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
+@triton.jit
+def _router_tile(gate_cols, k_start, k_end, expert_valid, BLOCK_K: tl.constexpr):
+    """gate_cols: [1, BLOCK_E] pointers to router rows -> their [BLOCK_K, BLOCK_E] tile at inputs k_start ...
+    (zeros from k_end on and for experts past the last)."""
+    ks = k_start + tl.arange(0, BLOCK_K)
+    return tl.load(gate_cols + ks[:, None], mask=(ks < k_end)[:, None] & expert_valid[None, :], other=0.0)
+
+
 ROUTE_BLOCK_E, ROUTE_BLOCK_K = 16, 128
 ROUTE_MAX_EXPERTS = 512  # the last program holds [16, experts] float32 tiles in registers
 
@@ -310,25 +318,30 @@ def _route_kernel(
     The last program of the grid to arrive sums the slices in the order s = 0 .. SPLIT - 1, rounds the logits to
     x's dtype (where the reference's router product rounds), routes every token (`_softmax_topk`) and resets the
     counter. The sum order depends on the shapes alone, so a token's routing does not depend on the batch."""
-    wait_for_prior_grids(USE_PDL)
     pid_e, pid_s = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_T)
     row_valid = rows < tokens
     experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     expert_valid = experts < num_experts
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    gate_cols = gate_ptr + experts.to(tl.int64)[None, :] * stride_gate  # [1, BLOCK_E]
     k_first = pid_s * k_per_split
-    for k_start in range(k_first, tl.minimum(k_first + k_per_split, hidden_size), BLOCK_K):
+    k_end = tl.minimum(k_first + k_per_split, hidden_size)
+    # No kernel writes the router's weight (kernels/pdl.py rule 1): the slice's first tile is loaded before the
+    # wait, off the critical path (at Qwen3-30B-A3B's shape half the slice), and each step loads the next tile
+    # before its product (the last step's load is all masked: no memory traffic).
+    w = _router_tile(gate_cols, k_first, k_end, expert_valid, BLOCK_K)
+    wait_for_prior_grids(USE_PDL)
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for k_start in range(k_first, k_end, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
-        k_valid = ks < hidden_size
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_valid[:, None] & k_valid[None, :],
-                    other=0.0)  # [BLOCK_T, BLOCK_K]
-        w = tl.load(gate_ptr + experts.to(tl.int64)[None, :] * stride_gate + ks[:, None],
-                    mask=k_valid[:, None] & expert_valid[None, :], other=0.0)  # [BLOCK_K, BLOCK_E]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :],
+                    mask=row_valid[:, None] & (ks < k_end)[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
+        next_w = _router_tile(gate_cols, k_start + BLOCK_K, k_end, expert_valid, BLOCK_K)
         if DOT_F32:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=PRECISION)
         else:
             acc += tl.dot(x, w)
+        w = next_w
     slice_rows = partial_ptr + pid_s * tokens * num_experts + rows[:, None] * num_experts  # [BLOCK_T, 1]
     tl.store(slice_rows + experts[None, :], acc,
              mask=row_valid[:, None] & expert_valid[None, :])
@@ -414,6 +427,7 @@ class GemvTiles:
     block_n: int
     block_k: int
     num_warps: int = 4
+    load_ahead: bool = False  # each loop step issues the next step's weight loads before its own math
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
@@ -450,6 +464,14 @@ def decode_config(hidden_size: int, inter: int, top_k: int, tokens: int) -> Deco
 
 
 @triton.jit
+def _weight_tile(rows, k_start, k_dim, row_valid, BLOCK_K: tl.constexpr):
+    """rows: [BLOCK_N, 1] pointers to weight rows -> their [BLOCK_N, BLOCK_K] tile at inputs k_start ... (zeros
+    past k_dim or outside the valid rows), in the weight's dtype."""
+    ks = k_start + tl.arange(0, BLOCK_K)
+    return tl.load(rows + ks[None, :], mask=row_valid[:, None] & (ks < k_dim)[None, :], other=0.0)
+
+
+@triton.jit
 def _gate_up_act_kernel(
     x_ptr,  # [T, H]
     w13_ptr,  # [E, 2I, H]
@@ -464,6 +486,7 @@ def _gate_up_act_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    LOAD_AHEAD: tl.constexpr,  # GemvTiles.load_ahead
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and x
 ):
     """act[i, cols] for assignment i = (token i // TOP_K, expert ids[i]) and one block of intermediate columns."""
@@ -479,13 +502,22 @@ def _gate_up_act_kernel(
     # the end: a reduction per step would stall every step on shuffles instead of the next loads.
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # With LOAD_AHEAD the loop carries the next step's weight tiles: their loads are issued before this step's
+    # math, two steps in flight per thread (Triton does not software-pipeline loads that feed no tl.dot).
+    gate_w = _weight_tile(gate_rows, 0, hidden_size, col_valid, BLOCK_K)
+    up_w = _weight_tile(up_rows, 0, hidden_size, col_valid, BLOCK_K)
     for k_start in range(0, hidden_size, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
-        k_valid = ks < hidden_size
-        x = tl.load(x_row + ks, mask=k_valid, other=0.0).to(tl.float32)[None, :]
-        mask = col_valid[:, None] & k_valid[None, :]
-        gate += tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        x = tl.load(x_row + ks, mask=ks < hidden_size, other=0.0).to(tl.float32)[None, :]
+        if LOAD_AHEAD:
+            next_gate = _weight_tile(gate_rows, k_start + BLOCK_K, hidden_size, col_valid, BLOCK_K)
+            next_up = _weight_tile(up_rows, k_start + BLOCK_K, hidden_size, col_valid, BLOCK_K)
+            gate += gate_w.to(tl.float32) * x
+            up += up_w.to(tl.float32) * x
+            gate_w, up_w = next_gate, next_up
+        else:
+            gate += _weight_tile(gate_rows, k_start, hidden_size, col_valid, BLOCK_K).to(tl.float32) * x
+            up += _weight_tile(up_rows, k_start, hidden_size, col_valid, BLOCK_K).to(tl.float32) * x
     # Rounded where the reference rounds: the projections' outputs, then silu(gate) (as activation.silu_and_mul).
     dtype = act_ptr.dtype.element_ty
     gate_out = tl.sum(gate, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N]
@@ -512,6 +544,7 @@ def _down_reduce_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    LOAD_AHEAD: tl.constexpr,  # GemvTiles.load_ahead
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and act
 ):
     """partial[i, cols] = weight[i] * (act[i] @ w2[ids[i]]^T)[cols] for one assignment i; the last of a token's
@@ -527,11 +560,16 @@ def _down_reduce_kernel(
     rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     act_row = act_ptr + assignment.to(tl.int64) * stride_act
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
+    w = _weight_tile(rows, 0, inter, col_valid, BLOCK_K)  # loaded a step ahead with LOAD_AHEAD, as in gate_up_act
     for j_start in range(0, inter, BLOCK_K):
         js = j_start + tl.arange(0, BLOCK_K)
-        j_valid = js < inter
-        a = tl.load(act_row + js, mask=j_valid, other=0.0).to(tl.float32)[None, :]
-        acc += tl.load(rows + js[None, :], mask=col_valid[:, None] & j_valid[None, :], other=0.0).to(tl.float32) * a
+        a = tl.load(act_row + js, mask=js < inter, other=0.0).to(tl.float32)[None, :]
+        if LOAD_AHEAD:
+            next_w = _weight_tile(rows, j_start + BLOCK_K, inter, col_valid, BLOCK_K)
+            acc += w.to(tl.float32) * a
+            w = next_w
+        else:
+            acc += _weight_tile(rows, j_start, inter, col_valid, BLOCK_K).to(tl.float32) * a
     # the expert's output rounds to the dtype (as the reference's projection), then weighs in float32
     part = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + assignment)
     row_offsets = cols.to(tl.int64)  # [BLOCK_N] within one [H] row of partial
@@ -565,14 +603,15 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
         hidden, w13, ids, act, size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, USE_PDL=pdl, num_warps=up.num_warps, launch_pdl=pdl,
+        TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, LOAD_AHEAD=up.load_ahead, USE_PDL=pdl,
+        num_warps=up.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     partial = torch.empty((num, size), dtype=torch.float32, device=hidden.device)
     out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
     _down_reduce_kernel[(num, col_blocks)](
         act, w2, ids, weights, partial, arrivals, out, size, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k, USE_PDL=pdl,
-        num_warps=down.num_warps, launch_pdl=pdl,
+        out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k, LOAD_AHEAD=down.load_ahead,
+        USE_PDL=pdl, num_warps=down.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

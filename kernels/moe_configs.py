@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from .moe import DecodeConfig, GemvTiles
 
-# Measured on: one NVIDIA H100 80GB HBM3 (132 SMs, copy 2,985 GB/s), 2026-11-24, session 8's sweep (run 49); the
-# Qwen3-30B-A3B expert shape. Comments: the layer's experts (both kernels) per layer, GB/s of the experts hit,
-# share of the copy bandwidth; the default tiles' time beside it.
+# Measured on: one NVIDIA H200 (132 SMs, copy 4,210 GB/s), 2026-11-24, session 12's sweeps (gate_up_act's and
+# down_reduce's tiles, each with and without load_ahead), the Qwen3-30B-A3B expert shape; the issue's machine.
+# Session 8's H100 rows (run 49) measured on this H200 in the same session: 25.7 us at T = 1, 77.3 us at T = 4.
+# Comments: the layer's experts (both kernels) per layer, GB/s of the experts hit, share of the copy bandwidth; the
+# default tiles' time beside it.
 TUNED: dict[tuple[int, int, int, int], DecodeConfig] = {
-    (2048, 768, 8, 1): DecodeConfig(GemvTiles(8, 128, 8), GemvTiles(32, 128, 8)),  # 33.2 us,   2289 GB/s  77%; default 34.8 us
-    (2048, 768, 8, 2): DecodeConfig(GemvTiles(16, 512, 4), GemvTiles(128, 128, 8)),  # 57.2 us,   2525 GB/s  85%; default 60.9 us
-    (2048, 768, 8, 4): DecodeConfig(GemvTiles(16, 256, 2), GemvTiles(64, 128, 2)),  # 103.0 us,   2697 GB/s  90%; default 105.9 us
-    (2048, 768, 8, 8): DecodeConfig(GemvTiles(16, 256, 2), GemvTiles(32, 128, 8)),  # 177.8 us,   2789 GB/s  93%; default 185.8 us
-    (2048, 768, 8, 16): DecodeConfig(GemvTiles(16, 256, 2), GemvTiles(32, 128, 8)),  # 286.0 us,   2737 GB/s  92%; default 308.0 us
+    (2048, 768, 8, 1): DecodeConfig(GemvTiles(8, 256, 4, True), GemvTiles(16, 256, 2, True)),  # 25.5 us,   2979 GB/s  71%; default 28.4 us
+    (2048, 768, 8, 2): DecodeConfig(GemvTiles(4, 256, 2, True), GemvTiles(128, 128, 8, False)),  # 40.9 us,   3529 GB/s  84%; default 49.0 us
+    (2048, 768, 8, 4): DecodeConfig(GemvTiles(8, 128, 2, True), GemvTiles(128, 64, 4, False)),  # 73.3 us,   3791 GB/s  90%; default 81.7 us
+    (2048, 768, 8, 8): DecodeConfig(GemvTiles(4, 256, 2, True), GemvTiles(128, 64, 4, False)),  # 127.5 us,   3890 GB/s  92%; default 146.0 us
+    (2048, 768, 8, 16): DecodeConfig(GemvTiles(8, 128, 2, True), GemvTiles(32, 64, 4, False)),  # 217.1 us,   3606 GB/s  85%; default 257.2 us
 }

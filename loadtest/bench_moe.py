@@ -220,30 +220,32 @@ def _model_call(case: Case, t: int) -> Callable[[int], torch.Tensor]:
 
 def _tiles(config) -> str:
     up, down = config.gate_up, config.down
-    return f"({up.block_n}x{up.block_k}/{up.num_warps}, {down.block_n}x{down.block_k}/{down.num_warps})"
+    return (f"({up.block_n}x{up.block_k}/{up.num_warps}{'+ahead' * up.load_ahead}, "
+            f"{down.block_n}x{down.block_k}/{down.num_warps}{'+ahead' * down.load_ahead})")
 
 
 # -- the sweep ------------------------------------------------------------------------------------------------
 
 def gate_up_candidates(tiny: bool) -> list:
-    """(block_n, block_k, num_warps) for gate_up_act: two float32 accumulator tiles a thread can hold in registers
-    (about 64 each)."""
+    """(block_n, block_k, num_warps, load_ahead) for gate_up_act: two float32 accumulator tiles a thread can hold
+    in registers (about 64 each, half that when a second pair of weight tiles is loaded ahead)."""
     from asyncengine.kernels.moe import GemvTiles
 
     if tiny:
         return [GemvTiles(8, 32, 2), GemvTiles(16, 64, 4)]
-    return [GemvTiles(n, k, w) for n in (4, 8, 16, 32) for k in (128, 256, 512, 1024) for w in (2, 4, 8)
-            if n * k <= 64 * 32 * w]
+    return [GemvTiles(n, k, w, ahead) for n in (4, 8, 16, 32) for k in (128, 256, 512, 1024) for w in (2, 4, 8)
+            for ahead in (False, True) if n * k * (1 + ahead) <= 64 * 32 * w]
 
 
 def down_candidates(tiny: bool) -> list:
-    """(block_n, block_k, num_warps) for down_reduce: one accumulator tile (up to about 128 registers a thread)."""
+    """(block_n, block_k, num_warps, load_ahead) for down_reduce: one accumulator tile (up to about 128 registers a
+    thread, half that when the next weight tile is loaded ahead)."""
     from asyncengine.kernels.moe import GemvTiles
 
     if tiny:
         return [GemvTiles(8, 32, 2), GemvTiles(32, 16, 4)]
-    return [GemvTiles(n, k, w) for n in (8, 16, 32, 64, 128) for k in (64, 128, 256, 512) for w in (2, 4, 8)
-            if n * k <= 128 * 32 * w and n * k >= 16 * 32 * w]
+    return [GemvTiles(n, k, w, ahead) for n in (8, 16, 32, 64, 128) for k in (64, 128, 256, 512) for w in (2, 4, 8)
+            for ahead in (False, True) if n * k * (1 + ahead) <= 128 * 32 * w and n * k >= 16 * 32 * w]
 
 
 def _timed(case: Case, t: int, configs: list, device: str, layers: int, deadline: float) -> list:
@@ -285,7 +287,7 @@ def run_sweep(args) -> int:
     experts, top_k, hidden, inter = shape
     deadline = start + args.budget_s
     winners = []
-    for t in TOKENS if not args.tiny else (1, 4):
+    for t in args.tokens if not args.tiny else (1, 4):
         nbytes = case.expert_bytes(t)
         default = moe.default_decode_config(hidden, inter, top_k, t)
         default_us = time_per_layer_us(case.experts_call(t, default), args.layers, device)
@@ -319,7 +321,7 @@ def main(argv: list[str]) -> int:
                         help="expert shape (mixtral-8x7b: 2.8 GB per layer; pass fewer --layers if memory is short)")
     parser.add_argument("--layers", type=int, default=8, help="MoE layers cycled in each timed graph")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), choices=TOKENS,
-                        help="--moe-decode: the batch sizes timed")
+                        help="the batch sizes timed (or swept)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop timing candidates after this")
     parser.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, toy sizes (smoke run)")
     args = parser.parse_args(argv)

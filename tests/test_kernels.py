@@ -719,7 +719,9 @@ def test_decode_moe_matches_reference_across_decode_batch_sizes(dtype, renormali
         assert rel_error(out, ref) < (1e-5 if dtype == torch.float32 else MOE_BF16_REL_ERROR), tokens
 
 
-DECODE_TILES = [((8, 16, 2), (16, 16, 1)), ((32, 256, 4), (64, 128, 8))]
+# (block_n, block_k, num_warps, load_ahead) of gate_up_act and down_reduce
+DECODE_TILES = [((8, 16, 2), (16, 16, 1)), ((32, 256, 4), (64, 128, 8)), ((8, 16, 2, True), (16, 16, 1, True)),
+                ((32, 256, 4, True), (64, 128, 8, True))]
 
 
 @pytest.mark.parametrize("tiles", DECODE_TILES, ids=str)
@@ -731,6 +733,18 @@ def test_decode_moe_matches_reference_under_narrow_and_wide_tiles(tiles):
     x, w13, w2, weights, ids = decode_inputs(3, torch.float32, True)
     out = moe._fused_moe_decode(x, w13, w2, weights.reshape(-1), ids.reshape(-1), 4, config)
     assert_matches(out, reference.fused_moe(x, w13, w2, weights, ids), MOE_TOLERANCE)
+
+
+@pytest.mark.parametrize("tiles", [((8, 16, 2), (16, 16, 1)), ((16, 32, 4), (8, 8, 2))], ids=str)
+def test_decode_moe_loading_ahead_gives_the_same_bits(tiles):
+    """GemvTiles.load_ahead moves when each weight tile is loaded, not the order of any sum: the same bits."""
+    from asyncengine.kernels import moe
+
+    x, w13, w2, weights, ids = decode_inputs(3, torch.bfloat16, True)
+    outs = [moe._fused_moe_decode(x, w13, w2, weights.reshape(-1), ids.reshape(-1), 4, moe.DecodeConfig(
+        moe.GemvTiles(*tiles[0], load_ahead=ahead), moe.GemvTiles(*tiles[1], load_ahead=ahead)))
+        for ahead in (False, True)]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_decode_moe_is_deterministic_and_leaves_its_counters_zeroed():
