@@ -170,14 +170,24 @@ def test_rotary_and_cache_with_qk_norm_equals_rms_norm_then_rotary_and_cache_bit
                                               ref_k_cache, ref_v_cache, inputs["slots"], *scales,
                                               q_norm_weight=inputs["q_weight"], k_norm_weight=inputs["k_weight"],
                                               eps=inputs["eps"])
-    tolerance = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (0.05, 0.02)}  # bf16: a rounding of normed * w
-    assert_matches(q, ref_q, tolerance)
-    assert_matches(k, ref_k, tolerance)
+    # bf16: kernels and reference round at different points (normalised row, times the weight, the rotation), each
+    # half an ulp of values up to ~16 (weights up to 2). The rotation mixes two such values into one that may be
+    # far smaller, so an element's own magnitude does not bound its error; the head's largest value does. Seen in
+    # 400 seeds: 0.066 at 0.516 (seed 155), 0.25 at 16.1 (seed 173), both under 1% of the largest |value|; a wrong
+    # weight, position or head is off by the order of the values themselves.
+    def tolerance(ref: torch.Tensor) -> tuple[float, float]:  # (atol, rtol)
+        if dtype == torch.float32:
+            return 1e-5, 1e-5
+        return 0.02 * ref.float().abs().max().item(), 0.02
+
+    for out, ref in ((q, ref_q), (k, ref_k)):
+        assert_matches(out, ref, {dtype: tolerance(ref)})
     written = inputs["slots"][inputs["slots"] >= 0]
     rows, ref_rows = k_cache.view(-1, kv_heads, head_dim)[written], ref_k_cache.view(-1, kv_heads, head_dim)[written]
-    rtol = 0.13 if cache_dtype == FP8 else tolerance[dtype][1]
-    torch.testing.assert_close(rows.float(), ref_rows.float(), rtol=rtol, atol=tolerance[dtype][0] + (
-        0.13 if cache_dtype == FP8 else 0))
+    atol, rtol = tolerance(ref_rows)
+    if cache_dtype == FP8:  # plus an e4m3 rounding either way (3 mantissa bits)
+        atol, rtol = atol + 0.13, 0.13
+    torch.testing.assert_close(rows.float(), ref_rows.float(), rtol=rtol, atol=atol)
 
 
 def test_rotary_and_cache_rejects_incomplete_or_mismatched_norms_naming_them():
