@@ -212,6 +212,26 @@ def exponential_race(probs: torch.Tensor, requests: list[Request], generator: Op
     return (probs / q).argmax(dim=-1)
 
 
+ARGMAX_BLOCK = 64
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of [S, V] logits: the first index of each row's largest value (NaN counts as largest).
+
+    On CPU the LM head leaves the logits as a transposed view of a contiguous [V, S] (model_runner: `weight @
+    hidden^T` runs faster there), and argmax along a row then strides through memory (0.6-0.9 ms for 64 x 8192 on
+    this 2-core machine). Here it is found in three passes over contiguous memory (~0.1 ms): each block of
+    ARGMAX_BLOCK vocabulary entries' maximum per row, the first block holding the row's maximum, the first index of
+    it within that block; the same first index as argmax, NaN included (max and argmax both take NaN as largest)."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or logits.stride(0) != 1 or vocab % ARGMAX_BLOCK or rows < 2:
+        return logits.argmax(dim=-1)
+    blocks = logits.t().view(vocab // ARGMAX_BLOCK, ARGMAX_BLOCK, rows)  # [V / B, B, S], contiguous
+    best_block = blocks.amax(dim=1).argmax(dim=0)  # [S]
+    within = blocks[best_block, :, torch.arange(rows)].argmax(dim=1)  # [S, B] -> [S]
+    return best_block * ARGMAX_BLOCK + within
+
+
 class Sampler:
     def __init__(self, generator: Optional[torch.Generator] = None):
         self.generator = generator
@@ -229,7 +249,7 @@ class Sampler:
             if batch.grammar_bitmask is None:
                 raise ValueError("constrained rows need the step's grammar bitmask")
             batch.grammar.apply(logits, batch.grammar_bitmask)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         if not batch.all_greedy:
             probs = apply_filters(logits, batch).softmax(dim=-1)
             if batch.min_p is not None:

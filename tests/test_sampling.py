@@ -384,3 +384,22 @@ def test_logprobs_zero_returns_the_chosen_token_only(llm):
     assert all(e[t].rank == 1 for e, t in zip(out.logprobs, out.token_ids))  # greedy: the top token
     no_lp = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert no_lp.logprobs is None and no_lp.cumulative_logprob is None
+
+
+@pytest.mark.parametrize("rows, vocab", [(64, 8192), (5, 128), (2, 192)])
+def test_greedy_tokens_on_the_cpu_heads_transposed_logits_equal_argmax(rows, vocab):
+    """The blocked argmax (CPU, logits a transposed view of [V, S]) picks argmax's index: the first of tied
+    maxima, across and within blocks, NaN as the largest, rows of -inf; and contiguous logits go to argmax."""
+    from asyncengine.sampler import ARGMAX_BLOCK, greedy_tokens
+
+    logits = torch.randn(vocab, rows).t()  # [S, V] view, stride (1, S): what the CPU LM head returns
+    logits[0, :] = 0.5  # every entry tied: index 0
+    logits[1, [ARGMAX_BLOCK + 3, 7]] = 1e6  # tied in two blocks: the earlier block's
+    if rows > 2:
+        logits[2, [ARGMAX_BLOCK - 1, ARGMAX_BLOCK - 2]] = float("nan")  # NaN wins, the first one
+        logits[3, :] = float("-inf")
+        logits[4, [vocab - 1, vocab - 2]] = 1e6  # ties within the last block
+    assert logits.stride(0) == 1
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    contiguous = logits.contiguous()
+    assert torch.equal(greedy_tokens(contiguous), contiguous.argmax(dim=-1))
