@@ -504,8 +504,9 @@ def _gate_up_act_kernel(
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     # With LOAD_AHEAD the loop carries the next step's weight tiles: their loads are issued before this step's
     # math, two steps in flight per thread (Triton does not software-pipeline loads that feed no tl.dot).
-    gate_w = _weight_tile(gate_rows, 0, hidden_size, col_valid, BLOCK_K)
-    up_w = _weight_tile(up_rows, 0, hidden_size, col_valid, BLOCK_K)
+    if LOAD_AHEAD:
+        gate_w = _weight_tile(gate_rows, 0, hidden_size, col_valid, BLOCK_K)
+        up_w = _weight_tile(up_rows, 0, hidden_size, col_valid, BLOCK_K)
     for k_start in range(0, hidden_size, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < hidden_size, other=0.0).to(tl.float32)[None, :]
@@ -560,7 +561,8 @@ def _down_reduce_kernel(
     rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     act_row = act_ptr + assignment.to(tl.int64) * stride_act
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
-    w = _weight_tile(rows, 0, inter, col_valid, BLOCK_K)  # loaded a step ahead with LOAD_AHEAD, as in gate_up_act
+    if LOAD_AHEAD:  # each step's tile loaded a step ahead, as in gate_up_act
+        w = _weight_tile(rows, 0, inter, col_valid, BLOCK_K)
     for j_start in range(0, inter, BLOCK_K):
         js = j_start + tl.arange(0, BLOCK_K)
         a = tl.load(act_row + js, mask=js < inter, other=0.0).to(tl.float32)[None, :]
