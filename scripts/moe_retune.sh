@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (issue 18): re-sweep the MoE decode tiles at batch 1 on this GPU, then W3/W1 of the
 # Qwen3-30B-A3B shape with the table as committed and with the sweep's batch-1 winner, in that order, on one
-# checkpoint. Logs under $OUT. Usage: bash scripts/moe_retune.sh [sweep budget seconds, default 150]
+# checkpoint (scripts/moe_w3.sh, without transformers). Logs under $OUT.
+# Usage: bash scripts/moe_retune.sh [sweep budget seconds, default 150]
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -10,15 +11,5 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m loadtest.bench_kernels --moe-decode --tokens 1 2>&1 | tee "$OUT/moe_decode_before.txt" | tail -6
 python3 -m loadtest.bench_kernels --moe-sweep --tokens 1 --budget-s "${1:-150}" 2>&1 | tee "$OUT/moe_sweep.txt" | tail -4
 winner=$(grep -A1 "^winners" "$OUT/moe_sweep.txt" | grep "(2048, 768, 8, 1)")
-python3 -m loadtest.bench_offline --family qwen3-30b-a3b --checkpoint /dev/shm/q3 --moe-part build --out "$OUT" \
-  > "$OUT/moe_build.log" 2>&1
-for table in committed swept; do
-  if [[ $table == swept ]]; then
-    [[ -n $winner ]] || { echo "no batch-1 winner"; break; }
-    python3 -c "import sys; from loadtest.bench_gemv import write_table; write_table([sys.argv[1]], 'kernels/moe_configs.py')" "$winner"
-    git diff --stat kernels/moe_configs.py
-  fi
-  python3 -m loadtest.bench_offline --family qwen3-30b-a3b --checkpoint /dev/shm/q3 --moe-part engine \
-    --moe-w1-requests 200 --out "$OUT/$table" 2>&1 | grep -v "rope_parameters\|Loading weights" > "$OUT/moe_$table.log"
-  echo "$table table:"; grep "W3 ms/token\|W1 (200" "$OUT/moe_$table.log"
-done
+[[ -n $winner ]] || echo "no batch-1 winner: the committed table only"
+PEERS=0 W1_REQUESTS=200 MOE_WINNER="$winner" bash scripts/moe_w3.sh
