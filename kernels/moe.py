@@ -30,7 +30,8 @@ At batch 1 of Qwen3-30B-A3B (8 assignments, H 2048, I 768) that is N * I / BLOCK
 enough for every SM, where one program per (token, column block) gave down_reduce only H / BLOCK_N. The arrival
 counters (`counters`) are zero before and after every call, so the path is
 CUDA-graph capturable; calls must not overlap on two streams. Tiles per shape and batch bucket come from
-moe_configs.TUNED (`python -m loadtest.bench_kernels --moe-sweep`), else `default_decode_config`.
+moe_configs.TUNED (`python -m loadtest.bench_kernels --moe-sweep`), else `default_decode_config`; a tile with
+load_ahead issues each loop step's weight loads one step early (the same sums, in the same order).
 
 Neither path ever launches one kernel per expert. Both match `reference.fused_moe`, including where it rounds to
 the input dtype; the grouped GEMMs' tile sizes are fixed heuristics chosen from the number of assignments per
