@@ -13,12 +13,12 @@ tiles of W once. An int4 tile never crosses a group (BLOCK_K divides group_size)
 scales and zeros once ([BLOCK_N] each) and each packed word once.
   M == 1 (config.dot false): FMA, no 16-row MMA tile of which 15 rows are padding: each step sums the products
       of each 16-byte vector of a W row (an int4 word) in-thread into a [BLOCK_K / VEC, BLOCK_N] float32 tile,
-      reduced over K once after the loop. int4 spends about three instructions per weight (`_centered_nibbles`: one
+      reduced over K once after the loop. int4 spends about three instructions per weight (`_int4_centered`: one
       LOP3 ORs the nibble under a float32 exponent, one subtraction leaves q - z exactly; one FMA), the scale once
       per word; config.half_fma sums each word's products in bf16x2 instead (`_int4_half_fma_step`, ~2.3).
       FP8 with config.fp8_words: W read as 32-bit words of 4 weights, converted in registers (`_e4m3_floats`).
-      With config.load_ahead each step loads the next tile before its own math (`_dense_load_ahead_step`,
-      `_int4_load_ahead_step`, `_fp8_words_step`).
+      Dense weights with config.load_ahead: each step loads the next tile before its own math
+      (`_dense_load_ahead_step`).
   M > 1 (or config.dot): tl.dot on one tile of x of 16, 32 or 64 rows (the M bucket); int4 with config.slot_dot:
       one dot per nibble slot on exact q - z codes (`_int4_slot_dot_step`).
 Split-K without an extra launch: each slice stores its float32 partial sums, then bumps a per-N-tile counter; the
@@ -60,9 +60,9 @@ class GemvConfig:
     the tests hold every bf16 path to 1e-2.
     fp8_words: FP8 weights at M == 1 on the FMA path, read as 32-bit words of 4 weights and converted in registers
     (`_fp8_words_step`); exact like the default path. Needs K % 4 == 0 and a weight row stride and base address
-    that are multiples of 4 bytes (checked per call: a ValueError). load_ahead: M == 1 on the FMA path (dense
-    weights, fp8_words or not, and int4, half_fma or not): each step issues the next tile's loads before its own math
-    (two tiles in flight per thread); the same sums in the same order."""
+    that are multiples of 4 bytes (checked per call: a ValueError). load_ahead: dense weights at M == 1 on the FMA
+    path (fp8_words or not): each step issues the next tile's loads before its own math (two tiles in flight per
+    thread)."""
 
     block_n: int
     block_k: int
@@ -242,16 +242,8 @@ def _int4_half_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_ma
     """`_int4_fma_step` for bf16 x at a 4-byte aligned address on CUDA, each word's 8 products summed in bf16x2
     (`_HALF_FMA_WORD_ASM`) instead of float32; the words' sums still scaled and accumulated in float32. Each
     product and each lane's 4-term sum rounds to bf16 (8 significant bits): ~3e-3 relative error in y (GemvConfig)."""
-    words, scale, zero = _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, K, cols, col_mask, N, group_size, BLOCK_K)
-    return _int4_half_fma_math(acc, words, scale, zero, x_ptr, k0, K, BLOCK_K)
-
-
-@triton.jit
-def _int4_half_fma_math(acc, words, scale, zero, x_ptr, k0, K, BLOCK_K: tl.constexpr):
-    """The math of `_int4_half_fma_step` on a tile already loaded (`_int4_tile`): words [BK / 8, BN], the group's
-    scale and zero [BN] float32."""
-    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    row_mask = words_k < K // 8
+    words_k, row_mask, words = _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)  # words [BK / 8, BN]
+    scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)  # [BN] float32 each
     bits = (-128.0 - zero).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # -(128 + z), exact
     neg_zero_pair = (bits | (bits << 16))[None, :]  # [1, BN] bf16x2
     pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -271,21 +263,6 @@ def _int4_half_fma_math(acc, words, scale, zero, x_ptr, k0, K, BLOCK_K: tl.const
 
 
 @triton.jit
-def _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, k_end, cols, col_mask, N, group_size, BLOCK_K: tl.constexpr):
-    """W's int4 tile at input k0 as stored: (packed words [BK / 8, BN] int32, the group's scales and zero points
-    [BN] float32). Inputs from k_end on read as 0 and a tile starting at or past k_end reads nothing (its loads are
-    not issued): the load-ahead steps ask for one tile past their slice."""
-    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(w_ptr + words_k[:, None].to(tl.int64) * N + cols[None, :],
-                    mask=(words_k < k_end // 8)[:, None] & col_mask[None, :], other=0)
-    in_slice = col_mask & (k0 < k_end)
-    group = k0 // group_size
-    scale = tl.load(scale_ptr + group * N + cols, mask=in_slice, other=0.0).to(tl.float32)
-    zero = tl.load(zero_ptr + group * N + cols, mask=in_slice, other=0.0).to(tl.float32)
-    return words, scale, zero
-
-
-@triton.jit
 def _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr):
     """(words_k [BK / 8]: qweight's rows at input k0, their mask, W's packed words [BK / 8, BN] int32)."""
     words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -299,64 +276,34 @@ def _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr):
 def _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K: tl.constexpr,
                    ASM: tl.constexpr):
     """W's int4 tile at input k0 as q - z, exactly, in float32: returns (words_k [BK / 8], the words' row mask,
-    a tuple of 8 tensors [BK / 8, BN], element j for input 8 * words_k + j, and the group's scales [BN])."""
+    a tuple of 8 tensors [BK / 8, BN], element j for input 8 * words_k + j, and the group's scales [BN]).
+
+    Two instructions per weight: one LOP3 makes the float 2**(23 - p) + q of a nibble (`_nibble_floats`), one
+    subtraction of 2**(23 - p) + z (per column and tile; exact, z being an integer below 16) leaves q - z."""
     words_k, row_mask, words = _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)
     scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)  # [BN] float32 each
-    return words_k, row_mask, _centered_nibbles(words, zero, ASM), scale
-
-
-@triton.jit
-def _centered_nibbles(words, zero, ASM: tl.constexpr):
-    """Packed words [R, BN] and their zero points [BN] as q - z, exactly, in float32: a tuple of 8 tensors [R, BN],
-    element j for each word's input j. Two instructions per weight: one LOP3 makes the float 2**(23 - p) + q of a
-    nibble (`_nibble_floats`), one subtraction of 2**(23 - p) + z (per column and tile; exact, z being an integer
-    below 16) leaves q - z."""
     zeros = (zero[None, :] + 8388608.0, zero[None, :] + 524288.0, zero[None, :] + 32768.0, zero[None, :] + 2048.0,
              zero[None, :] + 128.0)  # z + 2**(23 - p) per bit offset p = 0, 4, 8, 12, 16
     nibbles = _nibble_floats(words, ASM)
     centered = ()
     for j in tl.static_range(8):
         centered = centered + (nibbles[j] - zeros[j % 5],)
-    return centered
+    return words_k, row_mask, centered, scale
 
 
 @triton.jit
 def _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
                    BLOCK_K: tl.constexpr, ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
     """acc [BK / 8, BN] plus x's row 0 times W's int4 tile at input k0: about three instructions per weight (two in
-    `_centered_nibbles`, one FMA into the word's 8-input sum), the group's scale multiplying each word's sum once (a
+    `_int4_centered`, one FMA into the word's 8-input sum), the group's scale multiplying each word's sum once (a
     tile never crosses a group)."""
-    words, scale, zero = _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, K, cols, col_mask, N, group_size, BLOCK_K)
-    return _int4_fma_math(acc, words, scale, zero, x_ptr, k0, K, BLOCK_K, ASM, X_BF16_PAIRS)
-
-
-@triton.jit
-def _int4_fma_math(acc, words, scale, zero, x_ptr, k0, K, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
-                   X_BF16_PAIRS: tl.constexpr):
-    """The math of `_int4_fma_step` on a tile already loaded (`_int4_tile`)."""
-    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    centered = _centered_nibbles(words, zero, ASM)
-    xs = _x_words(x_ptr, words_k, words_k < K // 8, X_BF16_PAIRS)
+    words_k, row_mask, centered, scale = _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
+                                                        group_size, BLOCK_K, ASM)
+    xs = _x_words(x_ptr, words_k, row_mask, X_BF16_PAIRS)
     word_sums = xs[0][:, None] * centered[0]
     for j in tl.static_range(1, 8):
         word_sums += xs[j][:, None] * centered[j]
     return acc + word_sums * scale[None, :]
-
-
-@triton.jit
-def _int4_load_ahead_step(acc, words, scale, zero, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, k_end, cols, col_mask,
-                          N, K, group_size, BLOCK_K: tl.constexpr, ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr,
-                          HALF_FMA: tl.constexpr):
-    """An int4 FMA step (`_int4_half_fma_math` or `_int4_fma_math`) on the tile (words, scale, zero) loaded one step
-    ahead: returns (acc, the next tile), whose loads are issued before this tile's math, so two tiles are in flight
-    per thread (the FMA path's loads are not software-pipelined by Triton). Same sums in the same order."""
-    next_words, next_scale, next_zero = _int4_tile(w_ptr, scale_ptr, zero_ptr, k0 + BLOCK_K, k_end, cols, col_mask,
-                                                   N, group_size, BLOCK_K)
-    if HALF_FMA:
-        acc = _int4_half_fma_math(acc, words, scale, zero, x_ptr, k0, K, BLOCK_K)
-    else:
-        acc = _int4_fma_math(acc, words, scale, zero, x_ptr, k0, K, BLOCK_K, ASM, X_BF16_PAIRS)
-    return acc, next_words, next_scale, next_zero
 
 
 @triton.jit
@@ -600,7 +547,7 @@ def _gemv_kernel(
     REDUCE_CHUNK: tl.constexpr,  # PARTIAL: K slices summed per load round by the last program (`_sum_partials`)
     X_FP16: tl.constexpr,  # x in fp16
     FP8_WORDS: tl.constexpr,  # FP8 W on the FMA path read as words of 4 (`_fp8_words_step`)
-    LOAD_AHEAD: tl.constexpr,  # FMA path (dense or INT4): each step loads the next tile before its math
+    LOAD_AHEAD: tl.constexpr,  # dense FMA path: each step loads the next tile before its math
     E4M3_PTX: tl.constexpr,  # FP8_WORDS: e4m3 converted by inline PTX (`e4m3_ptx_ok`)
     BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
@@ -628,10 +575,7 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if INT4 and LOAD_AHEAD:  # the first tile, loaded ahead
-        words, scale, zero = _int4_tile(w_ptr, scale_ptr, zero_ptr, k_start, k_end, cols, col_mask, N, group_size,
-                                        BLOCK_K)
-    elif FP8_WORDS and LOAD_AHEAD:  # the first tile, loaded ahead
+    if FP8_WORDS and LOAD_AHEAD:  # the first tile, loaded ahead
         tile = _fp8_tile_words(w_ptr, k_start, k_end, cols, col_mask, stride_wn, BLOCK_K)
     elif FP8_WORDS:  # unread: each step loads its own
         tile = tl.zeros((BLOCK_K // 4, BLOCK_N), dtype=tl.int32)
@@ -644,10 +588,6 @@ def _gemv_kernel(
         elif USE_DOT:
             acc = _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
                             stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N)
-        elif INT4 and LOAD_AHEAD:
-            acc, words, scale, zero = _int4_load_ahead_step(acc, words, scale, zero, x_ptr, w_ptr, scale_ptr,
-                                                            zero_ptr, k0, k_end, cols, col_mask, N, K, group_size,
-                                                            BLOCK_K, ASM, X_BF16_PAIRS, HALF_FMA)
         elif INT4 and HALF_FMA:
             acc = _int4_half_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
                                       BLOCK_K)
@@ -794,8 +734,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         raise ValueError(f"decode GEMV: {tiles} N tiles exceed {_COUNTER_SLOTS} (raise block_n)")
     if config.fp8_words:
         _check_fp8_words(weight, use_dot)
-    if config.load_ahead and use_dot:
-        raise ValueError("GemvConfig.load_ahead applies at M == 1 on the FMA path (dot=False) only")
+    if config.load_ahead and (group_size is not None or use_dot):
+        raise ValueError("GemvConfig.load_ahead applies to dense weights at M == 1 on the FMA path (dot=False) only")
     partial = fit.split_k > 1
     out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out

@@ -104,14 +104,13 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
                 continue
             # alternatives: int4 one tl.dot per nibble slot (block_k 128) or bf16x2 sums per word (the FMA path);
             # at M = 1 FP8's word path with and without the load-ahead of the next tile (its load-ahead on the byte
-            # tile repacks every byte in registers: 1.5-2x the SASS and registers on sm_90), bf16's and int4's
-            # load-ahead
+            # tile repacks every byte in registers: 1.5-2x the SASS and registers on sm_90), bf16's load-ahead
             # (slot_dot, half_fma, fp8_words, load_ahead)
             variants = [(False, False, False, False)]
             if group.fmt == "int4" and dot and bk >= 128:
                 variants.append((True, False, False, False))
-            if group.fmt == "int4" and not dot:  # float32 or bf16x2 word sums, each with and without load-ahead
-                variants += [(False, False, False, True), (False, True, False, False), (False, True, False, True)]
+            if group.fmt == "int4" and not dot:
+                variants.append((False, True, False, False))
             if group.fmt == "fp8" and not dot:
                 variants += [(False, False, True, False), (False, False, True, True)]
             if group.fmt == "bf16" and not dot:
@@ -349,7 +348,7 @@ def winner_line(r: Result, copy_gbps: float) -> str:
     g = r.group
     lib = ", ".join(f"{name} {t:.1f} us" for name, t in r.library.items())
     return (f'    ("{g.fmt}", {g.n}, {g.k}, {g.m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, '
-            f'{c.num_warps}, {c.num_stages}, {c.dot}{_variant(c)}),  '
+            f'{c.num_warps}, {c.num_stages}, {c.dot}{_int4_variant(c)}{_fp8_variant(c)}),  '
             f'# {g.name}: {us:.1f} us,{_rate(r.bytes, us, copy_gbps)}'
             f"{'; ' + lib if lib else ''}")
 
@@ -376,16 +375,20 @@ def _best_per_path(best: list) -> dict[str, float]:
     alternative (int4 slot_dot / half_fma, FP8 word path, load_ahead)."""
     paths: dict[str, float] = {}
     for us, c in best:
-        flags = _variant(c)  # ", half_fma=True, ..."
+        flags = _int4_variant(c) + _fp8_variant(c)  # ", half_fma=True, ..."
         name = ("dot" if c.dot else "fma") + flags.replace(", ", " ").replace("=True", "")
         paths.setdefault(name, us)
     return paths
 
 
-def _variant(config) -> str:
-    """A config's alternative paths as GemvConfig's keyword arguments (none: the default paths)."""
-    flags = ("slot_dot", "half_fma", "fp8_words", "load_ahead")
-    return "".join(f", {name}=True" for name in flags if getattr(config, name))
+def _fp8_variant(config) -> str:
+    """A winner's FP8 word path as GemvConfig's keyword arguments (none: the default path)."""
+    return (", fp8_words=True" if config.fp8_words else "") + (", load_ahead=True" if config.load_ahead else "")
+
+
+def _int4_variant(config) -> str:
+    """A winner's int4 alternative as GemvConfig's keyword arguments (none: the default paths)."""
+    return (", slot_dot=True" if config.slot_dot else "") + (", half_fma=True" if config.half_fma else "")
 
 
 def groups_for(formats: list[str], tiny: bool, shape_sets: tuple[str, ...] = ("8b",),
