@@ -23,24 +23,27 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     # 41 the int4 shapes took 14.7 / 11.6 / 55.8 / 28.4 us at M = 1. fp8 "down" at M = 16 and 64 are run 41's (the
     # sweep's budget ran out before them). The int4 M = 16 rows are run 48's: the M = 16 kernel changes measured in
     # run 51 (PTX slot_dot codes, 2-slice reduction rounds) were slower and are reverted to run 48's code.
-    ("int4", 6144, 4096, 1): GemvConfig(512, 64, 44, 4, 3, False, half_fma=True),  # qkv: 10.1 us,   1323 GB/s  44%; old int4 GEMM tile 35.9 us
+    # The int4 and fp8 M = 1 rows are session 13's run 82 (one NVIDIA H200, copy 4,255 GB/s; `--gemv-sweep --formats
+    # int4,fp8 --ms 1 --write-table`): the same tiles as run 51 except int4 o and fp8 gate_up / down, each 0-5% faster
+    # than run 51's tile in that sweep.
+    ("int4", 6144, 4096, 1): GemvConfig(512, 64, 44, 4, 3, False),  # qkv: 9.2 us,   1456 GB/s  34%; old int4 GEMM tile 36.5 us
     ("int4", 6144, 4096, 16): GemvConfig(128, 128, 11, 4, 3, True, slot_dot=True),  # qkv: 21.4 us,    641 GB/s  22%; old int4 GEMM tile 35.9 us (run 48)
-    ("int4", 4096, 4096, 1): GemvConfig(128, 128, 17, 2, 3, False),  # o: 8.3 us,   1081 GB/s  36%; old int4 GEMM tile 28.8 us
+    ("int4", 4096, 4096, 1): GemvConfig(256, 64, 33, 2, 3, False, half_fma=True),  # o: 7.6 us,   1180 GB/s  28%; old int4 GEMM tile 30.0 us
     ("int4", 4096, 4096, 16): GemvConfig(128, 128, 9, 4, 3, True, slot_dot=True),  # o: 17.5 us,    524 GB/s  18%; old int4 GEMM tile 28.8 us (run 48)
-    ("int4", 28672, 4096, 1): GemvConfig(1024, 64, 10, 8, 3, False, half_fma=True),  # gate_up: 28.4 us,   2200 GB/s  73%; old int4 GEMM tile 132.2 us
+    ("int4", 28672, 4096, 1): GemvConfig(1024, 64, 10, 8, 3, False, half_fma=True),  # gate_up: 25.0 us,   2493 GB/s  59%; old int4 GEMM tile 137.7 us
     ("int4", 28672, 4096, 16): GemvConfig(128, 128, 2, 4, 3, True, slot_dot=True),  # gate_up: 70.1 us,    905 GB/s  31%; old int4 GEMM tile 132.2 us (run 48)
-    ("int4", 4096, 14336, 1): GemvConfig(1024, 64, 66, 8, 3, False, half_fma=True),  # down: 18.8 us,   1657 GB/s  55%; old int4 GEMM tile 95.2 us
+    ("int4", 4096, 14336, 1): GemvConfig(1024, 64, 66, 8, 3, False, half_fma=True),  # down: 17.5 us,   1789 GB/s  42%; old int4 GEMM tile 97.9 us
     ("int4", 4096, 14336, 16): GemvConfig(128, 128, 17, 4, 3, True, slot_dot=True),  # down: 39.1 us,    813 GB/s  27%; old int4 GEMM tile 94.3 us (run 48)
-    ("fp8", 6144, 4096, 1): GemvConfig(32, 512, 2, 8, 3, False, fp8_words=True),  # qkv: 12.3 us,   2049 GB/s  68%; _scaled_mm per-tensor 13.0 us, _scaled_mm rowwise 18.9 us, fp8_linear (quant+rowwise) 20.4 us
+    ("fp8", 6144, 4096, 1): GemvConfig(32, 512, 2, 8, 3, False, fp8_words=True),  # qkv: 10.1 us,   2487 GB/s  58%; _scaled_mm per-tensor 9.4 us, _scaled_mm rowwise 18.9 us, fp8_linear (quant+rowwise) 21.0 us
     ("fp8", 6144, 4096, 16): GemvConfig(32, 256, 1, 4, 4, True),  # qkv: 16.3 us,   1566 GB/s  52%; _scaled_mm per-tensor 13.0 us, _scaled_mm rowwise 17.7 us, fp8_linear (quant+rowwise) 19.2 us
     ("fp8", 6144, 4096, 64): GemvConfig(32, 128, 2, 4, 3, True),  # qkv: 22.0 us,   1203 GB/s  40%; _scaled_mm per-tensor 13.3 us, _scaled_mm rowwise 15.2 us, fp8_linear (quant+rowwise) 17.3 us
-    ("fp8", 4096, 4096, 1): GemvConfig(64, 512, 5, 8, 3, False, fp8_words=True),  # o: 9.3 us,   1798 GB/s  60%; _scaled_mm per-tensor 9.4 us, _scaled_mm rowwise 13.9 us, fp8_linear (quant+rowwise) 15.8 us
+    ("fp8", 4096, 4096, 1): GemvConfig(64, 512, 5, 8, 3, False, fp8_words=True),  # o: 8.2 us,   2049 GB/s  48%; _scaled_mm per-tensor 7.4 us, _scaled_mm rowwise 14.2 us, fp8_linear (quant+rowwise) 16.3 us
     ("fp8", 4096, 4096, 16): GemvConfig(32, 256, 5, 4, 4, True),  # o: 12.0 us,   1419 GB/s  47%; _scaled_mm per-tensor 9.4 us, _scaled_mm rowwise 13.6 us, fp8_linear (quant+rowwise) 15.5 us
     ("fp8", 4096, 4096, 64): GemvConfig(32, 128, 3, 4, 3, True),  # o: 17.7 us,   1006 GB/s  33%; _scaled_mm per-tensor 9.7 us, _scaled_mm rowwise 13.7 us, fp8_linear (quant+rowwise) 15.8 us
-    ("fp8", 28672, 4096, 1): GemvConfig(64, 512, 1, 8, 3, False, fp8_words=True),  # gate_up: 42.5 us,   2770 GB/s  92%; _scaled_mm per-tensor 43.8 us, _scaled_mm rowwise 48.6 us, fp8_linear (quant+rowwise) 50.8 us
+    ("fp8", 28672, 4096, 1): GemvConfig(64, 256, 1, 4, 3, False, fp8_words=True),  # gate_up: 31.5 us,   3739 GB/s  88%; _scaled_mm per-tensor 30.2 us, _scaled_mm rowwise 46.1 us, fp8_linear (quant+rowwise) 47.3 us
     ("fp8", 28672, 4096, 16): GemvConfig(32, 256, 1, 4, 4, True),  # gate_up: 46.5 us,   2553 GB/s  85%; _scaled_mm per-tensor 44.8 us, _scaled_mm rowwise 49.5 us, fp8_linear (quant+rowwise) 51.4 us
     ("fp8", 28672, 4096, 64): GemvConfig(64, 128, 1, 4, 3, True),  # gate_up: 76.5 us,   1591 GB/s  53%; _scaled_mm per-tensor 48.1 us, _scaled_mm rowwise 50.5 us, fp8_linear (quant+rowwise) 53.1 us
-    ("fp8", 4096, 14336, 1): GemvConfig(64, 256, 9, 4, 3, False, fp8_words=True),  # down: 24.8 us,   2372 GB/s  79%; _scaled_mm per-tensor 26.7 us, _scaled_mm rowwise 41.5 us, fp8_linear (quant+rowwise) 45.0 us
+    ("fp8", 4096, 14336, 1): GemvConfig(32, 512, 3, 8, 3, False, fp8_words=True),  # down: 18.9 us,   3110 GB/s  73%; _scaled_mm per-tensor 19.8 us, _scaled_mm rowwise 43.6 us, fp8_linear (quant+rowwise) 47.3 us
     ("fp8", 4096, 14336, 16): GemvConfig(32, 256, 3, 4, 3, True),  # down: 28.3 us,   2100 GB/s  70%; _scaled_mm per-tensor 27.3 us, _scaled_mm rowwise 45.8 us, fp8_linear (quant+rowwise) 48.7 us
     ("fp8", 4096, 14336, 64): GemvConfig(32, 128, 3, 4, 3, True),  # down: 43.7 us,   1397 GB/s  47%; _scaled_mm per-tensor 25.3 us, _scaled_mm rowwise 39.3 us, fp8_linear (quant+rowwise) 44.6 us
     ("bf16", 6144, 4096, 1): GemvConfig(16, 512, 1, 8, 3, False, load_ahead=True),  # qkv: 15.0 us,   3367 GB/s  81%; cuBLAS F.linear 16.7 us
