@@ -1,6 +1,7 @@
 """Benchmark of the Triton kernels at Llama-3-8B sizes (bf16) against the torch reference and dense SDPA.
 
-    python loadtest/bench_kernels.py [--sweep | --moe | --gemv-sweep [--tiny] | --moe-decode | --moe-sweep [--tiny]]
+    python loadtest/bench_kernels.py [--sweep | --moe | --gemv-sweep [--tiny] | --moe-decode | --moe-sweep [--tiny]
+                                      | --int4-gemm]
 
 Cases: paged_attention decode (batch 1 and 64 at 1k context; eager and replayed from a CUDA graph, and in a graph
 with the separate reduction kernel instead of the fused merge), prefill
@@ -214,6 +215,35 @@ def moe_rows(shape: str, tokens: int) -> list[tuple]:
                              (f"{path} graph", graph_ms(triton_fn)))]
 
 
+INT4_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
+
+
+def int4_gemm_rows(ms=(16, 32, 64, 128, 256, 512, 1024, 2048, 8192)) -> list[tuple]:
+    """The int4 product's paths above the GEMV at the 8B shapes (group 128), per M: the dequantizing GEMM, dequantize
+    + cuBLAS (and the dequantize alone), against cuBLAS on the bf16 weight; TFLOP/s of 2 M N K; ratio bf16 / path."""
+    from asyncengine.kernels import quant_int4, quant_reference
+
+    rows = []
+    for name, (k, n) in INT4_SHAPES.items():
+        w = torch.randn(k, n, device="cuda") * 0.02
+        qweight, scales, zeros = quant_reference.quantize_int_weight(w, 128)
+        scales, zeros = scales.to(DTYPE), zeros.to(DTYPE)
+        w16 = quant_reference.dequantize_packed(qweight, scales, zeros, 128)  # [K, N] bf16
+        rows.append((f"int4 dequantize {name} {k}->{n}", "dequantize",
+                     median_ms(lambda: quant_int4.dequantize(qweight, scales, zeros, 128, DTYPE)),
+                     f"{(qweight.numel() * 4 + w16.numel() * 2) / 1e9:.2f} GB moved", 1.0))
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            plan = quant_int4.plan(m, n, k, 128)
+            timed = {"bf16 cuBLAS": median_ms(lambda: x @ w16),
+                     "int4 GEMM": median_ms(lambda: quant_int4.dequantizing_gemm(x, qweight, scales, zeros, 128, plan)),
+                     "deq+cuBLAS": median_ms(lambda: x @ quant_int4.dequantize(qweight, scales, zeros, 128, DTYPE))}
+            for impl, ms_ in timed.items():
+                rows.append((f"int4 {name} M={m}", impl, ms_, f"{2 * m * n * k / ms_ / 1e9:.1f} TFLOP/s",
+                             timed["bf16 cuBLAS"] / ms_))
+    return rows
+
+
 def print_table(rows: list[tuple]) -> None:
     width = max(len(r[0]) for r in rows) + 1
     print(f"{'case':{width}} {'impl':13} {'median us':>10} {'rate':>16} {'vs ref':>7}")
@@ -226,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     mixture-of-experts kernels at Qwen3-30B-A3B and Mixtral-8x7B expert shapes. --gemv-sweep [--tiny]: launch
     configurations of the decode GEMV per 8B linear shape and format (loadtest/bench_gemv.py). --moe-decode /
     --moe-sweep [--tiny]: the MoE layer's decode kernels at the Qwen3-30B-A3B shape, and their tile sweep
-    (loadtest/bench_moe.py)."""
+    (loadtest/bench_moe.py). --int4-gemm: the int4 product's paths above the GEMV (`int4_gemm_rows`)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -246,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if "--sweep" in args:
         print_table(sweep_prefill() + sweep_decode())
+        return
+    if "--int4-gemm" in args:
+        print_table(int4_gemm_rows())
         return
     print_table(decode_rows(1, 1024) + decode_rows(64, 1024) + prefill_rows(4, 2048) + rowwise_rows())
 

@@ -91,7 +91,7 @@ def _free_gpu_memory() -> None:
 
 def run_quant(folders: dict[str, tuple[Path, dict]], engine_kwargs: dict, w1, vocab: int, bandwidth: float | None,
               results: dict, save) -> None:
-    """For each format: W3 ms/token and its roofline; W1 req/s for bf16 and fp8. folders: name -> (checkpoint,
+    """For each format: W3 ms/token and its roofline, and W1 req/s. folders: name -> (checkpoint,
     extra LLM arguments)."""
     from asyncengine import LLM
 
@@ -108,8 +108,7 @@ def run_quant(folders: dict[str, tuple[Path, dict]], engine_kwargs: dict, w1, vo
         if bandwidth:
             res["W3_roofline_ms"] = res["W3_bytes_per_step"] / bandwidth * 1e3
         res["decode_kernels"] = decode_kernel_choices(llm)
-        if fmt in ("bf16", "fp8"):
-            res["W1"] = run_engine(llm, *w1)
+        res["W1"] = run_engine(llm, *w1)
         results.setdefault("quant", {})[fmt] = res
         save()
         llm.close()

@@ -102,6 +102,39 @@ def test_int4_gemv_in_bf16_and_with_one_group_over_all_inputs():
     check_int4(1, 96, 32, 96, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k, n, group_size", [(296, 37, 128), (256, 160, 32), (64, 8, 64)])
+def test_int4_dequantize_gives_the_reference_bits(dtype, k, n, group_size):
+    """quant_int4.dequantize against quant_reference.dequantize_packed in the same dtype, bit for bit: N tails, a K
+    ending in a partial group (296 = 2 x 128 + 40), several word rows per group and one group over all of K.
+    (Triton's interpreter rounds float32 -> bf16 toward zero, the GPU to nearest: there, bf16 within one unit in the
+    last place.)"""
+    from asyncengine.kernels import interpreting, quant_int4, quant_reference
+
+    _, qweight, scales, zeros = int4_case(1, k, n, group_size, dtype)
+    out = quant_int4.dequantize(qweight, scales, zeros, group_size, dtype)
+    ref = quant_reference.dequantize_packed(qweight, scales, zeros, group_size)
+    assert out.shape == (k, n) and out.dtype == dtype
+    one_ulp = 2.0**-7 if dtype == torch.bfloat16 and interpreting() else 0.0
+    torch.testing.assert_close(out, ref, atol=0, rtol=one_ulp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_prefill_sized_batches_dequantize_then_take_the_library_gemm(dtype, monkeypatch):
+    """From DEQUANT_MIN_M rows on, int_weight_matmul dequantizes W and multiplies with torch's GEMM (the
+    dequantizing GEMM is not called); one row fewer takes the GEMM. Both against the reference, bias included."""
+    from asyncengine.kernels import quant_int4
+
+    m = quant_int4.DEQUANT_MIN_M
+    calls = []
+    real = quant_int4.dequantizing_gemm
+    monkeypatch.setattr(quant_int4, "dequantizing_gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    check_int4(m, 296, 37, 128, dtype, bias=True)
+    assert calls == [], "the dequantize + library path was not taken"
+    check_int4(m - 1, 296, 37, 128, dtype, bias=True)
+    assert calls == [m - 1]
+
+
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
