@@ -1,15 +1,15 @@
 """int4 weight-only matrix product on the engine's packed layout (see quant_reference.py): y = x @ W.
 
-Three paths by the number of rows M of x:
-  M <= GEMV_MAX_M        the split-K GEMV of quant_gemv.py (`int4_gemv`): decode batches, memory-bound;
-  M < DEQUANT_MIN_M      the dequantizing GEMM here (`dequantizing_gemm`): each program owns a [BLOCK_M, BLOCK_N]
-                         tile of y and walks all of K in tiles that never cross a group, so each tile reads its
-                         group's scales and zeros once ([BLOCK_N] each);
-  M >= DEQUANT_MIN_M     prefill-sized batches: W dequantized once into a [K, N] buffer of x's dtype
-                         (`dequantize`, one pass writing 2 bytes a weight) and multiplied by the library's GEMM
-                         (cuBLAS), as vLLM does for AWQ above 256 tokens. The GEMM above dequantizes each weight
-                         once per BLOCK_M rows of x on the ALUs the tensor cores wait for: on an H200 an 8B prefill
-                         of 8,192 tokens took 1,242 ms of int4 GEMMs against 154 ms of bf16 cuBLAS (run 83).
+Two paths by the number of rows M of x:
+  M <= GEMV_MAX_M   the split-K GEMV of quant_gemv.py (`int4_gemv`): decode batches, memory-bound, each packed
+                    weight read once;
+  M >  GEMV_MAX_M   W dequantized into a [K, N] buffer of x's dtype (`dequantize`: one pass, 4 bits read and 16
+                    written a weight) and multiplied by the library's GEMM (cuBLAS), as vLLM does for AWQ at large
+                    batches. Run 84 (one H200, the 8B shapes, M = 16 ... 8,192) measured this against the Triton
+                    GEMM that dequantized each weight once per 64-row tile of x inside its K loop (removed): faster
+                    at every M, from 1.1x (gate_up, M = 32) to 7.4x (gate_up, M = 8,192); at M >= 2,048 at 0.9-1.0x
+                    the speed of cuBLAS on the bf16 weight. An 8B prefill step of 8,192 tokens in AWQ went 1,287 -> 207 ms
+                    (bf16: 206 ms). A fused int4 GEMM that beats this at mid-sized M is future work.
 """
 
 from __future__ import annotations
@@ -20,56 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
 from .quant_gemv import int4_gemv
 
 GEMV_MAX_M = 16  # decode batches up to this size take the split-K GEMV (the issue's bound; unmeasured above)
-DEQUANT_MIN_M = 256  # from this many rows on: dequantize, then the library's GEMM (module docstring)
-
-
-@triton.jit
-def _int4_matmul_kernel(
-    out_ptr,  # [M, N] in x's dtype (PARTIAL false) or [SPLIT_K, M, N] float32 partial sums
-    x_ptr,  # [M, K]
-    qweight_ptr,  # [K // 8, N] int32
-    scales_ptr,  # [G, N]
-    zeros_ptr,  # [G, N]
-    M,
-    N,
-    K,
-    stride_xm,
-    group_size,
-    k_per_split,  # a multiple of BLOCK_K
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # divides group_size: a tile stays within one group
-    DOT_FP32: tl.constexpr,  # multiply in float32 (Triton's interpreter computes bf16 dots wrongly), else x's dtype
-    PARTIAL: tl.constexpr,
-):
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask, col_mask = rows < M, cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        words = tl.load(qweight_ptr + (ks // 8)[:, None].to(tl.int64) * N + cols[None, :],
-                        mask=k_mask[:, None] & col_mask[None, :], other=0)  # [BK, BN]
-        q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
-        group = k0 // group_size
-        scale = tl.load(scales_ptr + group * N + cols, mask=col_mask, other=0.0).to(tl.float32)  # [BN]
-        zero = tl.load(zeros_ptr + group * N + cols, mask=col_mask, other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) - zero[None, :]) * scale[None, :]  # [BK, BN]
-        if DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee", out_dtype=tl.float32)
-        else:
-            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)
-    out = out_ptr + pid_k * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -116,53 +69,17 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return out
 
 
-def _block_k(group_size: int) -> int:
-    for block in (64, 32, 16):
-        if group_size % block == 0:
-            return block
-    raise ValueError(f"int4 kernel: group size {group_size} is not a multiple of 16")
-
-
-def plan(m: int, n: int, k: int, group_size: int, num_sms: int = 132) -> dict:
-    """Tile sizes of the dequantizing GEMM (M > 16; smaller batches take quant_gemv.int4_gemv)."""
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=_block_k(group_size), split_k=1)
-
-
 def int_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       group_size: int, bits: int = 4, bias: Optional[torch.Tensor] = None,
                       num_sms: Optional[int] = None) -> torch.Tensor:
     """x [M, K] @ W (+ bias) -> [M, N] in x's dtype; W in the packed int4 layout. Same contract as the reference.
-    The path follows M (module docstring): the GEMV, the dequantizing GEMM, or dequantize + the library's GEMM."""
+    The path follows M (module docstring): the GEMV, or dequantize + the library's GEMM."""
     if bits != 4:
         raise ValueError(f"the int4 kernel got {bits}-bit weights (only 4-bit has a kernel)")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= GEMV_MAX_M:
         return int4_gemv(x, qweight, scales, zeros, group_size, bias, num_sms)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if x2.shape[0] >= DEQUANT_MIN_M:
-        out = x2 @ dequantize(qweight, scales, zeros, group_size, x2.dtype)  # [M, K] @ [K, N]: cuBLAS
-    else:
-        out = dequantizing_gemm(x2, qweight, scales, zeros, group_size,
-                                plan(*x2.shape, qweight.shape[1], group_size))
+    out = x2 @ dequantize(qweight, scales, zeros, group_size, x2.dtype)  # [M, K] @ [K, N]: the library's GEMM
     if bias is not None:
         out = (out.float() + bias.float()).to(x.dtype)
     return out.reshape(*x.shape[:-1], qweight.shape[1])
-
-
-def dequantizing_gemm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                      group_size: int, cfg: dict) -> torch.Tensor:
-    """x2 [M, K] (unit stride along K) @ W -> [M, N] in x2's dtype with the tiles of `cfg` (as `plan` gives; the
-    benchmark also runs it at decode sizes, the path M <= 16 took before the GEMV)."""
-    m, k = x2.shape
-    n = qweight.shape[1]
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg["split_k"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split_k = triton.cdiv(k, k_per_split)
-    partial = split_k > 1
-    out = torch.empty((split_k, m, n) if partial else (m, n), device=x2.device,
-                      dtype=torch.float32 if partial else x2.dtype)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split_k)
-    _int4_matmul_kernel[grid](out, x2, qweight, scales, zeros, m, n, k, x2.stride(0), group_size, k_per_split,
-                              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                              DOT_FP32=x2.dtype == torch.float32 or interpreting(), PARTIAL=partial)
-    return out.sum(0).to(x2.dtype) if partial else out

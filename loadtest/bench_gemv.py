@@ -7,8 +7,8 @@ For each format (bf16; FP8 e4m3 weights with per-channel scales, x unquantized; 
 packed layout), each shape (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096, and the bf16 LM
 head 4096->128256) and M = 1, 16 (and 64 for the dense formats), every candidate (block_n, block_k, split_k,
 num_warps, num_stages, dot) is timed in CUDA graphs against the library's product (cuBLAS for bf16; torch._scaled_mm per-tensor and row-wise,
-and the full W8A8 fp8_linear with its per-token quantization, for FP8; the dequantizing GEMM tile the int4 path ran
-at M <= 16 before the GEMV). Each timed graph cycles through enough copies of the weight to defeat the L2 cache,
+and the full W8A8 fp8_linear with its per-token quantization, for FP8; for int4, the dequantize + GEMM the engine
+runs above the GEMV's batch sizes). Each timed graph cycles through enough copies of the weight to defeat the L2 cache,
 so GB/s (weight, scales and zeros, x and y per call) compares with the copy bandwidth.
 
 Candidates are compiled first in `--jobs` worker processes (Triton's on-disk cache then serves the timing process),
@@ -173,14 +173,10 @@ class Case:
         if self.group.fmt == "bf16":
             return {"cuBLAS F.linear": lambda w: F.linear(x, w[0])}
         if self.group.fmt == "int4":
-            from triton import cdiv
+            from asyncengine.kernels.quant_int4 import dequantize
 
-            from asyncengine.kernels.quant_int4 import dequantizing_gemm
-
-            tiles = cdiv(self.group.n, 16)  # the GEMM tile and split the int4 path used at M <= 16 before
-            split = 1 if tiles >= num_sms else max(1, min(self.group.k // 64, cdiv(2 * num_sms, tiles)))
-            old = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, split_k=split)
-            return {"old int4 GEMM tile": lambda w: dequantizing_gemm(x, *w, GROUP_SIZE, old)}
+            # what the engine runs above the GEMV's batch sizes
+            return {"dequantize + GEMM": lambda w: x @ dequantize(*w, GROUP_SIZE, x.dtype)}
         if self.device != "cuda":
             return {}
         from asyncengine.kernels import quant_fp8, quant_reference as qr

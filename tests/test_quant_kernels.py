@@ -120,19 +120,20 @@ def test_int4_dequantize_gives_the_reference_bits(dtype, k, n, group_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_prefill_sized_batches_dequantize_then_take_the_library_gemm(dtype, monkeypatch):
-    """From DEQUANT_MIN_M rows on, int_weight_matmul dequantizes W and multiplies with torch's GEMM (the
-    dequantizing GEMM is not called); one row fewer takes the GEMM. Both against the reference, bias included."""
+@pytest.mark.parametrize("m", [17, 300])
+def test_int4_batches_above_the_gemv_dequantize_then_take_the_library_gemm(dtype, m, monkeypatch):
+    """Above GEMV_MAX_M rows int_weight_matmul dequantizes W (once a call) and multiplies with torch's GEMM; at
+    GEMV_MAX_M it takes the GEMV and dequantizes nothing. Both against the reference, bias included, K ending in a
+    partial group."""
     from asyncengine.kernels import quant_int4
 
-    m = quant_int4.DEQUANT_MIN_M
     calls = []
-    real = quant_int4.dequantizing_gemm
-    monkeypatch.setattr(quant_int4, "dequantizing_gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = quant_int4.dequantize
+    monkeypatch.setattr(quant_int4, "dequantize", lambda *a: calls.append(a[0].shape) or real(*a))
     check_int4(m, 296, 37, 128, dtype, bias=True)
-    assert calls == [], "the dequantize + library path was not taken"
-    check_int4(m - 1, 296, 37, 128, dtype, bias=True)
-    assert calls == [m - 1]
+    assert calls == [(37, 37)], "one dequantize of the [K / 8, N] packed weight"
+    check_int4(quant_int4.GEMV_MAX_M, 296, 37, 128, dtype, bias=True)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
@@ -245,7 +246,7 @@ def test_gemv_rejects_bad_configs_and_batches():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_dequantizing_gemm_matches_reference_with_ragged_tiles(dtype):
+def test_int4_above_the_gemv_matches_reference_with_symmetric_weights(dtype):
     check_int4(37, 192, 80, 64, dtype, symmetric=True)
 
 
