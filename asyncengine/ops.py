@@ -212,7 +212,7 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def dense_gemv(x, weight, bias=None, w_scale=None) -> torch.Tensor:
-    """Decode GEMV (M <= 16): x [M, K] @ (weight [N, K] * w_scale)^T (+ bias), weight dense or FP8 (weight-only)."""
+    """Decode GEMV (M <= 64): x [M, K] @ (weight [N, K] * w_scale)^T (+ bias), weight dense or FP8 (weight-only)."""
     return _quant_impl(x).dense_gemv(x, weight, bias, w_scale)
 
 

@@ -34,6 +34,12 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("int4", 28672, 4096, 16): GemvConfig(128, 128, 2, 4, 3, True, slot_dot=True),  # gate_up: 70.1 us,    905 GB/s  31%; old int4 GEMM tile 132.2 us (run 48)
     ("int4", 4096, 14336, 1): GemvConfig(1024, 64, 66, 8, 3, False, half_fma=True),  # down: 17.5 us,   1789 GB/s  42%; old int4 GEMM tile 97.9 us
     ("int4", 4096, 14336, 16): GemvConfig(128, 128, 17, 4, 3, True, slot_dot=True),  # down: 39.1 us,    813 GB/s  27%; old int4 GEMM tile 94.3 us (run 48)
+    # int4 at 17 <= M <= 64 (64-row tiles, quant_gemv.m_bucket): session 13's run 86 (one NVIDIA H200), `--gemv-sweep
+    # --formats int4 --ms 16,32,64`, against quant_int4's dequantize + GEMM (what M > 64 runs).
+    ("int4", 6144, 4096, 64): GemvConfig(128, 128, 6, 4, 3, True),  # qkv: 25.1 us,    584 GB/s  14%; dequantize + GEMM 31.0 us
+    ("int4", 4096, 4096, 64): GemvConfig(64, 128, 9, 4, 3, True),  # o: 20.7 us,    481 GB/s  11%; dequantize + GEMM 20.6 us
+    ("int4", 28672, 4096, 64): GemvConfig(128, 128, 1, 4, 3, True),  # gate_up: 81.7 us,    815 GB/s  19%; dequantize + GEMM 144.3 us
+    ("int4", 4096, 14336, 64): GemvConfig(64, 128, 9, 4, 3, True),  # down: 52.2 us,    643 GB/s  15%; dequantize + GEMM 78.3 us
     ("fp8", 6144, 4096, 1): GemvConfig(32, 512, 2, 8, 3, False, fp8_words=True),  # qkv: 10.1 us,   2487 GB/s  58%; _scaled_mm per-tensor 9.4 us, _scaled_mm rowwise 18.9 us, fp8_linear (quant+rowwise) 21.0 us
     ("fp8", 6144, 4096, 16): GemvConfig(32, 256, 1, 4, 4, True),  # qkv: 16.3 us,   1566 GB/s  52%; _scaled_mm per-tensor 13.0 us, _scaled_mm rowwise 17.7 us, fp8_linear (quant+rowwise) 19.2 us
     ("fp8", 6144, 4096, 64): GemvConfig(32, 128, 2, 4, 3, True),  # qkv: 22.0 us,   1203 GB/s  40%; _scaled_mm per-tensor 13.3 us, _scaled_mm rowwise 15.2 us, fp8_linear (quant+rowwise) 17.3 us

@@ -1,7 +1,7 @@
 """The CUDA side of the linear layers' own kernels: one entry per format, and the per-shape choice between our
 decode GEMV and the library's product, made once per shape at start-up.
 
-    int_weight_matmul  4-bit: quant_gemv.int4_gemv (split-K GEMV) for M <= 16, above it quant_int4.dequantize +
+    int_weight_matmul  4-bit: quant_gemv.int4_gemv (split-K GEMV) for M <= 64, above it quant_int4.dequantize +
                        the library's GEMM; other widths have no kernel (asyncengine rejects them on CUDA at start-up)
     fp8_linear         quant_fp8: per-token quantization + torch._scaled_mm (per-tensor form when it applies)
     dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 64 (where measured faster)

@@ -223,7 +223,7 @@ def compile_key(group: Group, config) -> tuple:
     from asyncengine.kernels.quant_gemv import _fit, m_bucket
 
     fit = _fit(config, group.k, GROUP_SIZE if group.fmt == "int4" else None)
-    return (group.fmt, m_bucket(group.m), config.block_n, fit.block_k, config.num_warps, config.num_stages,
+    return (group.fmt, m_bucket(group.m, group.fmt), config.block_n, fit.block_k, config.num_warps, config.num_stages,
             config.dot, config.slot_dot and fit.block_k >= 128, config.half_fma, config.fp8_words, config.load_ahead,
             fit.split_k > 1, fit.split_k % 16 == 0)
 
@@ -399,8 +399,8 @@ def groups_for(formats: list[str], tiny: bool, shape_sets: tuple[str, ...] = ("8
         for name, (k, n) in shapes:
             if name.endswith("lm_head") and fmt != "bf16":  # the engine keeps the LM head in the model's dtype
                 continue
-            # int4 takes the GEMV up to M = 16 (quant_int4.GEMV_MAX_M); dense formats up to 64 where it wins
-            own = (1, 16) if fmt == "int4" else (1, 16, 64)
+            # int4 takes the GEMV up to M = 64 (quant_int4.GEMV_MAX_M); dense formats up to 64 where it wins
+            own = (1, 16, 64)
             out += [Group(fmt, name, k, n, m) for m in (ms or own)]
     return out
 

@@ -129,7 +129,7 @@ def decode_kernel_choices(llm) -> dict[str, str]:
             if next(module.parameters()).device.type == "cpu":
                 choices[shape] = "CPU: torch (references for the quantized formats)"
             elif hasattr(module, "qweight"):
-                choices[shape] = "int4 GEMV for M <= 16"
+                choices[shape] = "int4 GEMV for M <= 64"
             else:
                 choices[shape] = f"our GEMV up to M={getattr(module, 'gemv_max_m', 0)}, library above"
     return choices

@@ -17,7 +17,7 @@ FP8_REL_ERROR = 1e-2  # bf16 output rounding over sums of 4096 products
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 8, 16, 17, 256, 1024])  # the GEMV, then dequantize + cuBLAS
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 40, 64, 65, 1024])  # the GEMV (16- and 64-row tiles), then dequantize + cuBLAS
 @pytest.mark.parametrize("k, n", SHAPES)
 def test_gpu_int4_at_llama_8b_sizes(m, k, n):
     check_int4(m, k, n, 128, torch.bfloat16)

@@ -48,17 +48,24 @@ def check_int4(m, k, n, group_size, dtype, bias=False, num_sms=None, **kw):
         assert rel_error(out, ref) < INT4_REL_ERROR[x.dtype], rel_error(out, ref)
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_int4_decode_batches_take_the_split_k_gemv_by_default(m, group_size):
-    """int_weight_matmul at M <= 16 runs quant_gemv.int4_gemv with its default config: split over K when the N
-    tiles cannot fill the (pretended) SMs, direct stores otherwise."""
+    """int_weight_matmul at M <= GEMV_MAX_M runs quant_gemv.int4_gemv with its default config: split over K when the
+    N tiles cannot fill the (pretended) SMs, direct stores otherwise (M = 40: a 64-row tl.dot tile)."""
     from asyncengine.kernels import quant_gemv
 
     assert quant_gemv.config_for("int4", m, 96, 512, num_sms=8).split_k > 1, "too few N tiles: the split-K path"
     assert quant_gemv.config_for("int4", m, 96, 512, num_sms=1).split_k == 1, "enough N tiles: direct stores"
     for num_sms in (8, 1):
         check_int4(m, 512, 96, group_size, torch.float32, bias=m == 3, num_sms=num_sms)
+
+
+def test_int4_takes_64_row_tiles_above_16_rows_and_dense_formats_the_next_power_of_two():
+    from asyncengine.kernels import quant_gemv
+
+    assert [quant_gemv.m_bucket(m, "int4") for m in (1, 2, 16, 17, 33, 64)] == [1, 16, 16, 64, 64, 64]
+    assert [quant_gemv.m_bucket(m, "bf16") for m in (1, 2, 16, 17, 33, 64)] == [1, 16, 16, 32, 64, 64]
 
 
 # (block_n, block_k, split_k, dot): ragged N tiles, K tiles cut to the group (block_k 128 > group 32), one slice
@@ -120,8 +127,8 @@ def test_int4_dequantize_gives_the_reference_bits(dtype, k, n, group_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [17, 300])
-def test_int4_batches_above_the_gemv_dequantize_then_take_the_library_gemm(dtype, m, monkeypatch):
+@pytest.mark.parametrize("rows_above_the_gemv", [1, 236])
+def test_int4_batches_above_the_gemv_dequantize_then_take_the_library_gemm(dtype, rows_above_the_gemv, monkeypatch):
     """Above GEMV_MAX_M rows int_weight_matmul dequantizes W (once a call) and multiplies with torch's GEMM; at
     GEMV_MAX_M it takes the GEMV and dequantizes nothing. Both against the reference, bias included, K ending in a
     partial group."""
@@ -130,7 +137,7 @@ def test_int4_batches_above_the_gemv_dequantize_then_take_the_library_gemm(dtype
     calls = []
     real = quant_int4.dequantize
     monkeypatch.setattr(quant_int4, "dequantize", lambda *a: calls.append(a[0].shape) or real(*a))
-    check_int4(m, 296, 37, 128, dtype, bias=True)
+    check_int4(quant_int4.GEMV_MAX_M + rows_above_the_gemv, 296, 37, 128, dtype, bias=True)
     assert calls == [(37, 37)], "one dequantize of the [K / 8, N] packed weight"
     check_int4(quant_int4.GEMV_MAX_M, 296, 37, 128, dtype, bias=True)
     assert len(calls) == 1
