@@ -458,3 +458,38 @@ def test_two_gpus_symmetric_memory_all_reduce_equals_nccl():
         p.join(30)
         assert p.exitcode == 0, "a rank failed or did not leave the world"
     assert worst <= 1 / 128
+
+
+def test_leaving_a_cuda_world_waits_for_nccls_abort_only_so_long(monkeypatch, caplog):
+    """NCCL's abort may wait for the node's other ranks (run 89: rank 0 hung in it after its worker was killed).
+    destroy_tensor_parallel gives it ABORT_WAIT_S in a daemon thread, then goes on with one rank and says so; a new
+    world in this process is refused until the abort returns; once it has, leaving and joining work again. The
+    abort here is a stand-in that blocks (no GPU needed)."""
+    release = threading.Event()
+    aborts = []
+
+    def blocking_abort():
+        aborts.append(threading.current_thread().name)
+        release.wait(30)
+
+    monkeypatch.setattr(parallel_state.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state.dist.distributed_c10d, "_abort_process_group", blocking_abort)
+    monkeypatch.setattr(parallel_state, "_RANK", 1)
+    monkeypatch.setattr(parallel_state, "_SIZE", 2)
+    monkeypatch.setattr(parallel_state, "_DEVICE", torch.device("cuda", 1))
+    try:
+        start = time.monotonic()
+        parallel_state.destroy_tensor_parallel(wait_s=0.3)
+        assert 0.3 <= time.monotonic() - start < 5
+        assert aborts == ["nccl-abort"] and "did not return within" in caplog.text
+        assert (parallel_state.tp_rank(), parallel_state.tp_size()) == (0, 1)
+        parallel_state.destroy_tensor_parallel(wait_s=0.3)  # idempotent: no second abort while the first runs
+        assert aborts == ["nccl-abort"]
+        with pytest.raises(RuntimeError, match="has not finished leaving"):
+            parallel_state.init_tensor_parallel(0, 2, "tcp://127.0.0.1:1", torch.device("cpu"))
+    finally:
+        release.set()
+    parallel_state._ABORTING.join(5)
+    monkeypatch.setattr(parallel_state.dist, "is_initialized", lambda: False)
+    parallel_state.destroy_tensor_parallel()
+    assert parallel_state._ABORTING is None

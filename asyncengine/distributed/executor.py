@@ -280,6 +280,10 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - a broken world: the kill below ends them
                 logger.warning("could not send stop to the workers", exc_info=True)
                 graceful = False
+        if graceful and self.rank0_device.type == "cuda":
+            # The workers abort their communicators on the stop message; NCCL's abort may wait for every rank of
+            # the node to abort, so rank 0 aborts now, with them, not after they exited (or were killed).
+            parallel_state.destroy_tensor_parallel()
         self._backend.stop(STOP_WAIT_S if graceful else 0.0)
         parallel_state.destroy_tensor_parallel()
 

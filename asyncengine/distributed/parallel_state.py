@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import urllib.parse
 from typing import Optional
 
@@ -41,6 +42,8 @@ _CONTROL: Optional[dist.ProcessGroup] = None
 # A rank 0 that is gone ends its workers by other means (executor.py: the mp pipe's end, Ray's actor kill).
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 SYMMETRIC_BYTES = 8 * 2**20  # the symmetric buffer: [256, 8192] bf16 is 4 MiB
+ABORT_WAIT_S = 10.0  # how long leaving a CUDA world waits for NCCL's abort before going on without it
+_ABORTING: Optional[threading.Thread] = None  # an abort that had not returned within ABORT_WAIT_S
 
 
 class _SymmetricAllReduce:
@@ -95,6 +98,9 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     if _SIZE > 1:
         raise RuntimeError("this process is already a rank of a tensor-parallel engine: close() that engine (LLM.close, "
                            "AsyncLLMEngine.shutdown) before starting another")
+    if _ABORTING is not None and _ABORTING.is_alive():
+        raise RuntimeError("this process's previous tensor-parallel world has not finished leaving (NCCL's abort "
+                           "did not return): start the next engine in a new process")
     if size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -128,16 +134,31 @@ def _init_symmetric_all_reduce(device: torch.device) -> None:
                        f" on rank {_RANK}: {why}" if why else " on another rank")
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the world (idempotent, never waits for another rank); the process is back to one rank.
-    NCCL's orderly destroy waits for every peer to destroy too, so a rank whose peer was already stopped (or is
-    killed while it waits) would hang: on CUDA the communicators are aborted instead, which is local (the control
-    group's too)."""
-    global _RANK, _SIZE, _DEVICE, _SYMMETRIC, _CONTROL
+def destroy_tensor_parallel(wait_s: float = ABORT_WAIT_S) -> None:
+    """Leave the world (idempotent); the process is back to one rank. Never waits for another rank for long.
+
+    NCCL's orderly destroy waits for every peer to destroy too, so on CUDA the communicators are aborted instead
+    (the control group's too). NCCL's abort is not purely local either: within a node it may wait until every
+    rank has aborted (it frees memory the peers map), so a rank that aborts alone after its peers were killed
+    hung there (run 89, two H200s: rank 0 in `_abort_process_group` after its worker was killed). The executor
+    therefore has every rank abort at the same time, and the abort runs in a daemon thread for at most `wait_s`
+    seconds: past that it is left running (logged), the process goes on with one rank, and a new world in this
+    process is refused (init_tensor_parallel)."""
+    global _RANK, _SIZE, _DEVICE, _SYMMETRIC, _CONTROL, _ABORTING
     _SYMMETRIC = None
-    if dist.is_initialized():
+    if _ABORTING is not None and not _ABORTING.is_alive():
+        _ABORTING = None
+    if dist.is_initialized() and _ABORTING is None:
         if _DEVICE is not None and _DEVICE.type == "cuda":
-            dist.distributed_c10d._abort_process_group()
+            _ABORTING = threading.Thread(target=dist.distributed_c10d._abort_process_group, name="nccl-abort",
+                                         daemon=True)
+            _ABORTING.start()
+            _ABORTING.join(wait_s)
+            if _ABORTING.is_alive():
+                logger.warning("rank %d: NCCL's abort did not return within %.0f s; leaving it running", _RANK,
+                               wait_s)
+            else:
+                _ABORTING = None
         else:
             dist.destroy_process_group()  # the control group too
     _RANK, _SIZE, _DEVICE, _CONTROL = 0, 1, None, None
