@@ -481,15 +481,15 @@ def test_leaving_a_cuda_world_waits_for_nccls_abort_only_so_long(monkeypatch, ca
         start = time.monotonic()
         parallel_state.destroy_tensor_parallel(wait_s=0.3)
         assert 0.3 <= time.monotonic() - start < 5
-        assert aborts == ["nccl-abort"] and "did not return within" in caplog.text
+        assert aborts == ["nccl-leave"] and "abort did not return within" in caplog.text
         assert (parallel_state.tp_rank(), parallel_state.tp_size()) == (0, 1)
         parallel_state.destroy_tensor_parallel(wait_s=0.3)  # idempotent: no second abort while the first runs
-        assert aborts == ["nccl-abort"]
+        assert aborts == ["nccl-leave"]
         with pytest.raises(RuntimeError, match="has not finished leaving"):
             parallel_state.init_tensor_parallel(0, 2, "tcp://127.0.0.1:1", torch.device("cpu"))
     finally:
         release.set()
-    parallel_state._ABORTING.join(5)
+    parallel_state._LEAVING.join(5)
     monkeypatch.setattr(parallel_state.dist, "is_initialized", lambda: False)
     parallel_state.destroy_tensor_parallel()
-    assert parallel_state._ABORTING is None
+    assert parallel_state._LEAVING is None

@@ -154,11 +154,13 @@ def run_worker(spec: WorkerSpec) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.config.tensor_parallel_size))
     parallel_state.init_tensor_parallel(spec.rank, spec.config.tensor_parallel_size, spec.init_method, device,
                                         spec.config.distributed_timeout_s)
+    stopped = False
     try:
         runner = ModelRunner(spec.config, spec.model_config, spec.max_model_len, rank=spec.rank, device=device)
         runner.follow()
+        stopped = True  # rank 0 said stop: every rank leaves together
     finally:
-        parallel_state.destroy_tensor_parallel()
+        parallel_state.destroy_tensor_parallel(orderly=stopped)
 
 
 # -- rank 0's side ------------------------------------------------------------------------------------------------
@@ -281,9 +283,9 @@ class WorkerGroup:
                 logger.warning("could not send stop to the workers", exc_info=True)
                 graceful = False
         if graceful and self.rank0_device.type == "cuda":
-            # The workers abort their communicators on the stop message; NCCL's abort may wait for every rank of
-            # the node to abort, so rank 0 aborts now, with them, not after they exited (or were killed).
-            parallel_state.destroy_tensor_parallel()
+            # The workers leave the world on the stop message, and NCCL's destroy waits for every rank: rank 0
+            # leaves now, with them, not after they exited (or were killed).
+            parallel_state.destroy_tensor_parallel(orderly=True)
         self._backend.stop(STOP_WAIT_S if graceful else 0.0)
         parallel_state.destroy_tensor_parallel()
 

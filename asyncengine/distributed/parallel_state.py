@@ -43,7 +43,7 @@ _CONTROL: Optional[dist.ProcessGroup] = None
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 SYMMETRIC_BYTES = 8 * 2**20  # the symmetric buffer: [256, 8192] bf16 is 4 MiB
 ABORT_WAIT_S = 10.0  # how long leaving a CUDA world waits for NCCL's abort before going on without it
-_ABORTING: Optional[threading.Thread] = None  # an abort that had not returned within ABORT_WAIT_S
+_LEAVING: Optional[threading.Thread] = None  # a destroy or abort that had not returned within ABORT_WAIT_S
 
 
 class _SymmetricAllReduce:
@@ -98,7 +98,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     if _SIZE > 1:
         raise RuntimeError("this process is already a rank of a tensor-parallel engine: close() that engine (LLM.close, "
                            "AsyncLLMEngine.shutdown) before starting another")
-    if _ABORTING is not None and _ABORTING.is_alive():
+    if _LEAVING is not None and _LEAVING.is_alive():
         raise RuntimeError("this process's previous tensor-parallel world has not finished leaving (NCCL's abort "
                            "did not return): start the next engine in a new process")
     if size > 1:
@@ -134,31 +134,31 @@ def _init_symmetric_all_reduce(device: torch.device) -> None:
                        f" on rank {_RANK}: {why}" if why else " on another rank")
 
 
-def destroy_tensor_parallel(wait_s: float = ABORT_WAIT_S) -> None:
+def destroy_tensor_parallel(orderly: bool = False, wait_s: float = ABORT_WAIT_S) -> None:
     """Leave the world (idempotent); the process is back to one rank. Never waits for another rank for long.
 
-    NCCL's orderly destroy waits for every peer to destroy too, so on CUDA the communicators are aborted instead
-    (the control group's too). NCCL's abort is not purely local either: within a node it may wait until every
-    rank has aborted (it frees memory the peers map), so a rank that aborts alone after its peers were killed
-    hung there (run 89, two H200s: rank 0 in `_abort_process_group` after its worker was killed). The executor
-    therefore has every rank abort at the same time, and the abort runs in a daemon thread for at most `wait_s`
-    seconds: past that it is left running (logged), the process goes on with one rank, and a new world in this
-    process is refused (init_tensor_parallel)."""
-    global _RANK, _SIZE, _DEVICE, _SYMMETRIC, _CONTROL, _ABORTING
+    On CUDA, `orderly` (every rank leaving together, on rank 0's stop) destroys the communicators, which waits for
+    every peer to destroy too; otherwise (a peer may be gone) they are aborted (the control group's too). NCCL's
+    abort is not purely local either: within a node it may wait for the other ranks (it frees memory they map):
+    rank 0 hung in `_abort_process_group` after its worker was killed (run 89, two H200s), and an abort on every
+    rank at once still did not return (run 90). So either runs in a daemon thread for at most `wait_s` seconds:
+    past that it is left running (logged), the process goes on with one rank, and a new world in this process is
+    refused (init_tensor_parallel)."""
+    global _RANK, _SIZE, _DEVICE, _SYMMETRIC, _CONTROL, _LEAVING
     _SYMMETRIC = None
-    if _ABORTING is not None and not _ABORTING.is_alive():
-        _ABORTING = None
-    if dist.is_initialized() and _ABORTING is None:
+    if _LEAVING is not None and not _LEAVING.is_alive():
+        _LEAVING = None
+    if dist.is_initialized() and _LEAVING is None:
         if _DEVICE is not None and _DEVICE.type == "cuda":
-            _ABORTING = threading.Thread(target=dist.distributed_c10d._abort_process_group, name="nccl-abort",
-                                         daemon=True)
-            _ABORTING.start()
-            _ABORTING.join(wait_s)
-            if _ABORTING.is_alive():
-                logger.warning("rank %d: NCCL's abort did not return within %.0f s; leaving it running", _RANK,
-                               wait_s)
+            leave = dist.destroy_process_group if orderly else dist.distributed_c10d._abort_process_group
+            _LEAVING = threading.Thread(target=leave, name="nccl-leave", daemon=True)
+            _LEAVING.start()
+            _LEAVING.join(wait_s)
+            if _LEAVING.is_alive():
+                logger.warning("rank %d: NCCL's %s did not return within %.0f s; leaving it running", _RANK,
+                               "destroy" if orderly else "abort", wait_s)
             else:
-                _ABORTING = None
+                _LEAVING = None
         else:
             dist.destroy_process_group()  # the control group too
     _RANK, _SIZE, _DEVICE, _CONTROL = 0, 1, None, None
