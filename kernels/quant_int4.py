@@ -7,9 +7,9 @@ Two paths by the number of rows M of x:
                     written a weight) and multiplied by the library's GEMM (cuBLAS), as vLLM does for AWQ at large
                     batches. Run 84 (one H200, the 8B shapes, M = 16 ... 8,192) measured this against the Triton
                     GEMM that dequantized each weight once per 64-row tile of x inside its K loop (removed): faster
-                    at every M, from 1.1x (gate_up, M = 32) to 7.4x (gate_up, M = 8,192); at M >= 2,048 at 0.9-1.0x
-                    the speed of cuBLAS on the bf16 weight. An 8B prefill step of 8,192 tokens in AWQ went 1,287 -> 207 ms
-                    (bf16: 206 ms). A fused int4 GEMM that beats this at mid-sized M is future work.
+                    at every M, from 1.1x (gate_up, M = 32) to 7.4x (gate_up, M = 8,192); at M >= 2,048 at
+                    0.9-1.0x the speed of cuBLAS on the bf16 weight. An 8B prefill step of 8,192 tokens in AWQ went
+                    1,287 -> 207 ms (bf16: 206 ms). A fused int4 GEMM that beats this at mid-sized M is future work.
 """
 
 from __future__ import annotations
