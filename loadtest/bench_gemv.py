@@ -5,11 +5,11 @@
 
 For each format (bf16; FP8 e4m3 weights with per-channel scales, x unquantized; int4 group 128 in the engine's
 packed layout), each shape (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096, and the bf16 LM
-head 4096->128256) and M = 1, 16 (and 64 for the dense formats), every candidate (block_n, block_k, split_k,
-num_warps, num_stages, dot) is timed in CUDA graphs against the library's product (cuBLAS for bf16; torch._scaled_mm per-tensor and row-wise,
+head 4096->128256) and M = 1, 16 and 64, every candidate (block_n, block_k, split_k, num_warps, num_stages, dot)
+is timed in CUDA graphs against the library's product (cuBLAS for bf16; torch._scaled_mm per-tensor and row-wise,
 and the full W8A8 fp8_linear with its per-token quantization, for FP8; for int4, the dequantize + GEMM the engine
-runs above the GEMV's batch sizes). Each timed graph cycles through enough copies of the weight to defeat the L2 cache,
-so GB/s (weight, scales and zeros, x and y per call) compares with the copy bandwidth.
+runs above the GEMV's batch sizes). Each timed graph cycles through enough copies of the weight to defeat the L2
+cache, so GB/s (weight, scales and zeros, x and y per call) compares with the copy bandwidth.
 
 Candidates are compiled first in `--jobs` worker processes (Triton's on-disk cache then serves the timing process),
 so the whole sweep fits one GPU call; past `--budget-s` seconds the remaining groups are skipped (and named).
@@ -223,9 +223,9 @@ def compile_key(group: Group, config) -> tuple:
     from asyncengine.kernels.quant_gemv import _fit, m_bucket
 
     fit = _fit(config, group.k, GROUP_SIZE if group.fmt == "int4" else None)
-    return (group.fmt, m_bucket(group.m, group.fmt), config.block_n, fit.block_k, config.num_warps, config.num_stages,
-            config.dot, config.slot_dot and fit.block_k >= 128, config.half_fma, config.fp8_words, config.load_ahead,
-            fit.split_k > 1, fit.split_k % 16 == 0)
+    return (group.fmt, m_bucket(group.m, group.fmt), config.block_n, fit.block_k, config.num_warps,
+            config.num_stages, config.dot, config.slot_dot and fit.block_k >= 128, config.half_fma,
+            config.fp8_words, config.load_ahead, fit.split_k > 1, fit.split_k % 16 == 0)
 
 
 def _compile_tasks(tasks: list[tuple[Group, object]]) -> list[tuple]:

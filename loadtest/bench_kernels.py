@@ -219,8 +219,9 @@ INT4_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
 
 
 def int4_gemm_rows(ms=(32, 64, 128, 256, 512, 1024, 2048, 8192)) -> list[tuple]:
-    """The int4 product above the GEMV (M > 16) at the 8B shapes (group 128): dequantize + cuBLAS (and the
-    dequantize alone) against cuBLAS on the bf16 weight, per M; TFLOP/s of 2 M N K; ratio bf16 time / int4 time."""
+    """The engine's int4 product (`int_weight_matmul`: the GEMV up to GEMV_MAX_M rows, dequantize + cuBLAS above) at
+    the 8B shapes (group 128), and the dequantize alone, against cuBLAS on the bf16 weight, per M; TFLOP/s of
+    2 M N K; ratio bf16 time / int4 time."""
     from asyncengine.kernels import quant_int4, quant_reference
 
     rows = []
@@ -237,7 +238,8 @@ def int4_gemm_rows(ms=(32, 64, 128, 256, 512, 1024, 2048, 8192)) -> list[tuple]:
             bf16 = median_ms(lambda: x @ w16)
             int4 = median_ms(lambda: quant_int4.int_weight_matmul(x, qweight, scales, zeros, 128))
             for impl, ms_ in (("bf16 cuBLAS", bf16), ("int4", int4)):
-                rows.append((f"int4 {name} M={m}", impl, ms_, f"{2 * m * n * k / ms_ / 1e9:.1f} TFLOP/s", bf16 / ms_))
+                tflops = f"{2 * m * n * k / ms_ / 1e9:.1f} TFLOP/s"
+                rows.append((f"int4 {name} M={m}", impl, ms_, tflops, bf16 / ms_))
     return rows
 
 
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     mixture-of-experts kernels at Qwen3-30B-A3B and Mixtral-8x7B expert shapes. --gemv-sweep [--tiny]: launch
     configurations of the decode GEMV per 8B linear shape and format (loadtest/bench_gemv.py). --moe-decode /
     --moe-sweep [--tiny]: the MoE layer's decode kernels at the Qwen3-30B-A3B shape, and their tile sweep
-    (loadtest/bench_moe.py). --int4-gemm: the int4 product's paths above the GEMV (`int4_gemm_rows`)."""
+    (loadtest/bench_moe.py). --int4-gemm: the engine's int4 product against bf16 cuBLAS (`int4_gemm_rows`)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv

@@ -42,7 +42,7 @@ _CONTROL: Optional[dist.ProcessGroup] = None
 # A rank 0 that is gone ends its workers by other means (executor.py: the mp pipe's end, Ray's actor kill).
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 SYMMETRIC_BYTES = 8 * 2**20  # the symmetric buffer: [256, 8192] bf16 is 4 MiB
-ABORT_WAIT_S = 10.0  # how long leaving a CUDA world waits for NCCL's abort before going on without it
+ABORT_WAIT_S = 10.0  # how long leaving a CUDA world waits for NCCL's destroy or abort before going on without it
 _LEAVING: Optional[threading.Thread] = None  # a destroy or abort that had not returned within ABORT_WAIT_S
 
 
@@ -99,8 +99,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         raise RuntimeError("this process is already a rank of a tensor-parallel engine: close() that engine (LLM.close, "
                            "AsyncLLMEngine.shutdown) before starting another")
     if _LEAVING is not None and _LEAVING.is_alive():
-        raise RuntimeError("this process's previous tensor-parallel world has not finished leaving (NCCL's abort "
-                           "did not return): start the next engine in a new process")
+        raise RuntimeError("this process's previous tensor-parallel world has not finished leaving (NCCL's destroy "
+                           "or abort did not return): start the next engine in a new process")
     if size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
