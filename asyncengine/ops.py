@@ -204,6 +204,11 @@ def fp8_linear(x, w_fp8, w_scale, input_scale, bias=None) -> torch.Tensor:
     return _quant_impl(x).fp8_linear(x, w_fp8, w_scale, input_scale, bias)
 
 
+def fp8_gemm_linear(x, w_fp8, w_scale, input_scale, bias=None) -> torch.Tensor:
+    """fp8_linear by our own W8A8 GEMM on CUDA (decode-sized batches, M <= 512); the same reference elsewhere."""
+    return _quant_impl(x).fp8_gemm_linear(x, w_fp8, w_scale, input_scale, bias)
+
+
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden [S, K] x weight [V, K]^T -> logits [S, V] (maybe a strided view): the LM head's product."""
     if CPU_FAST_PATH and hidden.device.type == "cpu":
@@ -214,6 +219,17 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def dense_gemv(x, weight, bias=None, w_scale=None) -> torch.Tensor:
     """Decode GEMV (M <= 64): x [M, K] @ (weight [N, K] * w_scale)^T (+ bias), weight dense or FP8 (weight-only)."""
     return _quant_impl(x).dense_gemv(x, weight, bias, w_scale)
+
+
+def fp8_gemm_max_m(key: tuple, ours, library, weights: tuple, k: int, dtype: torch.dtype, device: torch.device,
+                   above: int) -> int:
+    """Up to which batch size (above `above`, the GEMV's) `ours(x, w)` (fp8_gemm_linear) beats `library(x, w)`
+    (fp8_linear): measured once per key on CUDA at start-up (kernels.quant_linear.fp8_gemm_max_m); `above`
+    elsewhere."""
+    kernels = _quant_kernels() if device.type == "cuda" else None
+    if kernels is None:
+        return above
+    return kernels.fp8_gemm_max_m(key, ours, library, weights, k, dtype, device, above)
 
 
 def decode_gemv_max_m(key: tuple, ours, library, weights: tuple, k: int, dtype: torch.dtype,

@@ -4,9 +4,11 @@ decode GEMV and the library's product, made once per shape at start-up.
     int_weight_matmul  4-bit: quant_gemv.int4_gemv (split-K GEMV) for M <= 64, above it quant_int4.dequantize +
                        the library's GEMM; other widths have no kernel (asyncengine rejects them on CUDA at start-up)
     fp8_linear         quant_fp8: per-token quantization + torch._scaled_mm (per-tensor form when it applies)
+    fp8_gemm_linear    quant_fp8: the same product through our W8A8 GEMM (fp8_gemm.py), for decode-sized batches
     dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 64 (where measured faster)
     (the GEMV's tiles per shape: quant_gemv_configs.TUNED, filled from `bench_kernels --gemv-sweep`)
     gemv_max_m         measures dense_gemv against the library per decode batch size (graph_time_us)
+    fp8_gemm_max_m     the same for fp8_gemm_linear against fp8_linear, at the batch sizes above the GEMV's
 Same signatures as kernels/quant_reference.py.
 """
 
@@ -18,14 +20,16 @@ from typing import Callable
 
 import torch
 
-from .quant_fp8 import fp8_linear
+from .fp8_gemm import MAX_M as FP8_GEMM_MAX_M
+from .quant_fp8 import fp8_gemm_linear, fp8_linear
 from .quant_gemv import MAX_M, dense_gemv
 from .quant_int4 import int_weight_matmul
 
-__all__ = ["dense_gemv", "fp8_linear", "gemv_max_m", "int_weight_matmul"]
+__all__ = ["dense_gemv", "fp8_gemm_linear", "fp8_gemm_max_m", "fp8_linear", "gemv_max_m", "int_weight_matmul"]
 
 logger = logging.getLogger(__name__)
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes measured; a choice holds up to the next one
+GEMM_SIZES = (16, 32, 64, 128, 256, 512)  # fp8_gemm_max_m's: the FP8 GEMM's token tiles (fp8_gemm.m_bucket)
 MEASURE_ROUNDS = 2  # alternating (ours, library) measurements per batch size; the medians decide
 L2_DEFEAT_BYTES = 256 << 20  # weight copies cycled per timed graph: several times any GPU's L2 (H200: 60 MB)
 _chosen: dict[tuple, int] = {}
@@ -44,11 +48,30 @@ def gemv_max_m(key: tuple, ours: Callable, library: Callable, weights: tuple, k:
     in graphs ours takes 12.1 us and cuBLAS 14.5 (run 60). End to end the graphs' choices were no faster than the
     single-call ones (run 67, one H200: 8B bf16 W3 4.62 against 4.53 ms; FP8 3.07 against 3.09): at margins of a
     few percent an isolated kernel's time does not predict its cost inside the step's graph."""
+    return _largest_m_beating(key, ours, library, weights, k, dtype, device, DECODE_SIZES, MAX_M, "decode GEMV")
+
+
+def fp8_gemm_max_m(key: tuple, ours: Callable, library: Callable, weights: tuple, k: int, dtype: torch.dtype,
+                   device, above: int) -> int:
+    """As gemv_max_m, for our W8A8 GEMM (`ours`, fp8_gemm_linear) against the library's (`library`, fp8_linear) at
+    the batch sizes of GEMM_SIZES above `above` (the GEMV's choice): the largest M up to which ours won at every
+    size measured, or `above` when it lost the first. Run 91 (one H100, 8B shapes, graphs): at M = 128 cuBLASLt's
+    row-wise FP8 GEMM read the weights at 40-60% of the copy bandwidth."""
+    sizes = tuple(m for m in GEMM_SIZES if m > above)
+    chosen = _largest_m_beating(key, ours, library, weights, k, dtype, device, sizes, FP8_GEMM_MAX_M, "FP8 GEMM")
+    return max(chosen, above)
+
+
+def _largest_m_beating(key: tuple, ours: Callable, library: Callable, weights: tuple, k: int, dtype: torch.dtype,
+                       device, sizes: tuple, cap: int, what: str) -> int:
+    """The largest M of `sizes` (at most `cap`) up to which ours(x, w) beat library(x, w) at every size, 0 if it lost
+    the first; measured once per (what, key) and logged (gemv_max_m says how)."""
+    key = (what, *key)
     if key in _chosen:
         return _chosen[key]
     copies = _copies(weights)
     chosen, timings = 0, []
-    for m in DECODE_SIZES:
+    for m in sizes:
         x = torch.randn(m, k, dtype=dtype, device=device)
         rounds = [(graph_time_us(lambda w: ours(x, w), copies), graph_time_us(lambda w: library(x, w), copies))
                   for _ in range(MEASURE_ROUNDS)]
@@ -59,8 +82,8 @@ def gemv_max_m(key: tuple, ours: Callable, library: Callable, weights: tuple, k:
         chosen = m
     del copies
     torch.cuda.empty_cache()  # the copies' memory back before the KV cache is sized
-    _chosen[key] = min(chosen, MAX_M)
-    logger.info("decode GEMV for %s: ours up to M=%d (%s)", key, chosen, "; ".join(timings))
+    _chosen[key] = min(chosen, cap)
+    logger.info("%s for %s: ours up to M=%d (%s)", what, key[1:], chosen, "; ".join(timings))
     return _chosen[key]
 
 

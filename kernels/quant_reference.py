@@ -140,6 +140,12 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, inpu
     return fp8_scaled_mm(x_fp8, x_scale, w_fp8, w_scale, x.dtype, bias)
 
 
+def fp8_gemm_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                    input_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp8_linear (the CUDA side computes it with our own W8A8 GEMM, kernels/fp8_gemm.py)."""
+    return fp8_linear(x, w_fp8, w_scale, input_scale, bias)
+
+
 # -- dense decode GEMV -------------------------------------------------------------------------------------
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -1,7 +1,7 @@
 """Benchmark of the Triton kernels at Llama-3-8B sizes (bf16) against the torch reference and dense SDPA.
 
     python loadtest/bench_kernels.py [--sweep | --moe | --gemv-sweep [--tiny] | --moe-decode | --moe-sweep [--tiny]
-                                      | --int4-gemm]
+                                      | --int4-gemm | --fp8-gemm | --fp8-gemm-sweep]
 
 Cases: paged_attention decode (batch 1 and 64 at 1k context; eager and replayed from a CUDA graph, and in a graph
 with the separate reduction kernel instead of the fused merge), prefill
@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     mixture-of-experts kernels at Qwen3-30B-A3B and Mixtral-8x7B expert shapes. --gemv-sweep [--tiny]: launch
     configurations of the decode GEMV per 8B linear shape and format (loadtest/bench_gemv.py). --moe-decode /
     --moe-sweep [--tiny]: the MoE layer's decode kernels at the Qwen3-30B-A3B shape, and their tile sweep
-    (loadtest/bench_moe.py). --int4-gemm: the engine's int4 product against bf16 cuBLAS (`int4_gemm_rows`)."""
+    (loadtest/bench_moe.py). --int4-gemm: the engine's int4 product against bf16 cuBLAS (`int4_gemm_rows`).
+    --fp8-gemm / --fp8-gemm-sweep: the W8A8 FP8 paths per batch size, and our FP8 GEMM's tile sweep
+    (loadtest/bench_fp8_gemm.py)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -263,6 +265,10 @@ def main(argv: list[str] | None = None) -> None:
         from .bench_gemv import run_sweep
 
         raise SystemExit(run_sweep(args))
+    if "--fp8-gemm" in args or "--fp8-gemm-sweep" in args:
+        from .bench_fp8_gemm import main as run_fp8_gemm
+
+        raise SystemExit(run_fp8_gemm(args))
     if "--moe-decode" in args or "--moe-sweep" in args:  # --tiny runs on CPU as well
         from .bench_moe import main as run_moe_decode
 
@@ -279,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--int4-gemm" in args:
         print_table(int4_gemm_rows())
         return
+
     print_table(decode_rows(1, 1024) + decode_rows(64, 1024) + prefill_rows(4, 2048) + rowwise_rows())
 
 

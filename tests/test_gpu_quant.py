@@ -146,6 +146,70 @@ def test_gpu_engine_online_fp8_generates_and_chose_its_decode_kernels(llama_dir)
     from asyncengine.kernels.quant_gemv import MAX_M
 
     assert layers and all(0 <= m.gemv_max_m <= MAX_M for m in layers)
+    from asyncengine.kernels.fp8_gemm import MAX_M as GEMM_MAX_M
+
+    assert all(m.gemv_max_m <= m.gemm_max_m <= GEMM_MAX_M for m in layers)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [16, 17, 40, 64, 100, 128, 256, 300, 512])  # every token tile, rows masked off
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("k, n", SHAPES)
+def test_gpu_fp8_gemm_at_llama_8b_sizes_eager_and_in_graph_replays(m, per_token, k, n):
+    """Our W8A8 GEMM with the config the table (fp8_gemm_configs) or the default picks, against the reference in
+    bf16, outputs poisoned; then captured in a CUDA graph and replayed on new inputs, so the split-K arrival
+    counters must have been left at zero by each run."""
+    from asyncengine.kernels import fp8_gemm, quant_reference
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    w8, w_scale = quant_reference.quantize_fp8(torch.randn(n, k, device="cuda") * 0.02, dim=-1)
+    x = torch.randn(m, k, device="cuda")
+
+    def run(x):
+        x8, x_scale = quant_reference.quantize_fp8(x, dim=-1 if per_token else None)
+        return fp8_gemm.fp8_gemm(x8, x_scale, w8, w_scale, torch.bfloat16), (x8, x_scale)
+
+    out, (x8, x_scale) = run(x)
+    ref = quant_reference.fp8_scaled_mm(x8, x_scale, w8, w_scale, torch.bfloat16)
+    assert not out.isnan().any() and rel_error(out, ref) < FP8_REL_ERROR, rel_error(out, ref)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, (x8, x_scale) = run(x)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = quant_reference.fp8_scaled_mm(x8, x_scale, w8, w_scale, torch.bfloat16)
+        assert rel_error(captured, ref) < FP8_REL_ERROR, ("graph replay", rel_error(captured, ref))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [20, 128])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_fp8_gemm_linear_matches_the_fp8_linear_reference(m, static, bias):
+    """The engine's entry (quantization + our GEMM) against quant_reference.fp8_linear, per-token or static input
+    scales, with a bias."""
+    from asyncengine.kernels import quant_fp8, quant_reference
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    k, n = 4096, 6144
+    w8, w_scale = quant_reference.quantize_fp8(torch.randn(n, k, device="cuda") * 0.02, dim=-1)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    input_scale = (x.float().abs().amax() / 448).reshape(()) if static else None
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    out = quant_fp8.fp8_gemm_linear(x, w8, w_scale, input_scale, b)
+    ref = quant_reference.fp8_linear(x, w8, w_scale, input_scale, b)
+    assert out.dtype == torch.bfloat16 and rel_error(out, ref) < FP8_REL_ERROR, rel_error(out, ref)
 
 
 def _gemv_case(fmt: str, m: int, k: int, n: int):

@@ -9,8 +9,10 @@ Fused layers (q/k/v, gate/up) load one per-tensor scale per shard, so weight sca
 not fused, or shards with equal scales); kernels take either. Static input scales of fused shards reduce to
 their largest (the shards share the input).
 On CUDA activations are quantized (static per tensor, or dynamic per token) and multiplied in FP8, except for
-decode-sized batches where our weight-only FP8 GEMV (x unquantized, measured faster at start-up) runs; on CPU the
-torch reference dequantizes the weight and multiplies in the activations' dtype (activations stay unquantized).
+decode-sized batches where our weight-only FP8 GEMV (x unquantized, measured faster at start-up) runs. Each layer
+shape takes, by batch size M, each measured at start-up against the next: the GEMV up to `gemv_max_m`, our W8A8
+GEMM (kernels/fp8_gemm.py) up to `gemm_max_m`, torch._scaled_mm above. On CPU the torch reference dequantizes the
+weight and multiplies in the activations' dtype (activations stay unquantized).
 """
 
 from __future__ import annotations
@@ -62,12 +64,23 @@ class Fp8LinearMethod(LinearMethod):
             layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(()), requires_grad=False)
         else:
             layer.input_scale = None
-        # Decode-sized batches: our weight-only FP8 GEMV (x unquantized) where it beats the W8A8 product.
+        # Each path measured against the next at start-up: our W8A8 GEMM against torch._scaled_mm (run 91:
+        # cuBLASLt streams the weight at 40-60% of the bandwidth at M = 64-256 on an H100), then our weight-only FP8
+        # GEMV (x unquantized) against whichever of the two serves that batch size.
         w, s, input_scale = layer.weight, layer.weight_scale, layer.input_scale
-        layer.gemv_max_m = ops.decode_gemv_max_m(
-            ("fp8", *w.shape, s.numel() == 1, input_scale is None), lambda x, ws: ops.dense_gemv(x, ws[0], None, ws[1]),
-            lambda x, ws: ops.fp8_linear(x, ws[0], ws[1], input_scale), (w, s), w.shape[1], layer.activation_dtype,
-            w.device)
+        key, k, dtype = ("fp8", *w.shape, s.numel() == 1, input_scale is None), w.shape[1], layer.activation_dtype
+        gemm_max_m = ops.fp8_gemm_max_m(key, lambda x, ws: ops.fp8_gemm_linear(x, ws[0], ws[1], input_scale),
+                                        lambda x, ws: ops.fp8_linear(x, ws[0], ws[1], input_scale), (w, s), k, dtype,
+                                        w.device, above=0)
+
+        def w8a8(x, ws):
+            if x.shape[0] <= gemm_max_m:
+                return ops.fp8_gemm_linear(x, ws[0], ws[1], input_scale)
+            return ops.fp8_linear(x, ws[0], ws[1], input_scale)
+
+        layer.gemv_max_m = ops.decode_gemv_max_m(key, lambda x, ws: ops.dense_gemv(x, ws[0], None, ws[1]), w8a8,
+                                                 (w, s), k, dtype, w.device)
+        layer.gemm_max_m = max(gemm_max_m, layer.gemv_max_m)
 
     def apply(self, layer, x, bias):
         """x: [T, K] -> [T, N]."""
@@ -75,6 +88,8 @@ class Fp8LinearMethod(LinearMethod):
             return F.linear(x, dequantize_fp8(layer.weight, layer.weight_scale, x.dtype), bias)
         if x.shape[0] <= layer.gemv_max_m:
             return ops.dense_gemv(x, layer.weight, bias, layer.weight_scale)
+        if x.shape[0] <= layer.gemm_max_m:
+            return ops.fp8_gemm_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
         return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
 
 
