@@ -144,8 +144,9 @@ def _store(out_ptr, acc, x_scale_ptr, w_scale_ptr, bias_ptr, rows, cols, row_mas
 # -- configuration ------------------------------------------------------------------------------------------
 
 def block_m_for(m: int) -> int:
-    """Tokens per program: the batch's power-of-two bucket, 16 to 128 (a larger batch takes several M tiles)."""
-    return min(128, max(16, triton.next_power_of_2(m)))
+    """Tokens per program: the batch's power-of-two bucket, 16 to 256 (a larger batch takes several M tiles, each
+    reading the weight again)."""
+    return min(256, max(16, triton.next_power_of_2(m)))
 
 
 def m_bucket(m: int) -> int:

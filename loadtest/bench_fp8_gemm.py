@@ -1,7 +1,7 @@
 """The W8A8 FP8 GEMM (kernels/fp8_gemm.py) at the Llama-3-8B linear shapes, per batch size, in CUDA graphs:
 
     python -m loadtest.bench_kernels --fp8-gemm                      # the table below
-    python -m loadtest.bench_kernels --fp8-gemm-sweep [--budget-s 300] [--write-table PATH]
+    python -m loadtest.bench_kernels --fp8-gemm-sweep [--budget-s 300] [--ms 16,32,...] [--write-table PATH]
 
 --fp8-gemm: for qkv 4096->6144, o 4096->4096, gate_up 4096->28672 and down 14336->4096 at M = 16 ... 8192: bf16
 cuBLAS; the engine's two W8A8 paths (`fp8_linear`: per-token quantization + torch._scaled_mm row-wise; and
@@ -87,27 +87,30 @@ def print_rows(rows: list[tuple]) -> None:
 
 def candidates(m: int, n: int, k: int, num_sms: int):
     """Tiles worth timing for one cell: 64 or 128 channels, 128 or 256 inputs, 3 or 5 stages, 4 warps (8 with 128
-    channels), and the K splits that give between a third of and three programs per SM."""
+    channels or 256 tokens), tokens per program the bucket's or half of it (above 64), and the K splits that give
+    between a third of and three programs per SM."""
     from asyncengine.kernels import fp8_gemm
 
-    block_m = fp8_gemm.block_m_for(m)
-    m_tiles = -(-m // block_m)
-    for block_n, block_k, stages, warps in itertools.product((64, 128), (128, 256), (3, 5), (4, 8)):
-        if warps == 8 and block_n == 64:
+    default_m = fp8_gemm.block_m_for(m)
+    block_ms = (default_m, default_m // 2) if default_m > 64 else (default_m,)
+    for block_m, block_n, block_k, stages, warps in itertools.product(block_ms, (64, 128), (128, 256), (3, 5),
+                                                                       (4, 8)):
+        if warps == 8 and block_n == 64 and block_m < 256:
             continue
-        tiles = -(-n // block_n) * m_tiles
+        tiles = -(-n // block_n) * -(-m // block_m)
         for split in (1, 2, 3, 4, 6, 8, 12):
             if k // split < block_k or (split > 1 and tiles * split > 3 * num_sms) or tiles * split < num_sms // 3:
                 continue
-            yield fp8_gemm.Fp8GemmConfig(block_n, block_k, split, warps, stages)
+            yield fp8_gemm.Fp8GemmConfig(block_n, block_k, split, warps, stages,
+                                         block_m=0 if block_m == default_m else block_m)
 
 
-def sweep(budget_s: float, write_path: Optional[str]) -> int:
+def sweep(budget_s: float, write_path: Optional[str], ms: tuple = SWEEP_MS) -> int:
     from asyncengine.kernels import fp8_gemm, quant_fp8, quant_reference, sm_count
 
     num_sms = sm_count(0)
     started, winners, skipped = time.monotonic(), [], []
-    for (name, (k, n)), m in itertools.product(SHAPES.items(), SWEEP_MS):
+    for (name, (k, n)), m in itertools.product(SHAPES.items(), ms):
         if time.monotonic() - started > budget_s:
             skipped.append(f"{name} M={m}")
             continue
@@ -137,6 +140,7 @@ def sweep(budget_s: float, write_path: Optional[str]) -> int:
             print(f"  winner rejected: relative error {error:.2e} against the reference")
             continue
         args = f"{best.block_n}, {best.block_k}, {best.split_k}, {best.num_warps}, {best.num_stages}"
+        args += f", block_m={best.block_m}" if best.block_m else ""
         winners.append(f"    ({n}, {k}, {fp8_gemm.m_bucket(m)}): Fp8GemmConfig({args}),  # {name}: {best_us:.1f} us, "
                        f"{gbps:.0f} GB/s; row-wise {library:.1f} us")
     if skipped:
@@ -144,16 +148,25 @@ def sweep(budget_s: float, write_path: Optional[str]) -> int:
     print("winners:")
     print("\n".join(winners))
     if write_path:
-        _write_table(winners, write_path)
+        _write_table(winners, write_path, keep_others=True)
     return 0
 
 
-def _write_table(lines: list[str], path: str) -> None:
-    """Write kernels/fp8_gemm_configs.py's header with `lines` as its table to `path`."""
+def _write_table(lines: list[str], path: str, keep_others: bool) -> None:
+    """Write kernels/fp8_gemm_configs.py with `lines` as its table to `path`; keep_others: the current table's
+    lines for keys not measured this time stay, after them, under their own header comment."""
     from asyncengine.kernels import fp8_gemm_configs
 
     source = open(fp8_gemm_configs.__file__).read()
-    head = source[: source.index("FP8_GEMM_TUNED")]
+    head = source[: source.index("# Measured on" if "# Measured on" in source else "FP8_GEMM_TUNED")]
+
+    def key(line: str) -> str:
+        return line.split(":")[0].strip()
+
+    measured = {key(line) for line in lines}
+    kept = [line for line in source.splitlines() if line.startswith("    (") and key(line) not in measured]
+    if keep_others and kept:
+        lines = lines + ["    # from the previous sweep:"] + kept
     device = torch.cuda.get_device_name()
     body = (f"# Measured on: one {device}, {time.strftime('%Y-%m-%d')}, `--fp8-gemm-sweep`. Comments: our time, the\n"
             "# weight's GB/s, and torch._scaled_mm row-wise on the same pre-quantized x. Arguments: block_n, block_k,\n"
@@ -169,6 +182,7 @@ def main(argv: list[str]) -> int:
     if "--fp8-gemm-sweep" in argv:
         budget = float(argv[argv.index("--budget-s") + 1]) if "--budget-s" in argv else 300.0
         path = argv[argv.index("--write-table") + 1] if "--write-table" in argv else None
-        return sweep(budget, path)
+        ms = tuple(int(m) for m in argv[argv.index("--ms") + 1].split(",")) if "--ms" in argv else SWEEP_MS
+        return sweep(budget, path, ms)
     print_rows(table_rows())
     return 0

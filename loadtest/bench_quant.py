@@ -119,7 +119,8 @@ def run_quant(folders: dict[str, tuple[Path, dict]], engine_kwargs: dict, w1, vo
 
 def decode_kernel_choices(llm) -> dict[str, str]:
     """Per distinct linear shape (out x in) of the decoder, which product a decode batch runs: our GEMV up to the
-    batch size measured at start-up (gemv_max_m; 0: the library's product at every size), or the int4 GEMV."""
+    batch size measured at start-up (gemv_max_m; 0: the library's product at every size), for FP8 then our W8A8
+    GEMM up to gemm_max_m, or the int4 GEMV."""
     from asyncengine.models.layers import LinearBase
 
     choices = {}
@@ -130,6 +131,9 @@ def decode_kernel_choices(llm) -> dict[str, str]:
                 choices[shape] = "CPU: torch (references for the quantized formats)"
             elif hasattr(module, "qweight"):
                 choices[shape] = "int4 GEMV for M <= 64"
+            elif hasattr(module, "gemm_max_m"):
+                choices[shape] = (f"our GEMV up to M={module.gemv_max_m}, our W8A8 GEMM up to M={module.gemm_max_m}, "
+                                  "library above")
             else:
                 choices[shape] = f"our GEMV up to M={getattr(module, 'gemv_max_m', 0)}, library above"
     return choices
