@@ -2,6 +2,7 @@
 
     python -m loadtest.bench_kernels --fp8-gemm                      # the table below
     python -m loadtest.bench_kernels --fp8-gemm-sweep [--budget-s 300] [--ms 16,32,...] [--write-table PATH]
+    python -m loadtest.bench_kernels --fp8-gemm --host               # host time to enqueue each path
 
 --fp8-gemm: for qkv 4096->6144, o 4096->4096, gate_up 4096->28672 and down 14336->4096 at M = 16 ... 8192: bf16
 cuBLAS; the engine's two W8A8 paths (`fp8_linear`: per-token quantization + torch._scaled_mm row-wise; and
@@ -81,6 +82,40 @@ def print_rows(rows: list[tuple]) -> None:
     print(f"{'case':{width}} {'impl':16} {'us':>8} {'weight rate':>12} {'bf16/this':>9}")
     for case, impl, us, rate, ratio in rows:
         print(f"{case:{width}} {impl:16} {us:8.1f} {rate:>12} {ratio:8.2f}x")
+
+
+def host_rows(m: int = 4096, calls: int = 200) -> list[str]:
+    """Host microseconds to enqueue one call of each W8A8 path (and bf16 cuBLAS) at the qkv shape with M tokens:
+    `calls` calls timed back to back without synchronizing, after a warm-up (an eager prefill step enqueues 128 of
+    these). Run 96 found W1's eager (prefill) steps host-bound with FP8 and not with bf16."""
+    from asyncengine.kernels import fp8_gemm, quant_fp8
+
+    k, n = SHAPES["qkv"]
+    w, w8, w_scale = _weights(k, n)
+    w_row = w_scale.reshape(1, -1).contiguous()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    x8, x_scale = quant_fp8.quantize_per_token(x)
+    small = min(m, fp8_gemm.MAX_M)
+    cases = {
+        "bf16 cuBLAS": lambda: x @ w.t(),
+        "quantize_per_token": lambda: quant_fp8.quantize_per_token(x),
+        "_scaled_mm row-wise": lambda: torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_row,
+                                                        out_dtype=torch.bfloat16),
+        "fp8_linear": lambda: quant_fp8.fp8_linear(x, w8, w_scale, None),
+        f"fp8_gemm (M={small})": lambda: fp8_gemm.fp8_gemm(x8[:small], x_scale[:small], w8, w_scale, torch.bfloat16),
+    }
+    lines = []
+    for name, call in cases.items():
+        for _ in range(10):
+            call()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        host_us = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+        lines.append(f"{name:24} {host_us:8.1f} us host per call (M={m})")
+    return lines
 
 
 # -- the sweep -----------------------------------------------------------------------------------------------
@@ -184,5 +219,8 @@ def main(argv: list[str]) -> int:
         path = argv[argv.index("--write-table") + 1] if "--write-table" in argv else None
         ms = tuple(int(m) for m in argv[argv.index("--ms") + 1].split(",")) if "--ms" in argv else SWEEP_MS
         return sweep(budget, path, ms)
+    if "--host" in argv:
+        print("\n".join(host_rows()))
+        return 0
     print_rows(table_rows())
     return 0
