@@ -205,6 +205,8 @@ def fp8_gemm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale:
         raise ValueError(f"fp8_gemm takes at most {MAX_M} rows, got {m}")
     if x8.stride(1) != 1 or w8.stride(1) != 1:
         raise ValueError("fp8_gemm: x and the weight must have unit stride along K")
+    if m == 0:
+        return torch.empty((0, n), device=x8.device, dtype=out_dtype)
     if num_sms is None:
         num_sms = sm_count(x8.device.index) if x8.is_cuda else 4
     if config is None:

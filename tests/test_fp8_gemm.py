@@ -86,6 +86,13 @@ def test_fp8_gemm_several_token_tiles_and_slices_sum_in_a_fixed_order():
     assert int(counters.abs().sum()) == 0
 
 
+def test_fp8_gemm_of_no_rows_is_empty():
+    from asyncengine.kernels import fp8_gemm
+
+    x8, x_scale, w8, w_scale = fp8_case(0, 64, 32, True, True)
+    assert fp8_gemm.fp8_gemm(x8, x_scale, w8, w_scale, torch.float32).shape == (0, 32)
+
+
 def test_fp8_gemm_rejects_bad_input():
     from asyncengine.kernels import fp8_gemm
 
