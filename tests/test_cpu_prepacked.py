@@ -38,3 +38,65 @@ def test_loaded_default_model_linears_are_column_major_on_cpu():
     model = load_model(load_model_config(EngineConfig(), cpu), cpu, max_positions=64)
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(is_cpu_gemm_layout(m.weight) for m in linears)
+
+
+def test_onednn_packed_product_matches_f_linear_and_does_not_depend_on_the_batch():
+    """oneDNN's packed product (used where it measured faster at start-up): within float32 rounding of F.linear, and
+    a row's result is the same bits alone as among 200 rows (the engine's batch invariance rests on that)."""
+    import pytest
+
+    from asyncengine.quantization.cpu_prepacked import onednn_available, onednn_linear, onednn_pack
+
+    if not onednn_available():
+        pytest.skip("torch was built without oneDNN")
+    weight = torch.randn(1408, 256).t().contiguous().t()  # column-major, as the engine stores it
+    packed = onednn_pack(weight)
+    x = torch.randn(200, 256)
+    bias = torch.randn(1408)
+    full = onednn_linear(x, packed, bias)
+    # outputs of size ~16 (256 products of unit normals): float32's rounding in another order, a few 1e-5 apart
+    torch.testing.assert_close(full, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    for rows in (1, 7, 64):
+        assert torch.equal(onednn_linear(x[:rows], packed, bias), full[:rows])
+
+
+def test_the_onednn_choice_is_made_per_shape_once_and_only_for_float32_cpu_weights(monkeypatch):
+    from asyncengine.quantization import cpu_prepacked
+
+    timed = []
+    monkeypatch.setattr(cpu_prepacked, "onednn_is_faster", lambda n, k, threads: timed.append((n, k)) or True)
+    monkeypatch.setattr(cpu_prepacked, "onednn_available", lambda: True)
+    assert cpu_prepacked.cpu_onednn_weight(torch.randn(8, 4, dtype=torch.bfloat16)) is None
+    assert cpu_prepacked.cpu_onednn_weight(torch.randn(8)) is None
+    assert timed == []
+    packed = cpu_prepacked.cpu_onednn_weight(torch.randn(48, 32))
+    assert timed == [(48, 32)] and packed is not None
+    monkeypatch.setattr(cpu_prepacked, "onednn_is_faster", lambda n, k, threads: False)
+    assert cpu_prepacked.cpu_onednn_weight(torch.randn(48, 32)) is None
+
+
+def test_engine_linears_and_head_use_onednn_only_where_it_measured_faster():
+    """The default model on CPU: each linear layer and the head carry a packed copy exactly when the start-up
+    measurement of its shape chose oneDNN; the greedy tokens equal those of the plain MKL path (measured below)."""
+    from asyncengine import LLM, SamplingParams
+    from asyncengine.models.layers import LinearBase
+    from asyncengine.quantization import cpu_prepacked
+
+    llm = LLM()
+    model = llm.engine.runner.model
+    threads = torch.get_num_threads()
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            chosen = cpu_prepacked.onednn_is_faster(*module.weight.shape, threads)
+            assert (module.onednn_weight is not None) == chosen
+    assert (model.head_onednn is not None) == cpu_prepacked.onednn_is_faster(*model.head_weight().shape, threads)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["The history of the city", "Once upon a time", "In the morning we"]
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.onednn_weight = None
+    model.head_onednn = None
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fast == plain
+    llm.close()

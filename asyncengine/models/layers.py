@@ -223,11 +223,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                          gemv_max_m: int = 0) -> torch.Tensor:
+                          gemv_max_m: int = 0, onednn_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """hidden [S, hidden] x this rank's head rows weight [vocab_per_rank, hidden] -> logits [S, vocab_size] in the
     weight's dtype: each rank computes its tokens' logits and the pieces are gathered (every rank gets them; rank 0
-    samples). The pad rows of the last rank are cut off. S <= gemv_max_m (`head_gemv_max_m`): our decode GEMV."""
-    if hidden.shape[0] <= gemv_max_m:
+    samples). The pad rows of the last rank are cut off. S <= gemv_max_m (`head_gemv_max_m`): our decode GEMV.
+    onednn_weight: the weight packed for oneDNN on CPU (quantization/cpu_prepacked.py), used for float32 hidden."""
+    if onednn_weight is not None and hidden.device.type == "cpu" and hidden.dtype == torch.float32:
+        from asyncengine.quantization.cpu_prepacked import onednn_linear
+
+        local = onednn_linear(hidden, onednn_weight)
+    elif hidden.shape[0] <= gemv_max_m:
         local = ops.dense_gemv(hidden, weight)  # [S, vocab_per_rank]
     else:
         local = ops.head_logits(hidden, weight)

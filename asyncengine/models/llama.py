@@ -184,14 +184,21 @@ class LlamaForCausalLM(nn.Module):
         """The LM head's rows on this rank [vocab_per_rank, hidden] (the embedding's when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    head_onednn = None  # on CPU, the head packed for oneDNN where that measured faster (process_weights_after_loading)
+
     def process_weights_after_loading(self) -> None:
-        """After every weight is loaded (and the linear layers processed): measure the head's GEMV threshold."""
+        """After every weight is loaded (and the linear layers processed): measure the head's GEMV threshold (CUDA),
+        or whether oneDNN's packed product beats MKL on the head (CPU, float32; a packed copy is kept if so)."""
+        from asyncengine.quantization.cpu_prepacked import cpu_onednn_weight
+
         self.head_gemv_max_m = head_gemv_max_m(self.head_weight())
+        self.head_onednn = cpu_onednn_weight(self.head_weight())
 
     def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden: [S, hidden] -> logits [S, vocab] in float32, written into `out` ([S, vocab] float32) if given.
         With several ranks every rank computes its vocabulary slice and gets the gathered logits."""
-        logits = vocab_parallel_logits(hidden, self.head_weight(), self.config.vocab_size, self.head_gemv_max_m)
+        logits = vocab_parallel_logits(hidden, self.head_weight(), self.config.vocab_size, self.head_gemv_max_m,
+                                       self.head_onednn)
         if out is None:
             return logits.float()
         return out.copy_(logits)

@@ -7,14 +7,29 @@ results are bit-identical (the same products summed in the same order): measured
 256; 704 -> 256; 256 -> 8192) 1.03-1.04x for the layers and 1.14x for an LM head of 8,192 rows.
 
 The weight keeps its logical shape [N, K], so loaders, state dicts and every reader see the same tensor; only the
-strides change. oneDNN's packed format (`torch.ops.mkldnn._linear_pointwise`) measured slower on these shapes
-(0.82-0.99x) except the LM head (1.31x), and not bit-identical; MKL's packed sgemm (`torch.ops.mkl._mkl_linear`)
-was no faster than the transposed layout except the LM head (1.18x): neither is used.
+strides change. MKL's packed sgemm (`torch.ops.mkl._mkl_linear`) was no faster than the transposed layout except
+the LM head (1.18x), and is not used.
+
+oneDNN's packed format (`torch.ops.mkldnn._linear_pointwise` on a weight reordered once) depends on the machine:
+on session 6's AVX2 EPYC it measured 0.82-0.99x on these shapes, on session 14's (AMD EPYC with AVX-512, 2 cores)
+1.04-1.36x on the layers and 1.42x on an LM head of 8,192 rows. So each shape is timed once at start-up
+(`onednn_is_faster`) and a layer keeps a packed copy beside its weight only where oneDNN won; its sums are in
+another order than MKL's (about 5e-7 relative apart) and do not depend on the batch's size (a row's result is the
+same alone or among 200, measured), which the engine's batch invariance needs.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
+
 import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+DECODE_ROWS = 64  # the batch the choice is timed at: a decode step of the CPU benchmark (issue 17)
+MIN_GAIN = 1.05  # oneDNN must be this much faster to be worth its copy of the weight
 
 
 def use_cpu_gemm_layout(weight: torch.Tensor) -> None:
@@ -29,3 +44,53 @@ def use_cpu_gemm_layout(weight: torch.Tensor) -> None:
 
 def is_cpu_gemm_layout(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.t().is_contiguous()
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] reordered once into oneDNN's blocked layout (an opaque tensor for `onednn_linear`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), DECODE_ROWS)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias=None) -> torch.Tensor:
+    """F.linear(x, W, bias) with W as `onednn_pack` made it; x [M, K] float32."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+def onednn_is_faster(n: int, k: int, threads: int) -> bool:
+    """Whether oneDNN's packed product beat F.linear on the column-major layout by MIN_GAIN at DECODE_ROWS rows
+    of float32 for a weight [n, k] on this machine (random values; medians of 5 rounds of 20 calls, alternating).
+    Cached per shape and thread count; logged."""
+    if not onednn_available():
+        return False
+    weight = torch.randn(k, n).t()  # column-major, as use_cpu_gemm_layout stores it
+    packed = onednn_pack(weight)
+    x = torch.randn(DECODE_ROWS, k)
+    calls = {"mkl": lambda: F.linear(x, weight), "onednn": lambda: onednn_linear(x, packed)}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(5):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            for _ in range(20):
+                call()
+            times[name].append(time.perf_counter() - start)
+    mkl, onednn = (sorted(times[name])[2] for name in ("mkl", "onednn"))
+    faster = mkl / onednn >= MIN_GAIN
+    logger.info("CPU GEMM for %dx%d at %d rows: %s (MKL %.0f us, oneDNN %.0f us)", n, k, DECODE_ROWS,
+                "oneDNN" if faster else "MKL", mkl / 20 * 1e6, onednn / 20 * 1e6)
+    return faster
+
+
+def cpu_onednn_weight(weight: torch.Tensor):
+    """The packed copy a CPU float32 layer should multiply with (None: F.linear on `weight`)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    if not onednn_is_faster(*weight.shape, torch.get_num_threads()):
+        return None
+    return onednn_pack(weight)
