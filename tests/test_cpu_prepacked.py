@@ -100,3 +100,28 @@ def test_engine_linears_and_head_use_onednn_only_where_it_measured_faster():
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fast == plain
     llm.close()
+
+
+def test_onednn_batches_are_rounded_to_a_few_row_counts_and_large_ones_take_mkl():
+    """oneDNN keeps a primitive (~0.5 MB) per input shape it sees: batches are padded to multiples of ROW_STEP up to
+    MAX_ROWS, so that a server's ever-changing batch sizes make at most MAX_ROWS / ROW_STEP of them per weight."""
+    import pytest
+
+    from asyncengine.quantization import cpu_prepacked
+    from asyncengine.quantization.base import UnquantizedLinearMethod
+
+    assert [cpu_prepacked.onednn_rows(m) for m in (1, 16, 17, 255, 256, 257)] == [16, 16, 32, 256, 256, 0]
+    if not cpu_prepacked.onednn_available():
+        pytest.skip("torch was built without oneDNN")
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(1408, 256), requires_grad=False)
+    layer.onednn_weight = cpu_prepacked.onednn_pack(layer.weight)
+    method = UnquantizedLinearMethod()
+    for m in (5, 300):  # padded for oneDNN; too large: MKL, exactly F.linear
+        x = torch.randn(m, 256)
+        out = method.apply(layer, x, None)
+        assert out.shape == (m, 1408)
+        if m > cpu_prepacked.MAX_ROWS:
+            assert torch.equal(out, F.linear(x, layer.weight))
+        else:
+            torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)

@@ -67,9 +67,10 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         packed = getattr(layer, "onednn_weight", None)
         if packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-            from asyncengine.quantization.cpu_prepacked import onednn_linear
+            from asyncengine.quantization.cpu_prepacked import onednn_linear, onednn_rows
 
-            return onednn_linear(x, packed, bias)
+            if onednn_rows(x.shape[0]):
+                return onednn_linear(x, packed, bias)
         if x.shape[0] <= getattr(layer, "gemv_max_m", 0):
             from asyncengine import ops
 

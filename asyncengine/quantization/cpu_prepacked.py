@@ -15,7 +15,8 @@ on session 6's AVX2 EPYC it measured 0.82-0.99x on these shapes, on session 14's
 1.04-1.36x on the layers and 1.42x on an LM head of 8,192 rows. So each shape is timed once at start-up
 (`onednn_is_faster`) and a layer keeps a packed copy beside its weight only where oneDNN won; its sums are in
 another order than MKL's (about 5e-7 relative apart) and do not depend on the batch's size (a row's result is the
-same alone or among 200, measured), which the engine's batch invariance needs.
+same alone or among 200, measured), which the engine's batch invariance needs. oneDNN caches a primitive per input
+shape, so it only sees a few batch sizes (`onednn_rows`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 DECODE_ROWS = 64  # the batch the choice is timed at: a decode step of the CPU benchmark (issue 17)
 MIN_GAIN = 1.05  # oneDNN must be this much faster to be worth its copy of the weight
+ROW_STEP, MAX_ROWS = 16, 256  # oneDNN's batch sizes: multiples of 16 up to 256 (onednn_rows); larger: MKL
 
 
 def use_cpu_gemm_layout(weight: torch.Tensor) -> None:
@@ -55,9 +57,26 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), DECODE_ROWS)
 
 
+def onednn_rows(m: int) -> int:
+    """The rows oneDNN multiplies for a batch of m (0: too many, use MKL): m rounded up to a multiple of ROW_STEP,
+    up to MAX_ROWS. oneDNN builds (and keeps) a primitive of ~0.5 MB for every input shape it sees: 600 distinct
+    batch sizes grew the RSS by 354 MiB (1.3 GiB on a second pass), which the soak test caught as +246 MiB/min. With
+    rows rounded so, each weight shape has at most MAX_ROWS / ROW_STEP primitives."""
+    if m > MAX_ROWS:
+        return 0
+    return -(-m // ROW_STEP) * ROW_STEP
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias=None) -> torch.Tensor:
-    """F.linear(x, W, bias) with W as `onednn_pack` made it; x [M, K] float32."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """F.linear(x, W, bias) with W as `onednn_pack` made it; x [M, K] float32 with M <= MAX_ROWS (`onednn_rows`):
+    x's rows are padded with zeros to the rounded count, and the result cut back (a row's result does not depend
+    on the rows beside it)."""
+    m = x.shape[0]
+    rows = onednn_rows(m)
+    if rows != m:
+        x = torch.cat((x, x.new_zeros(rows - m, x.shape[1])))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out if rows == m else out[:m]
 
 
 @functools.cache
