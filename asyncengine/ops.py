@@ -221,15 +221,14 @@ def dense_gemv(x, weight, bias=None, w_scale=None) -> torch.Tensor:
     return _quant_impl(x).dense_gemv(x, weight, bias, w_scale)
 
 
-def fp8_gemm_max_m(key: tuple, ours, library, weights: tuple, k: int, dtype: torch.dtype, device: torch.device,
-                   above: int) -> int:
-    """Up to which batch size (above `above`, the GEMV's) `ours(x, w)` (fp8_gemm_linear) beats `library(x, w)`
-    (fp8_linear): measured once per key on CUDA at start-up (kernels.quant_linear.fp8_gemm_max_m); `above`
-    elsewhere."""
+def fp8_gemm_max_m(key: tuple, ours, library, weights: tuple, k: int, dtype: torch.dtype,
+                   device: torch.device) -> int:
+    """Up to which batch size `ours(x, w)` (fp8_gemm_linear) beats `library(x, w)` (fp8_linear): measured once per
+    key on CUDA at start-up (kernels.quant_linear.fp8_gemm_max_m); 0 elsewhere."""
     kernels = _quant_kernels() if device.type == "cuda" else None
     if kernels is None:
-        return above
-    return kernels.fp8_gemm_max_m(key, ours, library, weights, k, dtype, device, above)
+        return 0
+    return kernels.fp8_gemm_max_m(key, ours, library, weights, k, dtype, device)
 
 
 def decode_gemv_max_m(key: tuple, ours, library, weights: tuple, k: int, dtype: torch.dtype,

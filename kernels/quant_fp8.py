@@ -68,6 +68,14 @@ def _quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor
     return (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _quantize_input(x2: torch.Tensor, input_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear's input [M, K] in e4m3 and its scale: per token ([M, 1]) when input_scale is None, else the static
+    one ([] float32)."""
+    if input_scale is None:
+        return quantize_per_token(x2)
+    return _quantize_static(x2, input_scale), input_scale.float()
+
+
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, input_scale: Optional[torch.Tensor],
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Same contract as quant_reference.fp8_linear: x [M, K], w_fp8 [N, K], w_scale [N, 1] (or []), input_scale []
@@ -77,10 +85,9 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, inpu
         out = torch._scaled_mm(_quantize_static(x2, input_scale), w_fp8.t(), scale_a=input_scale.reshape(()),
                                scale_b=w_scale.reshape(-1)[0].reshape(()), bias=bias, out_dtype=x.dtype)
     else:
-        if input_scale is None:
-            x8, x_scale = quantize_per_token(x2)
-        else:
-            x8, x_scale = _quantize_static(x2, input_scale), input_scale.reshape(1, 1).expand(x2.shape[0], 1)
+        x8, x_scale = _quantize_input(x2, input_scale)
+        if input_scale is not None:  # the row-wise form takes a scale per row
+            x_scale = x_scale.reshape(1, 1).expand(x2.shape[0], 1)
         w_scale_row = w_scale.reshape(1, -1).expand(1, w_fp8.shape[0]).float().contiguous()
         out = torch._scaled_mm(x8, w_fp8.t(), scale_a=x_scale.contiguous(), scale_b=w_scale_row, bias=bias,
                                out_dtype=x.dtype)
@@ -92,9 +99,6 @@ def fp8_gemm_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     """fp8_linear's contract (x [M, K] with M <= fp8_gemm.MAX_M), the product by our W8A8 GEMM: x quantized per token
     (input_scale None) or with the static scale, then `fp8_gemm` with the weight's scales in its epilogue."""
     x2 = x.reshape(-1, x.shape[-1])
-    if input_scale is None:
-        x8, x_scale = quantize_per_token(x2)
-    else:
-        x8, x_scale = _quantize_static(x2, input_scale), input_scale.float()
+    x8, x_scale = _quantize_input(x2, input_scale)
     out = fp8_gemm(x8, x_scale, w_fp8, w_scale, x.dtype, bias)
     return out.reshape(*x.shape[:-1], w_fp8.shape[0])

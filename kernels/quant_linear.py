@@ -8,7 +8,7 @@ decode GEMV and the library's product, made once per shape at start-up.
     dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 64 (where measured faster)
     (the GEMV's tiles per shape: quant_gemv_configs.TUNED, filled from `bench_kernels --gemv-sweep`)
     gemv_max_m         measures dense_gemv against the library per decode batch size (graph_time_us)
-    fp8_gemm_max_m     the same for fp8_gemm_linear against fp8_linear, at the batch sizes above the GEMV's
+    fp8_gemm_max_m     the same for fp8_gemm_linear against fp8_linear, at M = 16 ... 512
 Same signatures as kernels/quant_reference.py.
 """
 
@@ -52,14 +52,12 @@ def gemv_max_m(key: tuple, ours: Callable, library: Callable, weights: tuple, k:
 
 
 def fp8_gemm_max_m(key: tuple, ours: Callable, library: Callable, weights: tuple, k: int, dtype: torch.dtype,
-                   device, above: int) -> int:
+                   device) -> int:
     """As gemv_max_m, for our W8A8 GEMM (`ours`, fp8_gemm_linear) against the library's (`library`, fp8_linear) at
-    the batch sizes of GEMM_SIZES above `above` (the GEMV's choice): the largest M up to which ours won at every
-    size measured, or `above` when it lost the first. Run 91 (one H100, 8B shapes, graphs): at M = 128 cuBLASLt's
-    row-wise FP8 GEMM read the weights at 40-60% of the copy bandwidth."""
-    sizes = tuple(m for m in GEMM_SIZES if m > above)
-    chosen = _largest_m_beating(key, ours, library, weights, k, dtype, device, sizes, FP8_GEMM_MAX_M, "FP8 GEMM")
-    return max(chosen, above)
+    the batch sizes of GEMM_SIZES: the largest M up to which ours won at every size (0: it lost the first). Run 91
+    (one H100, 8B shapes, graphs): at M = 128 cuBLASLt's row-wise FP8 GEMM read the weights at 40-60% of the copy
+    bandwidth."""
+    return _largest_m_beating(key, ours, library, weights, k, dtype, device, GEMM_SIZES, FP8_GEMM_MAX_M, "FP8 GEMM")
 
 
 def _largest_m_beating(key: tuple, ours: Callable, library: Callable, weights: tuple, k: int, dtype: torch.dtype,

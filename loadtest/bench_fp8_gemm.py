@@ -183,13 +183,13 @@ def sweep(budget_s: float, write_path: Optional[str], ms: tuple = SWEEP_MS) -> i
     print("winners:")
     print("\n".join(winners))
     if write_path:
-        _write_table(winners, write_path, keep_others=True)
+        _write_table(winners, write_path)
     return 0
 
 
-def _write_table(lines: list[str], path: str, keep_others: bool) -> None:
-    """Write kernels/fp8_gemm_configs.py with `lines` as its table to `path`; keep_others: the current table's
-    lines for keys not measured this time stay, after them, under their own header comment."""
+def _write_table(lines: list[str], path: str) -> None:
+    """Write kernels/fp8_gemm_configs.py with `lines` as its table to `path`; the current table's lines for keys not
+    measured this time stay, after them, under a comment of their own."""
     from asyncengine.kernels import fp8_gemm_configs
 
     source = open(fp8_gemm_configs.__file__).read()
@@ -200,7 +200,7 @@ def _write_table(lines: list[str], path: str, keep_others: bool) -> None:
 
     measured = {key(line) for line in lines}
     kept = [line for line in source.splitlines() if line.startswith("    (") and key(line) not in measured]
-    if keep_others and kept:
+    if kept:
         lines = lines + ["    # from the previous sweep:"] + kept
     device = torch.cuda.get_device_name()
     body = (f"# Measured on: one {device}, {time.strftime('%Y-%m-%d')}, `--fp8-gemm-sweep`. Comments: our time, the\n"

@@ -60,7 +60,7 @@ def test_onednn_packed_product_matches_f_linear_and_does_not_depend_on_the_batch
         assert torch.equal(onednn_linear(x[:rows], packed, bias), full[:rows])
 
 
-def test_the_onednn_choice_is_made_per_shape_once_and_only_for_float32_cpu_weights(monkeypatch):
+def test_only_float32_cpu_matrices_are_timed_and_packed_where_onednn_won(monkeypatch):
     from asyncengine.quantization import cpu_prepacked
 
     timed = []

@@ -21,6 +21,7 @@ from torch import nn
 from asyncengine import ops
 from asyncengine.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
 from asyncengine.quantization import LinearMethod, UnquantizedLinearMethod, set_weight_attrs
+from asyncengine.quantization.cpu_prepacked import onednn_linear, onednn_rows
 
 
 @dataclass
@@ -228,8 +229,6 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size
     weight's dtype: each rank computes its tokens' logits and the pieces are gathered (every rank gets them; rank 0
     samples). The pad rows of the last rank are cut off. S <= gemv_max_m (`head_gemv_max_m`): our decode GEMV.
     onednn_weight: the weight packed for oneDNN on CPU (quantization/cpu_prepacked.py), used for float32 hidden."""
-    from asyncengine.quantization.cpu_prepacked import onednn_linear, onednn_rows
-
     if (onednn_weight is not None and hidden.device.type == "cpu" and hidden.dtype == torch.float32
             and onednn_rows(hidden.shape[0])):
         local = onednn_linear(hidden, onednn_weight)

@@ -16,6 +16,7 @@ from torch import nn
 from asyncengine import ops
 from asyncengine.distributed.parallel_state import tp_size
 from asyncengine.quantization import LinearMethod, QuantizationConfig
+from asyncengine.quantization.cpu_prepacked import cpu_onednn_weight
 from asyncengine.models.layers import (
     LONGROPE_TYPES,
     AttentionMetadata,
@@ -189,8 +190,6 @@ class LlamaForCausalLM(nn.Module):
     def process_weights_after_loading(self) -> None:
         """After every weight is loaded (and the linear layers processed): measure the head's GEMV threshold (CUDA),
         or whether oneDNN's packed product beats MKL on the head (CPU, float32; a packed copy is kept if so)."""
-        from asyncengine.quantization.cpu_prepacked import cpu_onednn_weight
-
         self.head_gemv_max_m = head_gemv_max_m(self.head_weight())
         self.head_onednn = cpu_onednn_weight(self.head_weight())
 

@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.quantization.cpu_prepacked import (cpu_onednn_weight, onednn_linear, onednn_rows,
+                                                   use_cpu_gemm_layout)
+
 
 def set_weight_attrs(param: nn.Parameter, **attrs) -> nn.Parameter:
     for key, value in attrs.items():
@@ -55,7 +58,6 @@ class UnquantizedLinearMethod(LinearMethod):
         same values and shape), and a float32 weight also gets a oneDNN-packed copy (`layer.onednn_weight`) where
         that measured faster on this machine. Then, on CUDA, the GEMV threshold is measured."""
         from asyncengine import ops
-        from asyncengine.quantization.cpu_prepacked import cpu_onednn_weight, use_cpu_gemm_layout
 
         use_cpu_gemm_layout(layer.weight)
         weight = layer.weight
@@ -66,11 +68,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias):
         packed = getattr(layer, "onednn_weight", None)
-        if packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-            from asyncengine.quantization.cpu_prepacked import onednn_linear, onednn_rows
-
-            if onednn_rows(x.shape[0]):
-                return onednn_linear(x, packed, bias)
+        if packed is not None and x.device.type == "cpu" and x.dtype == torch.float32 and onednn_rows(x.shape[0]):
+            return onednn_linear(x, packed, bias)
         if x.shape[0] <= getattr(layer, "gemv_max_m", 0):
             from asyncengine import ops
 

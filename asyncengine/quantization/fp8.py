@@ -71,7 +71,7 @@ class Fp8LinearMethod(LinearMethod):
         key, k, dtype = ("fp8", *w.shape, s.numel() == 1, input_scale is None), w.shape[1], layer.activation_dtype
         gemm_max_m = ops.fp8_gemm_max_m(key, lambda x, ws: ops.fp8_gemm_linear(x, ws[0], ws[1], input_scale),
                                         lambda x, ws: ops.fp8_linear(x, ws[0], ws[1], input_scale), (w, s), k, dtype,
-                                        w.device, above=0)
+                                        w.device)
 
         def w8a8(x, ws):
             if x.shape[0] <= gemm_max_m:
