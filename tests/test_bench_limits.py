@@ -40,6 +40,11 @@ def test_w2_ceiling_matches_a_token_by_token_recount():
 
 
 def test_floor_weights_are_every_matrix_the_forward_pass_multiplies_by(llama_dir, monkeypatch):
+    from asyncengine.quantization import cpu_prepacked
+
+    # Every product through F.linear (spied below): no layer takes oneDNN's packed copy, which start-up picks by
+    # timing on this machine (quantization/cpu_prepacked.py) and which the spy could not see.
+    monkeypatch.setattr(cpu_prepacked, "onednn_is_faster", lambda n, k, threads: False)
     engine = LLMEngine(EngineConfig(model=str(llama_dir), device="cpu", dtype="float32"))
     seen: list[torch.Tensor] = []
     original = torch.nn.functional.linear
