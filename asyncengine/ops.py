@@ -54,12 +54,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _impl(x, "norm").rms_norm(x, weight, eps)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    return _impl(x, "norm").fused_add_rms_norm(x, residual, weight, eps)
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       fp8_copy: bool = False):
+    """(rms_norm(x + residual), x + residual); with fp8_copy the first is a quant_reference.Fp8Activation (the
+    Triton kernel quantizes the row it makes; elsewhere the reference quantizes afterwards)."""
+    impl = _impl(x, "norm")
+    if impl not in (reference, cpu):  # Triton
+        return impl.fused_add_rms_norm(x, residual, weight, eps, fp8_copy)
+    out, residual = impl.fused_add_rms_norm(x, residual, weight, eps)
+    return (_with_fp8_copy(out) if fp8_copy else out), residual
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return _impl(x, "activation").silu_and_mul(x)
+def silu_and_mul(x: torch.Tensor, fp8_copy: bool = False):
+    """silu(gate) * up of x [T, 2I]; with fp8_copy a quant_reference.Fp8Activation of it (as fused_add_rms_norm)."""
+    impl = _impl(x, "activation")
+    if impl not in (reference, cpu):  # Triton
+        return impl.silu_and_mul(x, fp8_copy)
+    out = impl.silu_and_mul(x)
+    return _with_fp8_copy(out) if fp8_copy else out
+
+
+def _with_fp8_copy(out: torch.Tensor) -> quant_reference.Fp8Activation:
+    return quant_reference.Fp8Activation(out, *quant_reference.quantize_fp8(out, dim=-1))
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -199,14 +215,15 @@ def int_weight_linear(x, qweight, scales, zeros, group_size: int, bits: int, bia
     return _quant_impl(x).int_weight_matmul(x, qweight, scales, zeros, group_size, bits, bias)
 
 
-def fp8_linear(x, w_fp8, w_scale, input_scale, bias=None) -> torch.Tensor:
-    """W8A8: x [T, K] quantized per token (input_scale None) or with a static scale, times w_fp8 [N, K]."""
-    return _quant_impl(x).fp8_linear(x, w_fp8, w_scale, input_scale, bias)
+def fp8_linear(x, w_fp8, w_scale, input_scale, bias=None, quantized=None) -> torch.Tensor:
+    """W8A8: x [T, K] quantized per token (input_scale None) or with a static scale, times w_fp8 [N, K].
+    quantized: x's per-token copy (quant_reference.Fp8Activation) when the kernel that made x made it too."""
+    return _quant_impl(x).fp8_linear(x, w_fp8, w_scale, input_scale, bias, quantized)
 
 
-def fp8_gemm_linear(x, w_fp8, w_scale, input_scale, bias=None) -> torch.Tensor:
+def fp8_gemm_linear(x, w_fp8, w_scale, input_scale, bias=None, quantized=None) -> torch.Tensor:
     """fp8_linear by our own W8A8 GEMM on CUDA (decode-sized batches, M <= 512); the same reference elsewhere."""
-    return _quant_impl(x).fp8_gemm_linear(x, w_fp8, w_scale, input_scale, bias)
+    return _quant_impl(x).fp8_gemm_linear(x, w_fp8, w_scale, input_scale, bias, quantized)
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

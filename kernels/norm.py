@@ -1,6 +1,7 @@
 """RMSNorm kernels; math in float32. `rms_norm` normalises ROWS rows per program (many rows for short ones, such
 as Qwen3's per-head q/k norms over [T, heads, 128], read in place from the strided QKV output), one row per
-program for hidden-sized rows; `fused_add_rms_norm` one row per program.
+program for hidden-sized rows; `fused_add_rms_norm` one row per program, and with `fp8_copy` also the row's
+per-token e4m3 copy for the FP8 linear it feeds (quant_fp8.Fp8Activation).
 
 Rounding follows `reference.rms_norm` step by step: the normalised row is rounded to x's dtype before the weight
 multiplies it, and the product is rounded to the promoted dtype of (weight, x).
@@ -13,6 +14,8 @@ import triton
 import triton.language as tl
 
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
+from .quant_fp8 import Fp8Activation, fp8_row_buffers, store_fp8_row
+from .quant_reference import FP8_MAX, _MIN_SCALE
 
 
 @triton.jit
@@ -98,8 +101,13 @@ def _fused_add_rms_norm_kernel(
     stride_res,
     H,
     eps,
+    fp8_ptr,  # [T, H] float8_e4m3fn contiguous: the output's per-token copy (QUANT)
+    fp8_scale_ptr,  # [T] float32 (QUANT)
+    min_scale,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
+    QUANT: tl.constexpr,  # also write the output row in e4m3 with its scale (quant_fp8.store_fp8_row)
+    FP8_MAX_VALUE: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
@@ -111,8 +119,11 @@ def _fused_add_rms_norm_kernel(
     # The new residual is rounded to its dtype first, and normalised from that rounded value (as the reference).
     new_res = (x + res.to(tl.float32)).to(res.dtype)
     tl.store(res_ptr + row * stride_res + cols, new_res, mask=col_mask)
-    y = _normalize_row(new_res, w, H, eps)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
+    y = _normalize_row(new_res, w, H, eps).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=col_mask)
+    if QUANT:  # the stored (rounded) values, as quantize_per_token would read them back
+        store_fp8_row(fp8_ptr + row * H, fp8_scale_ptr + row, y.to(tl.float32), cols, col_mask, min_scale,
+                      FP8_MAX_VALUE)
 
 
 def _launch_config(hidden: int) -> tuple[int, int]:
@@ -165,34 +176,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual <- x + residual (IN PLACE); returns (rms_norm(residual), residual).
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       fp8_copy: bool = False):
+    """residual <- x + residual (IN PLACE); returns (rms_norm(residual), residual), or with fp8_copy
+    (Fp8Activation(rms_norm(residual), its per-token e4m3 copy, scales), residual).
 
     x, residual: [T, H] of one dtype, rows contiguous; weight: [H]. The returned residual is the argument itself.
     """
     _check(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
         raise ValueError("residual must match x in shape and dtype, with contiguous rows")
+    tokens, hidden = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    if x.shape[0] == 0:
-        return out, residual
-    block, warps = _launch_config(x.shape[1])
-    pdl = pdl_enabled(x.device)
-    _fused_add_rms_norm_kernel[(x.shape[0],)](
-        out,
-        x,
-        residual,
-        weight,
-        out.stride(0),
-        x.stride(0),
-        residual.stride(0),
-        x.shape[1],
-        eps,
-        BLOCK_H=block,
-        USE_PDL=pdl,
-        num_warps=warps,
-        launch_pdl=pdl,
-    )
-    return out, residual
+    fp8, fp8_scale = fp8_row_buffers(tokens, hidden, x.device) if fp8_copy else (out, out)  # unused without
+    if tokens:
+        block, warps = _launch_config(hidden)
+        pdl = pdl_enabled(x.device)
+        _fused_add_rms_norm_kernel[(tokens,)](
+            out, x, residual, weight, out.stride(0), x.stride(0), residual.stride(0), hidden, eps, fp8, fp8_scale,
+            _MIN_SCALE, BLOCK_H=block, USE_PDL=pdl, QUANT=fp8_copy, FP8_MAX_VALUE=FP8_MAX, num_warps=warps,
+            launch_pdl=pdl,
+        )
+    return (Fp8Activation(out, fp8, fp8_scale) if fp8_copy else out), residual

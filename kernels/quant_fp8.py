@@ -7,6 +7,9 @@ static per-tensor input scale and one weight scale for the whole tensor it takes
 issue measured at 2.36 ms against 3.98 ms for bf16 on the 8B decode chain (row-wise: 4.06 ms).
 `fp8_gemm_linear`: the same product with our own W8A8 GEMM (fp8_gemm.py) in place of `_scaled_mm`, for the
 decode-sized batches where it measures faster (quant_linear.fp8_gemm_max_m).
+`Fp8Activation`: a linear's input together with its per-token e4m3 copy, made by the kernel that produced the
+input (fused_add_rms_norm, silu_and_mul with `fp8_copy=True`, via `store_fp8_row`), so that the product does not
+launch a quantization of its own: on the 8B shape 3 of a layer's 4 launches go (host and GPU), of 128 a step.
 """
 
 from __future__ import annotations
@@ -19,7 +22,18 @@ import triton.language as tl
 
 from .fp8_gemm import fp8_gemm
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
-from .quant_reference import FP8_DTYPE, FP8_MAX, _MIN_SCALE
+from .quant_reference import FP8_DTYPE, FP8_MAX, _MIN_SCALE, Fp8Activation
+
+
+@triton.jit
+def store_fp8_row(fp8_row_ptr, scale_row_ptr, x, cols, mask, min_scale, FP8_MAX_VALUE: tl.constexpr):
+    """Quantizes one row x [BLOCK] float32 (zeros where ~mask) per token: scale = max(amax / 448, min_scale) at
+    scale_row_ptr, clamp(x / scale) in e4m3 at fp8_row_ptr + cols. The one definition of the math, shared by
+    `quantize_per_token` and the kernels that quantize the row they produce (`Fp8Activation`)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_VALUE, min_scale)
+    q = tl.clamp(x / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE)
+    tl.store(fp8_row_ptr + cols, q.to(fp8_row_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_row_ptr, scale)
 
 
 @triton.jit
@@ -39,25 +53,27 @@ def _quantize_per_token_kernel(
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_VALUE, min_scale)
-    q = tl.clamp(x / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE)
-    tl.store(out_ptr + row * K + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    store_fp8_row(out_ptr + row * K, scale_ptr + row, x, cols, mask, min_scale, FP8_MAX_VALUE)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x_fp8 [M, K] contiguous, scale [M, 1] float32); as quant_reference.quantize_fp8(x, dim=-1)."""
     m, k = x.shape
-    out = torch.empty(m, k, device=x.device, dtype=FP8_DTYPE)
-    scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
+    out, scale = fp8_row_buffers(m, k, x.device)
     pdl = pdl_enabled(x.device)
     block_k = triton.next_power_of_2(k)
     _quantize_per_token_kernel[(m,)](out, scale, x, x.stride(0), k, _MIN_SCALE, FP8_MAX_VALUE=FP8_MAX,
-                                     BLOCK_K=block_k, USE_PDL=pdl, launch_pdl=pdl, num_warps=_warps_for(block_k))
+                                     BLOCK_K=block_k, USE_PDL=pdl, launch_pdl=pdl, num_warps=fp8_warps(block_k))
     return out, scale
 
 
-def _warps_for(block_k: int) -> int:
+def fp8_row_buffers(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (x_fp8 [m, k] e4m3, scale [m, 1] float32) for `store_fp8_row` to fill."""
+    return (torch.empty(m, k, device=device, dtype=FP8_DTYPE),
+            torch.empty(m, 1, device=device, dtype=torch.float32))
+
+
+def fp8_warps(block_k: int) -> int:
     """Warps per row: about 8 elements a thread, 4 to 16 warps. A decode batch has few rows, so each row's program
     is alone on its SM and its latency is the kernel's: run 92 (one H100) timed the 14336-wide rows of the down
     projection's input at 5-7 us with 4 warps (112 elements a thread)."""
@@ -68,24 +84,30 @@ def _quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor
     return (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def _quantize_input(x2: torch.Tensor, input_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_input(x2: torch.Tensor, input_scale: Optional[torch.Tensor],
+                    quantized: Optional[Fp8Activation] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A linear's input [M, K] in e4m3 and its scale: per token ([M, 1]) when input_scale is None, else the static
-    one ([] float32)."""
+    one ([] float32). `quantized`: x2's per-token copy made by the kernel before (taken as is)."""
+    if quantized is not None:
+        if input_scale is not None:
+            raise ValueError("a per-token FP8 copy was passed to a layer with a static input scale")
+        return quantized.fp8, quantized.scale
     if input_scale is None:
         return quantize_per_token(x2)
     return _quantize_static(x2, input_scale), input_scale.float()
 
 
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, input_scale: Optional[torch.Tensor],
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor] = None, quantized: Optional[Fp8Activation] = None) -> torch.Tensor:
     """Same contract as quant_reference.fp8_linear: x [M, K], w_fp8 [N, K], w_scale [N, 1] (or []), input_scale []
-    (static) or None (dynamic per token) -> [M, N] in x's dtype."""
+    (static) or None (dynamic per token) -> [M, N] in x's dtype. quantized: x's per-token e4m3 copy, when the
+    kernel that made x made it too (then no quantization is launched here)."""
     x2 = x.reshape(-1, x.shape[-1])
     if input_scale is not None and w_scale.numel() == 1:
         out = torch._scaled_mm(_quantize_static(x2, input_scale), w_fp8.t(), scale_a=input_scale.reshape(()),
                                scale_b=w_scale.reshape(-1)[0].reshape(()), bias=bias, out_dtype=x.dtype)
     else:
-        x8, x_scale = _quantize_input(x2, input_scale)
+        x8, x_scale = _quantize_input(x2, input_scale, quantized)
         if input_scale is not None:  # the row-wise form takes a scale per row
             x_scale = x_scale.reshape(1, 1).expand(x2.shape[0], 1)
         w_scale_row = w_scale.reshape(1, -1).expand(1, w_fp8.shape[0]).float().contiguous()
@@ -95,10 +117,11 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, inpu
 
 
 def fp8_gemm_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, input_scale: Optional[torch.Tensor],
-                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    bias: Optional[torch.Tensor] = None, quantized: Optional[Fp8Activation] = None) -> torch.Tensor:
     """fp8_linear's contract (x [M, K] with M <= fp8_gemm.MAX_M), the product by our W8A8 GEMM: x quantized per token
-    (input_scale None) or with the static scale, then `fp8_gemm` with the weight's scales in its epilogue."""
+    (input_scale None; or `quantized`, its copy made beforehand) or with the static scale, then `fp8_gemm` with the
+    weight's scales in its epilogue."""
     x2 = x.reshape(-1, x.shape[-1])
-    x8, x_scale = _quantize_input(x2, input_scale)
+    x8, x_scale = _quantize_input(x2, input_scale, quantized)
     out = fp8_gemm(x8, x_scale, w_fp8, w_scale, x.dtype, bias)
     return out.reshape(*x.shape[:-1], w_fp8.shape[0])

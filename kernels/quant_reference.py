@@ -14,7 +14,7 @@ FP8 is e4m3 (torch.float8_e4m3fn, largest finite value 448); a scale maps fp8 va
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +100,15 @@ def quantize_int_weight(weight: torch.Tensor, group_size: int, bits: int = 4, sy
 
 # -- FP8 ---------------------------------------------------------------------------------------------------
 
+class Fp8Activation(NamedTuple):
+    """A linear layer's input [M, K] with its per-token e4m3 copy, made by the kernel that produced the input
+    (norm.fused_add_rms_norm and activation.silu_and_mul with fp8_copy): exactly quantize_fp8(value, dim=-1)."""
+
+    value: torch.Tensor  # [M, K] in the model's dtype (the weight-only GEMV's input)
+    fp8: torch.Tensor  # [M, K] float8_e4m3fn, contiguous
+    scale: torch.Tensor  # [M, 1] float32: value ~= fp8 * scale
+
+
 def quantize_fp8(x: torch.Tensor, dim: Optional[int] = None, scale: Optional[torch.Tensor] = None):
     """x -> (x_fp8, scale float32) with x ~= x_fp8 * scale.
 
@@ -133,17 +142,24 @@ def fp8_scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tenso
 
 
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, input_scale: Optional[torch.Tensor],
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor] = None, quantized: Optional[Fp8Activation] = None) -> torch.Tensor:
     """W8A8: x [M, K] quantized per token (input_scale None, dynamic) or with the static per-tensor input_scale,
-    then `fp8_scaled_mm` with the weight. The definition the CUDA path (kernels/quant_fp8.py) computes."""
-    x_fp8, x_scale = quantize_fp8(x, dim=-1, scale=input_scale)
+    then `fp8_scaled_mm` with the weight. The definition the CUDA path (kernels/quant_fp8.py) computes.
+    quantized: x's per-token copy made beforehand (dynamic scales only), taken instead of quantizing x here."""
+    if quantized is not None:
+        if input_scale is not None:
+            raise ValueError("a per-token FP8 copy was passed to a layer with a static input scale")
+        x_fp8, x_scale = quantized.fp8, quantized.scale
+    else:
+        x_fp8, x_scale = quantize_fp8(x, dim=-1, scale=input_scale)
     return fp8_scaled_mm(x_fp8, x_scale, w_fp8, w_scale, x.dtype, bias)
 
 
 def fp8_gemm_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                    input_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    input_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None,
+                    quantized: Optional[Fp8Activation] = None) -> torch.Tensor:
     """fp8_linear (the CUDA side computes it with our own W8A8 GEMM, kernels/fp8_gemm.py)."""
-    return fp8_linear(x, w_fp8, w_scale, input_scale, bias)
+    return fp8_linear(x, w_fp8, w_scale, input_scale, bias, quantized)
 
 
 # -- dense decode GEMV -------------------------------------------------------------------------------------

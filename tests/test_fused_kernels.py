@@ -485,8 +485,8 @@ decode = dict(NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD
               SPLITS_PAD=4, MERGE_HEADS=4)
 kernels = [
     (norm._rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096, ROWS=1)),
-    (norm._fused_add_rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096)),
-    (activation._silu_and_mul_kernel, {}, dict(BLOCK=1024)),
+    (norm._fused_add_rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096, QUANT=False, FP8_MAX_VALUE=448.0)),
+    (activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, QUANT=False, FP8_MAX_VALUE=448.0)),
     (rotary._rotary_kernel, dict(positions_ptr=i64, cache_ptr=f32),
      dict(HALF=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=64)),
     (cache._reshape_and_cache_kernel, dict(slot_ptr=i64, k_inv_scale="fp32", v_inv_scale="fp32"),
@@ -518,6 +518,11 @@ kernels = [
           PF_STEP=128)),
     (quant_fp8._quantize_per_token_kernel, dict(out_ptr=fp8, scale_ptr=f32, min_scale="fp32"),
      dict(FP8_MAX_VALUE=448.0, BLOCK_K=4096)),
+    # the norm and the activation writing their output's per-token FP8 copy too
+    (norm._fused_add_rms_norm_kernel, dict(eps="fp32", fp8_ptr=fp8, fp8_scale_ptr=f32, min_scale="fp32"),
+     dict(BLOCK_H=4096, QUANT=True, FP8_MAX_VALUE=448.0)),
+    (activation._silu_and_mul_kernel, dict(fp8_ptr=fp8, fp8_scale_ptr=f32, min_scale="fp32"),
+     dict(BLOCK=16384, QUANT=True, FP8_MAX_VALUE=448.0)),
 ]
 ok = [compile_kernel(*k) for k in kernels]
 print("with griddepcontrol", sum(ok), "of", len(ok))
@@ -556,7 +561,7 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
-    assert "with griddepcontrol 12 of 12" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "with griddepcontrol 14 of 14" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     assert "barriers [True, True, True, True]" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     preloads = int(run.stdout.split("decode loads before its wait")[1].split()[0])
     assert preloads >= 4, run.stdout[-3000:]  # metadata, block table, K and V tiles

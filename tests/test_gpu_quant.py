@@ -153,6 +153,62 @@ def test_gpu_engine_online_fp8_generates_and_chose_its_decode_kernels(llama_dir)
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("m", [1, 64, 300, 4096])
+def test_gpu_norm_and_silu_fp8_copies_are_the_per_token_quantization_at_llama_8b_sizes(m):
+    """The fused copies (hidden 4096 after the norm, 14336 after silu_and_mul) are bit for bit what
+    quantize_per_token makes of the same outputs, and the outputs are unchanged by making them."""
+    from asyncengine.kernels import activation, norm, quant_fp8
+
+    def same_copy(copy, plain):
+        q, scale = quant_fp8.quantize_per_token(plain)
+        assert torch.equal(copy.value, plain) and torch.equal(copy.scale, scale)
+        assert torch.equal(copy.fp8.view(torch.uint8), q.view(torch.uint8))
+
+    x, residual = (torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    weight = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    plain, plain_residual = norm.fused_add_rms_norm(x, residual.clone(), weight, 1e-5)
+    copy, new_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5, fp8_copy=True)
+    assert torch.equal(new_residual, plain_residual)
+    same_copy(copy, plain)
+    gate_up = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
+    same_copy(activation.silu_and_mul(gate_up, fp8_copy=True), activation.silu_and_mul(gate_up))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_engine_fp8_with_fused_input_copies_gives_the_same_logprobs_and_launches_fewer_quantizations(
+        llama_dir, monkeypatch):
+    """Online FP8, eager: prompts long enough that their prefill takes the W8A8 products. With the norms' and
+    silu's fused copies the greedy tokens and their logprobs are exactly those of the per-product quantization, and
+    only the o projection still quantizes (1 of 4 products a layer, the first layer's qkv aside)."""
+    from asyncengine import LLM, SamplingParams
+    from asyncengine.kernels import quant_fp8
+    from asyncengine.models.layers import LinearBase
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    llm = LLM(str(llama_dir), dtype="bfloat16", quantization="fp8", max_model_len=512, enforce_eager=True,
+              enable_prefix_caching=False)
+    prompts = [list(range(3 + i, 3 + i + 150 + 7 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    calls = []
+    original = quant_fp8.quantize_per_token
+    monkeypatch.setattr(quant_fp8, "quantize_per_token", lambda x: calls.append(x.shape) or original(x))
+
+    def run():
+        calls.clear()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(calls)
+
+    fused, fused_calls = run()
+    monkeypatch.setattr(LinearBase, "takes_fp8_input", lambda self, m: False)
+    separate, separate_calls = run()
+    assert fused == separate
+    assert 0 < fused_calls < separate_calls / 2, (fused_calls, separate_calls)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("m", [16, 17, 40, 64, 100, 128, 256, 300, 512])  # every token tile, rows masked off
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("k, n", SHAPES)

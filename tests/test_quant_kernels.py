@@ -281,6 +281,67 @@ def test_fp8_per_token_scales_match_reference():
         torch.testing.assert_close(q.float(), ref_q.float(), atol=0, rtol=0)
 
 
+def _same_fp8_copy(activation, value):
+    """activation (an Fp8Activation) carries exactly quantize_per_token(value): the same e4m3 bits and scales."""
+    from asyncengine.kernels import quant_fp8, quant_reference
+
+    q, scale = quant_fp8.quantize_per_token(value)
+    assert activation.fp8.dtype == torch.float8_e4m3fn and activation.fp8.is_contiguous()
+    assert torch.equal(activation.fp8.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(activation.scale, scale) and activation.scale.shape == (value.shape[0], 1)
+    torch.testing.assert_close(scale, quant_reference.quantize_fp8(value, dim=-1)[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 5])
+def test_fused_add_rms_norm_fp8_copy_is_the_per_token_quantization_of_its_output(dtype, tokens):
+    """The norm that feeds an FP8 linear writes its output's e4m3 copy in the same kernel (quant_fp8.store_fp8_row):
+    the output and residual exactly as without the copy, the copy exactly what `quantize_per_token` makes of it."""
+    from asyncengine.kernels import norm
+
+    x, residual = (torch.randn(tokens, 96, dtype=dtype, device=DEVICE) * 4 for _ in range(2))
+    weight = torch.randn(96, dtype=dtype, device=DEVICE)
+    if tokens > 1:
+        x[1], residual[1] = 0, 0  # a zero row: the floor scale, zero codes
+    plain, plain_residual = norm.fused_add_rms_norm(x, residual.clone(), weight, 1e-5)
+    copy, new_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5, fp8_copy=True)
+    assert torch.equal(copy.value, plain) and torch.equal(new_residual, plain_residual)
+    _same_fp8_copy(copy, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_fp8_copy_takes_whole_rows_and_is_the_per_token_quantization_of_its_output(dtype):
+    from asyncengine.kernels import activation
+
+    x = torch.randn(3, 2 * 1500, dtype=dtype, device=DEVICE) * 3  # I over one column block (1024) of the plain path
+    plain = activation.silu_and_mul(x)
+    copy = activation.silu_and_mul(x, fp8_copy=True)
+    assert torch.equal(copy.value, plain)
+    _same_fp8_copy(copy, plain)
+
+
+def test_ops_fp8_copy_off_triton_is_the_reference_quantization_and_linears_take_it():
+    """Off Triton (the CPU fast path and the references) ops make the same pair by quantizing afterwards; the FP8
+    product's reference takes a given copy in place of quantizing x, and refuses one beside a static input scale."""
+    from asyncengine import ops
+    from asyncengine.kernels import quant_reference
+
+    x, residual, weight = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
+    copy, _ = ops.fused_add_rms_norm(x, residual.clone(), weight, 1e-6, fp8_copy=True)
+    plain, _ = ops.fused_add_rms_norm(x, residual.clone(), weight, 1e-6)
+    q, scale = quant_reference.quantize_fp8(plain, dim=-1)
+    assert torch.equal(copy.value, plain) and torch.equal(copy.fp8.float(), q.float()) and torch.equal(copy.scale,
+                                                                                                       scale)
+    gate_up = torch.randn(4, 128)
+    assert torch.equal(ops.silu_and_mul(gate_up.clone(), fp8_copy=True).value, ops.silu_and_mul(gate_up.clone()))
+    w8, w_scale = quant_reference.quantize_fp8(torch.randn(32, 64), dim=-1)
+    given = quant_reference.Fp8Activation(copy.value, copy.fp8, copy.scale)
+    assert torch.equal(quant_reference.fp8_linear(copy.value, w8, w_scale, None, quantized=given),
+                       quant_reference.fp8_linear(copy.value, w8, w_scale, None))
+    with pytest.raises(ValueError, match="static input scale"):
+        quant_reference.fp8_linear(copy.value, w8, w_scale, torch.tensor(0.1), quantized=given)
+
+
 @pytest.mark.parametrize("m", [1, 4, 16, 40])  # the FMA path; tl.dot tiles of 16 and 64 rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, num_sms", [(48, 8), (80, 1)])  # split-K with partial sums / direct store

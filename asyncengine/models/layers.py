@@ -92,6 +92,11 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return self.linear_method.apply(self, x, bias)
 
+    def takes_fp8_input(self, m: int) -> bool:
+        """May the kernel making this layer's M-row input hand it over with its per-token e4m3 copy (an
+        Fp8Activation)? See LinearMethod.takes_fp8_input."""
+        return self.linear_method.takes_fp8_input(self, m)
+
 
 class ColumnParallelLinear(LinearBase):
     """y = x W^T (+ b) with W split along the output dimension across ranks."""
@@ -256,11 +261,12 @@ class RMSNorm(nn.Module):
         self.weight = _param(hidden, dtype=dtype)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        """Without residual: rms_norm(x). With residual: (rms_norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, fp8_copy: bool = False):
+        """Without residual: rms_norm(x). With residual: (rms_norm(x + residual), x + residual), the first with its
+        per-token e4m3 copy (an Fp8Activation) when fp8_copy (for an FP8 linear that `takes_fp8_input`)."""
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, fp8_copy)
 
 
 def rope_inv_freq(head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:

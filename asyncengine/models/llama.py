@@ -113,7 +113,12 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        """x: [T, hidden] (or an Fp8Activation of it, see takes_fp8_input) -> [T, hidden]."""
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter]
+        return self.down_proj(ops.silu_and_mul(gate_up, self.down_proj.takes_fp8_input(gate_up.shape[0])))
+
+    def takes_fp8_input(self, m: int) -> bool:
+        return self.gate_up_proj.takes_fp8_input(m)
 
 
 class DecoderLayer(nn.Module):
@@ -129,12 +134,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual: Optional[torch.Tensor], kv_cache, metadata):
         """Pre-norm block; the residual stream travels beside the hidden states so norms can fuse the add."""
+        # An FP8 linear after a norm gets the norm's per-token e4m3 copy of its input (one launch fewer).
+        tokens = hidden.shape[0]
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual,
+                                                    self.self_attn.qkv_proj.takes_fp8_input(tokens))
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        mlp_takes_fp8 = getattr(self.mlp, "takes_fp8_input", None)  # MLP's; not a mixture of experts'
+        hidden, residual = self.post_attention_layernorm(hidden, residual,
+                                                         mlp_takes_fp8 is not None and mlp_takes_fp8(tokens))
         return self.mlp(hidden), residual
 
 

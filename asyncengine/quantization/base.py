@@ -42,6 +42,11 @@ class LinearMethod(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Repack what was loaded into the layout `apply` wants (nothing by default)."""
 
+    def takes_fp8_input(self, layer: nn.Module, m: int) -> bool:
+        """Would `apply` on an M-row input use its per-token e4m3 copy? Then the kernel that makes the input may
+        pass `apply` a quant_reference.Fp8Activation (the input with that copy) instead of a tensor. No by default."""
+        return False
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """weight [out_per_rank, in_per_rank] in the model's dtype; y = x W^T (+ b).

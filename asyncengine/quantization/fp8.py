@@ -11,7 +11,9 @@ their largest (the shards share the input).
 On CUDA activations are quantized (static per tensor, or dynamic per token) and multiplied in FP8, except for
 decode-sized batches where our weight-only FP8 GEMV (x unquantized, measured faster at start-up) runs. Each layer
 shape takes, by batch size M, each measured at start-up against the next: the GEMV up to `gemv_max_m`, our W8A8
-GEMM (kernels/fp8_gemm.py) up to `gemm_max_m`, torch._scaled_mm above. On CPU the torch reference dequantizes the
+GEMM (kernels/fp8_gemm.py) up to `gemm_max_m`, torch._scaled_mm above. The W8A8 products take the input's
+per-token e4m3 copy from the norm or activation kernel that made the input, where it made one (`takes_fp8_input`:
+one launch fewer per product). On CPU the torch reference dequantizes the
 weight and multiplies in the activations' dtype (activations stay unquantized).
 """
 
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine import ops
-from asyncengine.kernels.quant_reference import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from asyncengine.kernels.quant_reference import FP8_DTYPE, Fp8Activation, dequantize_fp8, quantize_fp8
 from asyncengine.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
 
 
@@ -82,15 +84,23 @@ class Fp8LinearMethod(LinearMethod):
                                                  (w, s), k, dtype, w.device)
         layer.gemm_max_m = max(gemm_max_m, layer.gemv_max_m)
 
+    def takes_fp8_input(self, layer, m):
+        """On CUDA, with per-token activation scales, for the batch sizes that the W8A8 products serve (above the
+        weight-only GEMV's)."""
+        return layer.weight.is_cuda and layer.input_scale is None and m > layer.gemv_max_m
+
     def apply(self, layer, x, bias):
-        """x: [T, K] -> [T, N]."""
+        """x: [T, K], or an Fp8Activation (x with its per-token e4m3 copy; see takes_fp8_input) -> [T, N]."""
+        quantized = None
+        if isinstance(x, Fp8Activation):
+            x, quantized = x.value, x
         if x.device.type == "cpu":  # the reference: dequantize, then matmul (logged once at load)
             return F.linear(x, dequantize_fp8(layer.weight, layer.weight_scale, x.dtype), bias)
         if x.shape[0] <= layer.gemv_max_m:
             return ops.dense_gemv(x, layer.weight, bias, layer.weight_scale)
         if x.shape[0] <= layer.gemm_max_m:
-            return ops.fp8_gemm_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
-        return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
+            return ops.fp8_gemm_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias, quantized)
+        return ops.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias, quantized)
 
 
 class Fp8Config(QuantizationConfig):
