@@ -13,6 +13,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Choices measured on this machine (asyncengine/measured_choices.py) go to a directory of this run's own, shared by
+# every process it starts, not to the user's ~/.cache.
+if "ASYNCENGINE_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["ASYNCENGINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="asyncengine-test-choices-")
 # Without CUDA, Triton kernels run in its interpreter, which must be chosen before any module defines a kernel:
 # set here, first, not in the kernel tests, so collection order (another module importing Triton) cannot matter.
 import torch  # noqa: E402

@@ -12,8 +12,9 @@ the LM head (1.18x), and is not used.
 
 oneDNN's packed format (`torch.ops.mkldnn._linear_pointwise` on a weight reordered once) depends on the machine:
 on session 6's AVX2 EPYC it measured 0.82-0.99x on these shapes, on session 14's (AMD EPYC with AVX-512, 2 cores)
-1.04-1.36x on the layers and 1.42x on an LM head of 8,192 rows. So each shape is timed once at start-up
-(`onednn_is_faster`) and a layer keeps a packed copy beside its weight only where oneDNN won; its sums are in
+1.04-1.36x on the layers and 1.42x on an LM head of 8,192 rows. So each shape is timed once per machine
+(`onednn_is_faster`; recorded on disk by asyncengine.measured_choices, so that every process there makes the same
+choice and sums in the same order) and a layer keeps a packed copy beside its weight only where oneDNN won; its sums are in
 another order than MKL's (about 5e-7 relative apart) and do not depend on the batch's size (a row's result is the
 same alone or among 200, measured), which the engine's batch invariance needs. oneDNN caches a primitive per input
 shape, so it only sees a few batch sizes (`onednn_rows`).
@@ -27,6 +28,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from asyncengine.measured_choices import MeasuredChoices
 
 logger = logging.getLogger(__name__)
 DECODE_ROWS = 64  # the batch the choice is timed at: a decode step of the CPU benchmark (issue 17)
@@ -81,11 +84,17 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias=None) -> torch.Ten
 
 @functools.cache
 def onednn_is_faster(n: int, k: int, threads: int) -> bool:
-    """Whether oneDNN's packed product beat F.linear on the column-major layout by MIN_GAIN at DECODE_ROWS rows
-    of float32 for a weight [n, k] on this machine (random values; medians of 5 rounds of 20 calls, alternating).
-    Cached per shape and thread count; logged."""
+    """Whether oneDNN's packed product beats F.linear on the column-major layout by MIN_GAIN at DECODE_ROWS rows
+    of float32 for a weight [n, k] on this machine with `threads` threads: timed once per machine (`_time_onednn`)
+    and recorded on disk (asyncengine.measured_choices), then read by every later process."""
     if not onednn_available():
         return False
+    key = f"onednn faster than MKL: {n}x{k}, {DECODE_ROWS} rows, {threads} threads, gain {MIN_GAIN}"
+    return bool(MeasuredChoices("cpu_gemm").get_or_measure(key, lambda: _time_onednn(n, k)))
+
+
+def _time_onednn(n: int, k: int) -> bool:
+    """onednn_is_faster's measurement: random values, medians of 5 rounds of 20 calls each, alternating; logged."""
     weight = torch.randn(k, n).t()  # column-major, as use_cpu_gemm_layout stores it
     packed = onednn_pack(weight)
     x = torch.randn(DECODE_ROWS, k)
@@ -101,8 +110,8 @@ def onednn_is_faster(n: int, k: int, threads: int) -> bool:
             times[name].append(time.perf_counter() - start)
     mkl, onednn = (sorted(times[name])[2] for name in ("mkl", "onednn"))
     faster = mkl / onednn >= MIN_GAIN
-    logger.info("CPU GEMM for %dx%d at %d rows: %s (MKL %.0f us, oneDNN %.0f us)", n, k, DECODE_ROWS,
-                "oneDNN" if faster else "MKL", mkl / 20 * 1e6, onednn / 20 * 1e6)
+    logger.info("CPU GEMM for %dx%d at %d rows: %s (MKL %.0f us, oneDNN %.0f us; recorded for this machine)", n, k,
+                DECODE_ROWS, "oneDNN" if faster else "MKL", mkl / 20 * 1e6, onednn / 20 * 1e6)
     return faster
 
 
