@@ -257,8 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     --moe-sweep [--tiny]: the MoE layer's decode kernels at the Qwen3-30B-A3B shape, and their tile sweep
     (loadtest/bench_moe.py). --int4-gemm: the engine's int4 product against bf16 cuBLAS (`int4_gemm_rows`).
     --fp8-gemm / --fp8-gemm-sweep: the W8A8 FP8 paths per batch size, and our FP8 GEMM's tile sweep
-    (loadtest/bench_fp8_gemm.py). --int4-gemm-sweep: the int4 GEMM's tiles against dequantize + cuBLAS
-    (loadtest/bench_int4_gemm.py)."""
+    (loadtest/bench_fp8_gemm.py)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -266,10 +265,6 @@ def main(argv: list[str] | None = None) -> None:
         from .bench_gemv import run_sweep
 
         raise SystemExit(run_sweep(args))
-    if "--int4-gemm-sweep" in args:
-        from .bench_int4_gemm import main as run_int4_gemm
-
-        raise SystemExit(run_int4_gemm(args))
     if "--fp8-gemm" in args or "--fp8-gemm-sweep" in args:
         from .bench_fp8_gemm import main as run_fp8_gemm
 
