@@ -1,9 +1,12 @@
 """Choices the engine times on the machine it runs on, kept on disk so that every process there agrees.
 
-Some fast paths are picked by timing them at start-up (on CPU: oneDNN's packed product or MKL's, per weight shape;
-quantization/cpu_prepacked.py). Timed in every process, two processes on one machine could choose differently on
-a close call (the served engine process and an offline run, two test processes) and then sum in different orders
-(~5e-7 apart). So a choice is measured once per machine and recorded in a JSON file; later processes read it.
+Some fast paths are picked by timing them at start-up: on CPU oneDNN's packed product or MKL's per weight shape
+(quantization/cpu_prepacked.py, table "cpu_gemm"); on CUDA up to which batch size our decode GEMV and our FP8 GEMM
+beat the library's per linear shape (ops.decode_gemv_max_m / fp8_gemm_max_m, table "cuda_linear", keyed by the GPU
+model and a fingerprint of the kernels timed). Timed in every process, two processes on one machine could choose
+differently on a close call (the served engine process and an offline run, two ranks, two test processes) and then
+sum in different orders; each start would also pay the timing again (seconds on a GPU). So a choice is measured
+once per machine and recorded in a JSON file; later processes read it.
 
     choice = MeasuredChoices("cpu_gemm").get_or_measure("256x1408 threads=2", measure)
 

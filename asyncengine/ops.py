@@ -241,19 +241,54 @@ def dense_gemv(x, weight, bias=None, w_scale=None) -> torch.Tensor:
 def fp8_gemm_max_m(key: tuple, ours, library, weights: tuple, k: int, dtype: torch.dtype,
                    device: torch.device) -> int:
     """Up to which batch size `ours(x, w)` (fp8_gemm_linear) beats `library(x, w)` (fp8_linear): measured once per
-    key on CUDA at start-up (kernels.quant_linear.fp8_gemm_max_m); 0 elsewhere."""
+    key on CUDA at start-up (kernels.quant_linear.fp8_gemm_max_m) and kept on disk (`_kept`); 0 elsewhere."""
     kernels = _quant_kernels() if device.type == "cuda" else None
     if kernels is None:
         return 0
-    return kernels.fp8_gemm_max_m(key, ours, library, weights, k, dtype, device)
+    return _kept("FP8 GEMM", key, dtype, device,
+                 lambda: kernels.fp8_gemm_max_m(key, ours, library, weights, k, dtype, device))
 
 
 def decode_gemv_max_m(key: tuple, ours, library, weights: tuple, k: int, dtype: torch.dtype,
                       device: torch.device) -> int:
     """Up to which decode batch size `ours(x, w)` (our GEMV) beats `library(x, w)` on this shape, w being `weights`
-    or a copy of them: measured once per key on CUDA at start-up (kernels.quant_linear.gemv_max_m); 0 elsewhere
-    (CPU runs the references)."""
+    or a copy of them: measured once per key on CUDA at start-up (kernels.quant_linear.gemv_max_m) and kept on disk
+    (`_kept`); 0 elsewhere (CPU runs the references)."""
     kernels = _quant_kernels() if device.type == "cuda" else None
     if kernels is None:
         return 0
-    return kernels.gemv_max_m(key, ours, library, weights, k, dtype, device)
+    return _kept("decode GEMV", key, dtype, device,
+                 lambda: kernels.gemv_max_m(key, ours, library, weights, k, dtype, device))
+
+
+_kept_choices: dict[str, int] = {}
+
+
+def _kept(what: str, key: tuple, dtype: torch.dtype, device: torch.device, measure) -> int:
+    """measure()'s choice for this shape key and activation dtype, recorded per machine (measured_choices.py) under
+    the GPU's name and a fingerprint of the kernels it times: a restart (another rank, the next server) reuses it
+    instead of timing again, and every process on the machine multiplies alike. A kernel or tile table that
+    changes (the fingerprint) is measured afresh."""
+    from asyncengine.measured_choices import MeasuredChoices
+
+    name = f"{what} {key} x {dtype} on {torch.cuda.get_device_name(device)} | {_kernels_fingerprint()}"
+    if name not in _kept_choices:  # the layers of one shape share it: the file is read once per process
+        _kept_choices[name] = int(MeasuredChoices("cuda_linear").get_or_measure(name, measure))
+    return _kept_choices[name]
+
+
+@functools.cache
+def _kernels_fingerprint() -> str:
+    """Triton's version and a hash of the sources of the kernels the start-up choices time, and of their tables."""
+    import hashlib
+
+    import triton
+
+    from asyncengine.kernels import fp8_gemm, fp8_gemm_configs, pdl, quant_fp8, quant_gemv, quant_gemv_configs
+    from asyncengine.kernels import quant_linear
+
+    digest = hashlib.sha256()
+    for module in (fp8_gemm, fp8_gemm_configs, pdl, quant_fp8, quant_gemv, quant_gemv_configs, quant_linear):
+        with open(module.__file__, "rb") as source:
+            digest.update(source.read())
+    return f"triton {triton.__version__}, kernels {digest.hexdigest()[:16]}"

@@ -113,3 +113,30 @@ def test_a_new_process_takes_the_recorded_cpu_gemm_choice_instead_of_timing(choi
         start = time.monotonic()
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == str(recorded), (out.stdout, out.stderr[-2000:], time.monotonic() - start)
+
+
+def test_the_gpu_start_up_choices_are_kept_per_gpu_and_kernel_fingerprint(choices_dir, monkeypatch):
+    """ops._kept (the decode GEMV and FP8 GEMM thresholds measured at start-up on CUDA): a second process (the
+    in-process memo cleared) reads the recorded threshold; another GPU model, activation dtype or kernel source
+    (the fingerprint) is measured afresh."""
+    import torch
+
+    from asyncengine import ops
+
+    gpu = ["NVIDIA H200"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu[0])
+    monkeypatch.setattr(ops, "_kept_choices", {})
+    assert ops._kernels_fingerprint().startswith("triton ") and "kernels " in ops._kernels_fingerprint()
+    calls, measure = counting(16)
+    key, device = ("dense", 6144, 4096, torch.bfloat16), torch.device("cuda")
+    assert ops._kept("decode GEMV", key, torch.bfloat16, device, measure) == 16
+    ops._kept_choices.clear()  # as a new process
+    assert ops._kept("decode GEMV", key, torch.bfloat16, device, measure) == 16 and len(calls) == 1
+    for change in ("dtype", "gpu", "kernels"):
+        ops._kept_choices.clear()
+        if change == "gpu":
+            gpu[0] = "NVIDIA H100 80GB HBM3"
+        if change == "kernels":
+            monkeypatch.setattr(ops, "_kernels_fingerprint", lambda: "triton 9, kernels edited")
+        dtype = torch.float16 if change == "dtype" else torch.bfloat16
+        assert ops._kept("decode GEMV", key, dtype, device, counting(8)[1]) == 8, change
