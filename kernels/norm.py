@@ -1,7 +1,10 @@
 """RMSNorm kernels; math in float32. `rms_norm` normalises ROWS rows per program (many rows for short ones, such
 as Qwen3's per-head q/k norms over [T, heads, 128], read in place from the strided QKV output), one row per
 program for hidden-sized rows; `fused_add_rms_norm` one row per program, and with `fp8_copy` also the row's
-per-token e4m3 copy for the FP8 linear it feeds (quant_fp8.Fp8Activation).
+per-token e4m3 copy for the FP8 linear it feeds (quant_fp8.Fp8Activation). The kernel compiled with the copy may
+give a row's output an ulp away from the kernel compiled without it (runs 105-106: some elements at M = 4,096 on an
+H200; also when the copy is made from the stored row read back, so the compiler orders the row's sum of squares
+differently there): the copy is always exactly the per-token quantization of the output returned beside it.
 
 Rounding follows `reference.rms_norm` step by step: the normalised row is rounded to x's dtype before the weight
 multiplies it, and the product is rounded to the promoted dtype of (weight, x).
@@ -119,15 +122,11 @@ def _fused_add_rms_norm_kernel(
     # The new residual is rounded to its dtype first, and normalised from that rounded value (as the reference).
     new_res = (x + res.to(tl.float32)).to(res.dtype)
     tl.store(res_ptr + row * stride_res + cols, new_res, mask=col_mask)
-    y = _normalize_row(new_res, w, H, eps)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
-    if QUANT:
-        # Quantized from the stored row read back, not from y: fed to the e4m3 store too, y's computation may be
-        # given another register layout, and the row's sum of squares another order (run 105: at M = 4,096 some
-        # rows came out an ulp away from the kernel without QUANT). Read back, the norm compiles as without it.
-        tl.debug_barrier()  # every thread's part of the row stored
-        stored = tl.load(out_ptr + row * stride_out + cols, mask=col_mask, other=0.0).to(tl.float32)
-        store_fp8_row(fp8_ptr + row * H, fp8_scale_ptr + row, stored, cols, col_mask, min_scale, FP8_MAX_VALUE)
+    y = _normalize_row(new_res, w, H, eps).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=col_mask)
+    if QUANT:  # the stored (rounded) values, as quantize_per_token would read them back
+        store_fp8_row(fp8_ptr + row * H, fp8_scale_ptr + row, y.to(tl.float32), cols, col_mask, min_scale,
+                      FP8_MAX_VALUE)
 
 
 def _launch_config(hidden: int) -> tuple[int, int]:

@@ -156,22 +156,30 @@ def test_gpu_engine_online_fp8_generates_and_chose_its_decode_kernels(llama_dir)
 @pytest.mark.parametrize("m", [1, 64, 300, 4096])
 def test_gpu_norm_and_silu_fp8_copies_are_the_per_token_quantization_at_llama_8b_sizes(m):
     """The fused copies (hidden 4096 after the norm, 14336 after silu_and_mul) are bit for bit what
-    quantize_per_token makes of the same outputs, and the outputs are unchanged by making them."""
+    quantize_per_token makes of the outputs returned beside them. silu_and_mul's outputs equal those of the kernel
+    without the copy; the norm's are within one bf16 ulp of them (the kernel with the copy is compiled apart, and
+    the row's sum of squares may be ordered otherwise: runs 105-106 saw it at M = 4,096), in few elements."""
     from asyncengine.kernels import activation, norm, quant_fp8
 
-    def same_copy(copy, plain):
-        q, scale = quant_fp8.quantize_per_token(plain)
-        assert torch.equal(copy.value, plain) and torch.equal(copy.scale, scale)
-        assert torch.equal(copy.fp8.view(torch.uint8), q.view(torch.uint8))
+    def exact_copy(copy):
+        q, scale = quant_fp8.quantize_per_token(copy.value)
+        assert torch.equal(copy.scale, scale) and torch.equal(copy.fp8.view(torch.uint8), q.view(torch.uint8))
 
     x, residual = (torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     weight = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     plain, plain_residual = norm.fused_add_rms_norm(x, residual.clone(), weight, 1e-5)
     copy, new_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5, fp8_copy=True)
     assert torch.equal(new_residual, plain_residual)
-    same_copy(copy, plain)
+    exact_copy(copy)
+    differ = copy.value != plain
+    one_ulp = plain.float().abs() * 2.0**-7 + 1e-30  # bf16: 8 significant bits
+    print(f"M={m}: the norm's output differs in {int(differ.sum())} of {differ.numel()} elements")
+    assert differ.float().mean().item() <= 1e-3
+    assert ((copy.value.float() - plain.float()).abs() <= one_ulp).all()
     gate_up = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
-    same_copy(activation.silu_and_mul(gate_up, fp8_copy=True), activation.silu_and_mul(gate_up))
+    silu_copy = activation.silu_and_mul(gate_up, fp8_copy=True)
+    exact_copy(silu_copy)
+    assert torch.equal(silu_copy.value, activation.silu_and_mul(gate_up))
 
 
 @pytest.mark.gpu
