@@ -157,8 +157,8 @@ def test_gpu_engine_online_fp8_generates_and_chose_its_decode_kernels(llama_dir)
 def test_gpu_norm_and_silu_fp8_copies_are_the_per_token_quantization_at_llama_8b_sizes(m):
     """The fused copies (hidden 4096 after the norm, 14336 after silu_and_mul) are bit for bit what
     quantize_per_token makes of the outputs returned beside them. silu_and_mul's outputs equal those of the kernel
-    without the copy; the norm's are within one bf16 ulp of them (the kernel with the copy is compiled apart, and
-    the row's sum of squares may be ordered otherwise: runs 105-106 saw it at M = 4,096), in few elements."""
+    without the copy; a few of the norm's differ from them by a rounding or two (the kernel with the copy is
+    compiled apart, and the row's sum of squares may be ordered otherwise: runs 105-107)."""
     from asyncengine.kernels import activation, norm, quant_fp8
 
     def exact_copy(copy):
@@ -172,10 +172,13 @@ def test_gpu_norm_and_silu_fp8_copies_are_the_per_token_quantization_at_llama_8b
     assert torch.equal(new_residual, plain_residual)
     exact_copy(copy)
     differ = copy.value != plain
-    one_ulp = plain.float().abs() * 2.0**-7 + 1e-30  # bf16: 8 significant bits
-    print(f"M={m}: the norm's output differs in {int(differ.sum())} of {differ.numel()} elements")
-    assert differ.float().mean().item() <= 1e-3
-    assert ((copy.value.float() - plain.float()).abs() <= one_ulp).all()
+    # The normalised value may round to the next bf16 (2^-8 relative), and its product with the weight round again.
+    two_roundings = plain.float().abs() * 2.0**-6 + 1e-6
+    gap = (copy.value.float() - plain.float()).abs()
+    print(f"M={m}: the norm's output differs in {int(differ.sum())} of {differ.numel()} elements, by at most "
+          f"{(gap / plain.float().abs().clamp(min=1e-6)).max().item():.2e} relative")
+    assert differ.float().mean().item() <= 1e-4  # runs 106-107: 25 of 1.2M at M = 300, 16 of 16.8M at 4,096
+    assert (gap <= two_roundings).all()
     gate_up = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
     silu_copy = activation.silu_and_mul(gate_up, fp8_copy=True)
     exact_copy(silu_copy)
