@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .fp8_gemm import fp8_gemm
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
-from .quant_reference import FP8_DTYPE, FP8_MAX, _MIN_SCALE, Fp8Activation
+from .quant_reference import FP8_DTYPE, FP8_MAX, _MIN_SCALE, Fp8Activation, taken_fp8_copy
 
 
 @triton.jit
@@ -89,9 +89,7 @@ def _quantize_input(x2: torch.Tensor, input_scale: Optional[torch.Tensor],
     """A linear's input [M, K] in e4m3 and its scale: per token ([M, 1]) when input_scale is None, else the static
     one ([] float32). `quantized`: x2's per-token copy made by the kernel before (taken as is)."""
     if quantized is not None:
-        if input_scale is not None:
-            raise ValueError("a per-token FP8 copy was passed to a layer with a static input scale")
-        return quantized.fp8, quantized.scale
+        return taken_fp8_copy(quantized, input_scale)
     if input_scale is None:
         return quantize_per_token(x2)
     return _quantize_static(x2, input_scale), input_scale.float()

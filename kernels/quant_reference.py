@@ -109,6 +109,15 @@ class Fp8Activation(NamedTuple):
     scale: torch.Tensor  # [M, 1] float32: value ~= fp8 * scale
 
 
+def taken_fp8_copy(quantized: Fp8Activation,
+                   input_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, per-token scales) of a copy made beforehand; a layer with a static input scale cannot take one
+    (ValueError): its product expects x quantized by that scale."""
+    if input_scale is not None:
+        raise ValueError("a per-token FP8 copy was passed to a layer with a static input scale")
+    return quantized.fp8, quantized.scale
+
+
 def quantize_fp8(x: torch.Tensor, dim: Optional[int] = None, scale: Optional[torch.Tensor] = None):
     """x -> (x_fp8, scale float32) with x ~= x_fp8 * scale.
 
@@ -147,9 +156,7 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, inpu
     then `fp8_scaled_mm` with the weight. The definition the CUDA path (kernels/quant_fp8.py) computes.
     quantized: x's per-token copy made beforehand (dynamic scales only), taken instead of quantizing x here."""
     if quantized is not None:
-        if input_scale is not None:
-            raise ValueError("a per-token FP8 copy was passed to a layer with a static input scale")
-        x_fp8, x_scale = quantized.fp8, quantized.scale
+        x_fp8, x_scale = taken_fp8_copy(quantized, input_scale)
     else:
         x_fp8, x_scale = quantize_fp8(x, dim=-1, scale=input_scale)
     return fp8_scaled_mm(x_fp8, x_scale, w_fp8, w_scale, x.dtype, bias)
