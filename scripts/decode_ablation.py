@@ -1,0 +1,151 @@
+"""What each kind of kernel costs inside the batch-1 decode step (W3), by leaving it out (issues 14 and 18).
+
+Kernel timings taken alone, or under torch's profiler in eager steps, do not say what a kernel costs inside the
+step's CUDA graph, where programmatic dependent launch overlaps each kernel's start with its predecessor's tail.
+This script measures the marginal cost instead: W3 (one sequence at ~1,000 tokens of context, greedy, graphs on)
+with every launch of one kind of kernel replaced by no kernel at all, each variant in a fresh process, against the
+unchanged engine measured first and last in the same call. The outputs of an ablated step are garbage; only its
+time is read. Variants (each a monkeypatch of the one place the model calls that kernel):
+
+    base          the engine as it is
+    attention     decode attention (ops.paged_attention) returns q
+    rotary_cache  rotary (+ Qwen3's q/k norm) + KV-cache write returns q, k untouched
+    norms         every RMSNorm (fused add + norm included) returns its input
+    route         the MoE router + top-k returns fixed experts 0..k-1 (weights 1/k)
+    experts       the MoE experts (ops.fused_moe) return their input
+    silu          silu_and_mul returns the gate half (a strided view, no kernel)
+
+    python scripts/decode_ablation.py --family qwen3-30b-a3b --num-layers 8 --checkpoint /dev/shm/q3-8l \
+        --variants base attention rotary_cache norms route experts base
+
+prints, per variant, ms per token (median of --repeats W3 runs), the difference from the median of the base runs,
+and that difference per layer in microseconds; JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VARIANTS = ("base", "attention", "rotary_cache", "norms", "route", "experts", "silu")
+
+
+def ablate(variant: str) -> None:
+    """Replace one kind of kernel by no kernel (see the module docstring). Patched before the engine is built,
+    so that the CUDA graphs are captured without it."""
+    import torch
+
+    from asyncengine import ops
+    from asyncengine.kernels import rotary_cache
+
+    if variant == "attention":
+        ops.paged_attention = lambda q, *args, **kwargs: q
+    elif variant == "rotary_cache":
+        rotary_cache.rotary_and_cache = lambda positions, q, k, *args, **kwargs: (q, k)
+    elif variant == "norms":
+        ops.rms_norm = lambda x, weight, eps: x
+        ops.fused_add_rms_norm = lambda x, residual, weight, eps, fp8_copy=False: (x, residual)
+    elif variant == "route":
+        fixed: dict = {}
+
+        def route(hidden, gate_weight, top_k, renormalize):
+            key = (hidden.shape[0], top_k, hidden.device)
+            if key not in fixed:  # made on the first call of a size (a warm-up, before capture)
+                ids = torch.arange(top_k, device=hidden.device, dtype=torch.int32).expand(hidden.shape[0], top_k)
+                fixed[key] = (torch.full((hidden.shape[0], top_k), 1.0 / top_k, device=hidden.device), ids.contiguous())
+            return fixed[key]
+
+        ops.route = route
+    elif variant == "experts":
+        ops.fused_moe = lambda hidden, *args, **kwargs: hidden
+    elif variant == "silu":
+        ops.silu_and_mul = lambda x, fp8_copy=False: x[:, : x.shape[1] // 2]
+    elif variant != "base":
+        raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+
+
+def child(args) -> dict:
+    """One variant in this process: build the engine, warm up, then --repeats W3 measurements."""
+    import torch
+
+    from asyncengine import LLM
+    from loadtest.bench_offline import batch1_decode_ms, run_engine, sharegpt_like
+
+    ablate(args.child)
+    config = json.loads((Path(args.checkpoint) / "config.json").read_text())
+    vocab = config["vocab_size"]
+    llm = LLM(args.checkpoint, dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.9)
+    run_engine(llm, *sharegpt_like(8, 200, 16, seed=8, vocab=vocab))  # warm-up: compile the shapes
+    runs = [batch1_decode_ms(llm, vocab, 1000, args.new_tokens) for _ in range(args.repeats)]
+    return {"variant": args.child, "ms_per_token": [r["ms_per_token"] for r in runs],
+            "graph_replay_gpu_ms": [r["graph_replay_gpu_ms"] for r in runs],
+            "layers": config["num_hidden_layers"], "device": torch.cuda.get_device_name()}
+
+
+def build(args) -> None:
+    import torch  # noqa: F401  (the builders draw on the GPU)
+
+    from loadtest import bench_offline as bo
+
+    folder = Path(args.checkpoint)
+    if args.family == "llama3-8b":
+        bo.build_checkpoint(folder, args.num_layers)
+    else:
+        cfg = dict(bo.QWEN3_30B_A3B, num_hidden_layers=args.num_layers)
+        bo.build_moe_checkpoint(folder, cfg, "cuda")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=["llama3-8b", "qwen3-30b-a3b"], default="qwen3-30b-a3b")
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--variants", nargs="+", default=["base", "attention", "rotary_cache", "norms", "base"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=200)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    t0 = time.perf_counter()
+    build(args)
+    print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    for variant in args.variants:
+        cmd = [sys.executable, __file__, "--family", args.family, "--num-layers", str(args.num_layers),
+               "--checkpoint", args.checkpoint, "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens),
+               "--child", variant]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(f"{variant}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        rows.append(json.loads(lines[-1][len("RESULT "):]))
+        print(f"{variant}: {rows[-1]['ms_per_token']} ms/token", flush=True)
+    base = [statistics.median(r["ms_per_token"]) for r in rows if r["variant"] == "base"]
+    base_ms = statistics.median(base) if base else float("nan")
+    out = Path(args.out) / f"decode_ablation_{args.family}_{args.num_layers}l.json"
+    out.write_text(json.dumps({"family": args.family, "rows": rows, "base_ms": base_ms}, indent=2))
+    device = rows[0]["device"] if rows else "?"
+    print(f"\n{device}, {args.family} shape, {args.num_layers} layers, W3 (1,000 context), median of {args.repeats}")
+    print(f"{'variant':14} {'ms/token':>9} {'- base ms':>10} {'us/layer':>9}")
+    for r in rows:
+        ms = statistics.median(r["ms_per_token"])
+        saved = base_ms - ms
+        print(f"{r['variant']:14} {ms:9.3f} {saved:10.3f} {1e3 * saved / r['layers']:9.1f}")
+    print(f"base runs: {', '.join(f'{b:.3f}' for b in base)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
