@@ -18,13 +18,17 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
     python scripts/decode_ablation.py --family qwen3-30b-a3b --num-layers 8 --checkpoint /dev/shm/q3-8l \
         --variants base attention rotary_cache norms route experts base
 
-prints, per variant, ms per token (median of --repeats W3 runs), the difference from the median of the base runs,
-and that difference per layer in microseconds; JSON to --out.
+prints, per variant, the GPU time of one decode graph replay (CUDA events; median of --repeats W3 runs), its
+difference from the median of the base runs, and that difference per layer in microseconds (with few layers the
+host, not the GPU, paces the step loop, so its ms per token is printed beside but not compared); JSON to --out.
+With ABLATION_SITE=DIR in the environment the engine is the one installed in DIR (`pip install --target DIR` of
+another revision), for before / after comparisons in one call.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -33,7 +37,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+SITE = os.environ.get("ABLATION_SITE")
+sys.path.insert(0, SITE or str(Path(__file__).resolve().parents[1]))
+
+
+def bench_offline():
+    """loadtest.bench_offline of the engine measured (installed as asyncengine.loadtest in ABLATION_SITE)."""
+    return importlib.import_module("asyncengine.loadtest.bench_offline" if SITE else "loadtest.bench_offline")
 
 VARIANTS = ("base", "attention", "rotary_cache", "norms", "route", "experts", "silu")
 
@@ -77,24 +87,23 @@ def child(args) -> dict:
     import torch
 
     from asyncengine import LLM
-    from loadtest.bench_offline import batch1_decode_ms, run_engine, sharegpt_like
 
+    bo = bench_offline()
     ablate(args.child)
     config = json.loads((Path(args.checkpoint) / "config.json").read_text())
     vocab = config["vocab_size"]
     llm = LLM(args.checkpoint, dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.9)
-    run_engine(llm, *sharegpt_like(8, 200, 16, seed=8, vocab=vocab))  # warm-up: compile the shapes
-    runs = [batch1_decode_ms(llm, vocab, 1000, args.new_tokens) for _ in range(args.repeats)]
+    bo.run_engine(llm, *bo.sharegpt_like(8, 200, 16, seed=8, vocab=vocab))  # warm-up: compile the shapes
+    runs = [bo.batch1_decode_ms(llm, vocab, 1000, args.new_tokens) for _ in range(args.repeats)]
     return {"variant": args.child, "ms_per_token": [r["ms_per_token"] for r in runs],
             "graph_replay_gpu_ms": [r["graph_replay_gpu_ms"] for r in runs],
-            "layers": config["num_hidden_layers"], "device": torch.cuda.get_device_name()}
+            "layers": config["num_hidden_layers"], "device": torch.cuda.get_device_name(), "site": SITE}
 
 
 def build(args) -> None:
     import torch  # noqa: F401  (the builders draw on the GPU)
 
-    from loadtest import bench_offline as bo
-
+    bo = bench_offline()
     folder = Path(args.checkpoint)
     if args.family == "llama3-8b":
         bo.build_checkpoint(folder, args.num_layers)
@@ -132,18 +141,21 @@ def main() -> int:
             continue
         rows.append(json.loads(lines[-1][len("RESULT "):]))
         print(f"{variant}: {rows[-1]['ms_per_token']} ms/token", flush=True)
-    base = [statistics.median(r["ms_per_token"]) for r in rows if r["variant"] == "base"]
+    base = [statistics.median(r["graph_replay_gpu_ms"]) for r in rows if r["variant"] == "base"]
     base_ms = statistics.median(base) if base else float("nan")
-    out = Path(args.out) / f"decode_ablation_{args.family}_{args.num_layers}l.json"
-    out.write_text(json.dumps({"family": args.family, "rows": rows, "base_ms": base_ms}, indent=2))
+    tag = "_" + Path(SITE).name if SITE else ""
+    out = Path(args.out) / f"decode_ablation_{args.family}_{args.num_layers}l{tag}.json"
+    out.write_text(json.dumps({"family": args.family, "site": SITE, "rows": rows, "base_ms": base_ms}, indent=2))
     device = rows[0]["device"] if rows else "?"
-    print(f"\n{device}, {args.family} shape, {args.num_layers} layers, W3 (1,000 context), median of {args.repeats}")
-    print(f"{'variant':14} {'ms/token':>9} {'- base ms':>10} {'us/layer':>9}")
+    print(f"\n{device}, {args.family} shape, {args.num_layers} layers, W3 (1,000 context), engine "
+          f"{SITE or 'this tree'}; graph replay GPU ms, median of {args.repeats}")
+    print(f"{'variant':14} {'replay ms':>9} {'saved ms':>9} {'us/layer':>9} {'ms/token':>9}")
     for r in rows:
-        ms = statistics.median(r["ms_per_token"])
+        ms = statistics.median(r["graph_replay_gpu_ms"])
         saved = base_ms - ms
-        print(f"{r['variant']:14} {ms:9.3f} {saved:10.3f} {1e3 * saved / r['layers']:9.1f}")
-    print(f"base runs: {', '.join(f'{b:.3f}' for b in base)}")
+        print(f"{r['variant']:14} {ms:9.4f} {saved:9.4f} {1e3 * saved / r['layers']:9.2f} "
+              f"{statistics.median(r['ms_per_token']):9.3f}")
+    print(f"base runs: {', '.join(f'{b:.4f}' for b in base)}")
     return 0
 
 
