@@ -547,28 +547,23 @@ def _down_reduce_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LOAD_AHEAD: tl.constexpr,  # GemvTiles.load_ahead
-    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): the routing and w2 before the wait, act after
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and act
 ):
     """partial[i, cols] = weight[i] * (act[i] @ w2[ids[i]]^T)[cols] for one assignment i; the last of a token's
     TOP_K programs on these columns to arrive sums its partials in the order k = 0 .. TOP_K - 1 (so the result
     does not depend on which arrived last) into out[token, cols] and resets the counter."""
+    wait_for_prior_grids(USE_PDL)
     assignment = tl.program_id(0)
     col_block = tl.program_id(1)
     token = assignment // TOP_K
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < hidden_size
-    # Before the PDL wait (kernels/pdl.py, rule 1's exception): the routing (ids, weights) was written by the
-    # kernel before gate_up_act, this kernel's predecessor, and no kernel writes w2; so the expert, its weight and
-    # (with LOAD_AHEAD) the first weight tile are in flight while gate_up_act finishes. act, which gate_up_act
-    # writes, is read after the wait.
     expert = tl.load(ids_ptr + assignment).to(tl.int64)
-    routing_weight = tl.load(weights_ptr + assignment)
     rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    if LOAD_AHEAD:  # each step's tile loaded a step ahead, as in gate_up_act
-        w = _weight_tile(rows, 0, inter, col_valid, BLOCK_K)
-    wait_for_prior_grids(USE_PDL)
     act_row = act_ptr + assignment.to(tl.int64) * stride_act
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
+    if LOAD_AHEAD:  # each step's tile loaded a step ahead, as in gate_up_act
+        w = _weight_tile(rows, 0, inter, col_valid, BLOCK_K)
     for j_start in range(0, inter, BLOCK_K):
         js = j_start + tl.arange(0, BLOCK_K)
         a = tl.load(act_row + js, mask=js < inter, other=0.0).to(tl.float32)[None, :]
@@ -579,7 +574,7 @@ def _down_reduce_kernel(
         else:
             acc += _weight_tile(rows, j_start, inter, col_valid, BLOCK_K).to(tl.float32) * a
     # the expert's output rounds to the dtype (as the reference's projection), then weighs in float32
-    part = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32) * routing_weight
+    part = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + assignment)
     row_offsets = cols.to(tl.int64)  # [BLOCK_N] within one [H] row of partial
     tl.store(partial_ptr + assignment.to(tl.int64) * hidden_size + row_offsets, part, mask=col_valid)
     tl.debug_barrier()  # every thread's partials stored before the (release) atomic below
