@@ -382,7 +382,10 @@ def _routing_of_slices(partial_ptr, token_rows, tokens, num_experts, dtype: tl.c
                          RENORMALIZE)
 
 
-ROUTE_MAX_SPLIT = 8  # the last program sums this many slices (more programs: more L2 atomics, a longer sum)
+# The last program (or every gate_up_act program, routed_moe) sums this many slices, in one round trip. At
+# Qwen3-30B-A3B's shape 16 slices of one 128-wide tile each: a program's whole slice of the router is loaded
+# before its PDL wait, so after it only x is read (with 8, the second tile came from memory after the wait).
+ROUTE_MAX_SPLIT = 16
 
 
 def route_split(hidden_size: int, num_experts: int, num_sms: int) -> int:
