@@ -94,13 +94,6 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return _impl(hidden, "moe").fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
-def routed_moe(hidden, gate_weight, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
-    """The router and the experts in one call: fused_moe(hidden, w13, w2, *route(hidden, gate_weight, top_k,
-    renormalize)), [T, H] -> [T, H]. On CUDA at decode sizes the experts' first kernel routes each token itself
-    (kernels/moe.py routed_moe): one hand-over fewer than route, then fused_moe."""
-    return _impl(hidden, "moe").routed_moe(hidden, gate_weight, w13, w2, top_k, renormalize)
-
-
 def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool):
     """Mixture-of-experts router and routing (see reference.route): hidden [T, H], gate_weight [E, H] ->
     (weights [T, K] float32, ids [T, K])."""

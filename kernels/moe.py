@@ -313,12 +313,12 @@ def _route_kernel(
     ROUTE_T: tl.constexpr,  # T rounded up to a power of two: the rows the last program routes
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FINISH: tl.constexpr,  # route here (below); False: leave the slices to gate_up_act (`routed_moe`)
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads x
 ):
     """Program (e, s): the logits of experts e * BLOCK_E ... for every token over K slice s, into the workspace.
-    With FINISH, the last program of the grid to arrive routes every token (`_routing_of_slices`) and resets the
-    counter; without, the kernel ends there and gate_up_act routes (`routed_moe`)."""
+    The last program of the grid to arrive sums the slices in the order s = 0 .. SPLIT - 1, rounds the logits to
+    x's dtype (where the reference's router product rounds), routes every token (`_softmax_topk`) and resets the
+    counter. The sum order depends on the shapes alone, so a token's routing does not depend on the batch."""
     pid_e, pid_s = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_T)
     row_valid = rows < tokens
@@ -346,40 +346,26 @@ def _route_kernel(
     slice_rows = partial_ptr + pid_s * tokens * num_experts + rows[:, None] * num_experts  # [BLOCK_T, 1]
     tl.store(slice_rows + experts[None, :], acc,
              mask=row_valid[:, None] & expert_valid[None, :])
-    if FINISH:
-        tl.debug_barrier()  # every thread's logits stored before the (release) atomic below
-        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:  # every slice of every expert block is stored
-            # [ROUTE_T, EXPERTS_PAD] tiles: the top-k rounds' reductions cost per row held, so no 16-row padding
-            token_rows = tl.arange(0, ROUTE_T)
-            top_weights, top_ids = _routing_of_slices(partial_ptr, token_rows, tokens, num_experts,
-                                                      x_ptr.dtype.element_ty, SPLIT, TOP_K, TOP_K_PAD,
-                                                      EXPERTS_PAD, RENORMALIZE)
-            slots = tl.arange(0, TOP_K_PAD)[None, :]
-            out = (token_rows < tokens)[:, None] & (slots < TOP_K)
-            tl.store(weights_ptr + token_rows[:, None] * TOP_K + slots, top_weights, mask=out)
-            tl.store(ids_ptr + token_rows[:, None] * TOP_K + slots, top_ids, mask=out)
-            tl.atomic_xchg(counter_ptr, 0)
-
-
-@triton.jit
-def _routing_of_slices(partial_ptr, token_rows, tokens, num_experts, dtype: tl.constexpr, SPLIT: tl.constexpr,
-                       TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                       RENORMALIZE: tl.constexpr):
-    """The routing of tokens `token_rows` [R] from _route_kernel's slices ([SPLIT, tokens, E] float32): the slices
-    summed in the order s = 0 .. SPLIT - 1, rounded to `dtype` (where the reference's router product rounds), then
-    `_softmax_topk` -> (weights [R, TOP_K_PAD], ids [R, TOP_K_PAD]). The sum order depends on the shapes alone, so
-    a token's routing does not depend on the batch."""
-    token_valid = token_rows < tokens
-    all_experts = tl.arange(0, EXPERTS_PAD)[None, :]  # [1, EXPERTS_PAD]
-    valid = token_valid[:, None] & (all_experts < num_experts)
-    slices = partial_ptr + token_rows[:, None] * num_experts + all_experts
-    total = tl.zeros((token_rows.shape[0], EXPERTS_PAD), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):  # unrolled: the loads are independent, so one L2 round trip, not SPLIT
-        total += tl.load(slices + s * tokens * num_experts, mask=valid, other=0.0, cache_modifier=".cg")
-    logits = total.to(dtype).to(tl.float32)
-    return _softmax_topk(logits, all_experts < num_experts, all_experts, TOP_K, TOP_K_PAD, EXPERTS_PAD,
-                         RENORMALIZE)
+    tl.debug_barrier()  # every thread's logits stored before the (release) atomic below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:  # every slice of every expert block is stored
+        # [ROUTE_T, EXPERTS_PAD] tiles: the top-k rounds' reductions cost per row held, so no 16-row padding
+        token_rows = tl.arange(0, ROUTE_T)
+        token_valid = token_rows < tokens
+        all_experts = tl.arange(0, EXPERTS_PAD)[None, :]  # [1, EXPERTS_PAD]
+        valid = token_valid[:, None] & (all_experts < num_experts)
+        slices = partial_ptr + token_rows[:, None] * num_experts + all_experts
+        total = tl.zeros((ROUTE_T, EXPERTS_PAD), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):  # unrolled: the loads are independent, so one L2 round trip, not SPLIT
+            total += tl.load(slices + s * tokens * num_experts, mask=valid, other=0.0, cache_modifier=".cg")
+        logits = total.to(x_ptr.dtype.element_ty).to(tl.float32)
+        top_weights, top_ids = _softmax_topk(logits, all_experts < num_experts, all_experts, TOP_K, TOP_K_PAD,
+                                             EXPERTS_PAD, RENORMALIZE)
+        slots = tl.arange(0, TOP_K_PAD)[None, :]
+        out = token_valid[:, None] & (slots < TOP_K)
+        tl.store(weights_ptr + token_rows[:, None] * TOP_K + slots, top_weights, mask=out)
+        tl.store(ids_ptr + token_rows[:, None] * TOP_K + slots, top_ids, mask=out)
+        tl.atomic_xchg(counter_ptr, 0)
 
 
 # The last program (or every gate_up_act program, routed_moe) sums this many slices, in one round trip. At
@@ -402,56 +388,36 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
     int64). As reference.route, ties to the lowest expert. Decode-sized batches (up to DECODE_MAX_TOKENS tokens)
     take one launch (`_route_kernel`, split over experts and K); larger ones the library's product, then
     topk_softmax. num_sms: the SMs the split is sized for (default: the device's)."""
-    _check_route_inputs(hidden, gate_weight, top_k)
-    if not _fused_route(hidden, gate_weight):
-        return topk_softmax(F.linear(hidden, gate_weight), top_k, renormalize)
-    tokens = hidden.shape[0]
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=hidden.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=hidden.device)
-    _launch_route(hidden, gate_weight, top_k, renormalize, weights, ids, num_sms)
-    return weights, ids
-
-
-def _check_route_inputs(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int) -> None:
     if hidden.dim() != 2 or gate_weight.dim() != 2 or gate_weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"route: hidden must be [T, H] and gate_weight [E, H], got {tuple(hidden.shape)} and "
                          f"{tuple(gate_weight.shape)}")  # fmt: skip
-    _check_top_k(gate_weight.shape[0], top_k)
-
-
-def _fused_route(hidden: torch.Tensor, gate_weight: torch.Tensor) -> bool:
-    """Whether _route_kernel takes this call (decode sizes, contiguous rows, one dtype)."""
-    return (0 < hidden.shape[0] <= DECODE_MAX_TOKENS and gate_weight.shape[0] <= ROUTE_MAX_EXPERTS
-            and hidden.stride(1) == 1 and gate_weight.stride(1) == 1 and gate_weight.dtype == hidden.dtype)
-
-
-def _launch_route(hidden, gate_weight, top_k: int, renormalize: bool, weights, ids,
-                  num_sms: Optional[int] = None) -> tuple[torch.Tensor, int]:
-    """_route_kernel over hidden [T, H]: with weights and ids ([T, K] each) it routes into them; with None it
-    leaves the logits' K slices to the caller. Returns the slices [split, T, E] float32 and split."""
-    tokens, size = hidden.shape
-    num_experts = gate_weight.shape[0]
+    tokens, num_experts = hidden.shape[0], gate_weight.shape[0]
+    _check_top_k(num_experts, top_k)
+    fused = 0 < tokens <= DECODE_MAX_TOKENS and num_experts <= ROUTE_MAX_EXPERTS
+    if not fused or hidden.stride(1) != 1 or gate_weight.stride(1) != 1 or gate_weight.dtype != hidden.dtype:
+        return topk_softmax(F.linear(hidden, gate_weight), top_k, renormalize)
     if num_sms is None:
         num_sms = sm_count(hidden.device.index) if hidden.is_cuda else 4
+    size = hidden.shape[1]
     split = route_split(size, num_experts, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(size, split), ROUTE_BLOCK_K) * ROUTE_BLOCK_K
     split = triton.cdiv(size, k_per_split)  # the slices that really hold inputs
-    finish = weights is not None
     arrivals = counters(hidden.device)  # before anything is launched: it may refuse under capture
     pdl = pdl_enabled(hidden.device)
     partial = torch.empty((split, tokens, num_experts), dtype=torch.float32, device=hidden.device)
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=hidden.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=hidden.device)
     # One warp: the last program's reductions then stay within it (shuffles, no shared-memory round trips); with
     # [16, 128] x [128, 16] tiles it needs 164 registers at T = 1 and spills nothing (sm_90, Triton 3.7), where
     # 256-wide tiles spilled.
     _route_kernel[(triton.cdiv(num_experts, ROUTE_BLOCK_E), split)](
-        hidden, gate_weight, partial, arrivals, weights if finish else partial, ids if finish else partial, tokens,
-        size, num_experts, hidden.stride(0), gate_weight.stride(0), k_per_split, SPLIT=split, TOP_K=top_k,
-        TOP_K_PAD=triton.next_power_of_2(top_k), EXPERTS_PAD=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, DOT_F32=_dot_f32(hidden), PRECISION=_precision(), BLOCK_T=16,
-        ROUTE_T=triton.next_power_of_2(tokens), BLOCK_E=ROUTE_BLOCK_E, BLOCK_K=ROUTE_BLOCK_K, FINISH=finish,
-        USE_PDL=pdl, num_warps=1, launch_pdl=pdl,
+        hidden, gate_weight, partial, arrivals, weights, ids, tokens, size, num_experts, hidden.stride(0),
+        gate_weight.stride(0), k_per_split, SPLIT=split, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
+        EXPERTS_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, DOT_F32=_dot_f32(hidden),
+        PRECISION=_precision(), BLOCK_T=16, ROUTE_T=triton.next_power_of_2(tokens), BLOCK_E=ROUTE_BLOCK_E,
+        BLOCK_K=ROUTE_BLOCK_K, USE_PDL=pdl, num_warps=1, launch_pdl=pdl,
     )  # fmt: skip
-    return partial, split
+    return weights, ids
 
 
 # -- decode-sized batches: no grouping ----------------------------------------------------------------------------
@@ -513,12 +479,8 @@ def _weight_tile(rows, k_start, k_dim, row_valid, BLOCK_K: tl.constexpr):
 def _gate_up_act_kernel(
     x_ptr,  # [T, H]
     w13_ptr,  # [E, 2I, H]
-    ids_ptr,  # [N] expert of each assignment (topk_ids flattened); written here with ROUTE
+    ids_ptr,  # [N] expert of each assignment (topk_ids flattened)
     act_ptr,  # [N, I]
-    partial_ptr,  # with ROUTE: _route_kernel's logit slices [SPLIT, T, E] float32
-    weights_ptr,  # with ROUTE: [N] float32, written here
-    tokens,
-    num_experts,
     hidden_size,
     inter,
     stride_x,
@@ -529,33 +491,14 @@ def _gate_up_act_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LOAD_AHEAD: tl.constexpr,  # GemvTiles.load_ahead
-    ROUTE: tl.constexpr,  # route the token here from the slices (`routed_moe`) instead of reading ids
-    SPLIT: tl.constexpr,
-    TOP_K_PAD: tl.constexpr,
-    EXPERTS_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids (or slices) and x
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and x
 ):
-    """act[i, cols] for assignment i = (token i // TOP_K, expert ids[i]) and one block of intermediate columns.
-    With ROUTE, every program routes its token from the logit slices (`_routing_of_slices`, the same math as
-    _route_kernel's last program) and takes slot i % TOP_K; the programs of column block 0 store the assignment's
-    expert and weight into ids and weights for down_reduce."""
+    """act[i, cols] for assignment i = (token i // TOP_K, expert ids[i]) and one block of intermediate columns."""
     wait_for_prior_grids(USE_PDL)
     assignment = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < inter
-    if ROUTE:
-        top_weights, top_ids = _routing_of_slices(partial_ptr, assignment // TOP_K + tl.arange(0, 1), tokens,
-                                                  num_experts, x_ptr.dtype.element_ty, SPLIT, TOP_K, TOP_K_PAD,
-                                                  EXPERTS_PAD, RENORMALIZE)
-        mine = tl.arange(0, TOP_K_PAD)[None, :] == assignment % TOP_K  # [1, TOP_K_PAD]
-        expert = tl.sum(tl.sum(tl.where(mine, top_ids, 0), axis=1), axis=0)
-        first_block = tl.program_id(1) == 0
-        tl.store(ids_ptr + assignment, expert, mask=first_block)
-        tl.store(weights_ptr + assignment, tl.sum(tl.sum(tl.where(mine, top_weights, 0.0), axis=1), axis=0),
-                 mask=first_block)
-    else:
-        expert = tl.load(ids_ptr + assignment).to(tl.int64)
+    expert = tl.load(ids_ptr + assignment).to(tl.int64)
     x_row = x_ptr + (assignment // TOP_K).to(tl.int64) * stride_x
     gate_rows = w13_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     up_rows = gate_rows + inter * stride_wn
@@ -650,23 +593,11 @@ def _down_reduce_kernel(
         tl.atomic_xchg(counter, 0)
 
 
-@dataclass(frozen=True)
-class _Slices:
-    """_route_kernel's logit slices [split, T, E] float32, left for gate_up_act to route from (`routed_moe`)."""
-
-    partial: torch.Tensor
-    split: int
-    renormalize: bool
-
-
-def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optional[DecodeConfig] = None,
-                      slices: Optional[_Slices] = None):
-    """weights, ids: [N] flattened routing, or with `slices` empty buffers that gate_up_act fills. Two launches
-    whatever the routing; config: tiles for this call (default: `decode_config`). Calls must not overlap on two
-    streams (they share the arrival counters)."""
+def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optional[DecodeConfig] = None):
+    """weights, ids: [N] flattened routing. Two launches whatever the routing; config: tiles for this call
+    (default: `decode_config`). Calls must not overlap on two streams (they share the arrival counters)."""
     tokens, size = hidden.shape
     num, inter = ids.numel(), w2.shape[2]
-    num_experts = w13.shape[0]
     config = config or decode_config(size, inter, top_k, tokens)
     up, down = config.gate_up, config.down
     col_blocks = triton.cdiv(size, down.block_n)
@@ -677,12 +608,9 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     pdl = pdl_enabled(hidden.device)
     act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
-        hidden, w13, ids, act, slices.partial if slices else act, weights, tokens, num_experts, size, inter,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=up.block_n,
-        BLOCK_K=up.block_k, LOAD_AHEAD=up.load_ahead, ROUTE=slices is not None,
-        SPLIT=slices.split if slices else 1, TOP_K_PAD=triton.next_power_of_2(top_k),
-        EXPERTS_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=bool(slices and slices.renormalize),
-        USE_PDL=pdl, num_warps=up.num_warps, launch_pdl=pdl,
+        hidden, w13, ids, act, size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, LOAD_AHEAD=up.load_ahead, USE_PDL=pdl,
+        num_warps=up.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     partial = torch.empty((num, size), dtype=torch.float32, device=hidden.device)
     out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
@@ -720,28 +648,6 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         weights = topk_weights.reshape(-1).float().contiguous()  # [N]
         return _fused_moe_decode(hidden, w13, w2, weights, topk_ids.reshape(-1).contiguous(), top_k)
     return fused_moe_grouped(hidden, w13, w2, topk_weights, topk_ids)
-
-
-def routed_moe(hidden: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-               renormalize: bool, num_sms: Optional[int] = None) -> torch.Tensor:
-    """fused_moe(hidden, w13, w2, *route(hidden, gate_weight, top_k, renormalize)), the router included: [T, H]
-    -> [T, H]. At decode sizes in three launches, not four and no routing hand-over: _route_kernel stores the
-    logits' K slices and ends (no arrival counter, no last program), and every gate_up_act program routes its own
-    token from them (`_routing_of_slices`: the same sum, rounding and top-k as route's last program), which takes
-    an atomic, a round trip and a serial top-k off the layer's critical path. Elsewhere route, then fused_moe.
-    num_sms: as route's."""
-    _check_route_inputs(hidden, gate_weight, top_k)
-    tokens = hidden.shape[0]
-    if not _fused_route(hidden, gate_weight) or tokens > DECODE_MAX_TOKENS:
-        return fused_moe(hidden, w13, w2, *route(hidden, gate_weight, top_k, renormalize, num_sms))
-    if w13.shape[0] != gate_weight.shape[0]:
-        raise ValueError(f"the router has {gate_weight.shape[0]} experts, the expert weights {w13.shape[0]}")
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=hidden.device)
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=hidden.device)
-    _check_inputs(hidden, w13, w2, weights, ids)
-    partial, split = _launch_route(hidden, gate_weight, top_k, renormalize, None, None, num_sms)
-    return _fused_moe_decode(hidden, w13, w2, weights.view(-1), ids.view(-1), top_k,
-                             slices=_Slices(partial, split, renormalize))
 
 
 def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

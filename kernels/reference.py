@@ -313,12 +313,6 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
     return topk_softmax(F.linear(hidden, gate_weight), top_k, renormalize)
 
 
-def routed_moe(hidden: torch.Tensor, gate_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-               renormalize: bool) -> torch.Tensor:
-    """The router and the experts: fused_moe(hidden, w13, w2, *route(hidden, gate_weight, top_k, renormalize))."""
-    return fused_moe(hidden, w13, w2, *route(hidden, gate_weight, top_k, renormalize))
-
-
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """Mixture of gated-MLP experts: each token through its top-k experts, outputs summed with routing weights.

@@ -173,8 +173,7 @@ def run_decode(args) -> int:
             ("experts: decode kernels, default tiles", case.experts_call(t, moe.default_decode_config(
                 hidden, inter, top_k, t))),
             ("experts: grouped GEMMs (peer)", case.experts_call(t, grouped=True)),
-            ("layer: moe.route, then moe.fused_moe", _model_call(case, t, routed=False)),
-            ("layer: moe.routed_moe (as the model)", _model_call(case, t)),
+            ("layer: moe.route + fused_moe (as the model)", _model_call(case, t)),
             ("layer: the same, ASYNCENGINE_PDL=0", _model_call(case, t)),
         ]  # fmt: skip
         times = {}
@@ -205,17 +204,14 @@ def _pdl_switch(value):
             os.environ[ENV_SWITCH] = saved
 
 
-def _model_call(case: Case, t: int, routed: bool = True) -> Callable[[int], torch.Tensor]:
-    """Routing and experts as asyncengine.models.moe.SparseMoeBlock runs them on CUDA (moe.routed_moe), or with
-    routed=False as two calls (route, then fused_moe: one kernel more, and the routing handed over)."""
+def _model_call(case: Case, t: int) -> Callable[[int], torch.Tensor]:
+    """Routing and experts as asyncengine.models.moe.SparseMoeBlock runs them on CUDA."""
     from asyncengine.kernels import moe
 
     x = case.xs[t]
 
     def call(i: int) -> torch.Tensor:
         layer = case.layers[i]
-        if routed:
-            return moe.routed_moe(x, layer.gate, layer.w13, layer.w2, case.top_k, True)
         weights, ids = moe.route(x, layer.gate, case.top_k, True)
         return moe.fused_moe(x, layer.w13, layer.w2, weights, ids)
 

@@ -803,52 +803,6 @@ def test_route_breaks_ties_toward_the_lowest_expert_and_moe_follows_it():
                    MOE_TOLERANCE)
 
 
-@pytest.mark.parametrize("dtype, renormalize", [(torch.float32, True), (torch.bfloat16, False)])
-def test_routed_moe_equals_route_then_fused_moe(dtype, renormalize):
-    """routed_moe routes inside gate_up_act from the router's K slices (3 here) with route's own sum, rounding and
-    top-k: the same output as route + fused_moe (bit for bit in the interpreter, whose reductions have one order;
-    on a GPU the softmax's sum may run in another order); 17 tokens take route + fused_moe itself."""
-    from asyncengine.kernels import moe, reference
-
-    x, w13, w2, _, _ = make_moe(17, 16, 4, 300, 24, dtype)
-    gate = (torch.randn(16, 300, device=DEVICE) * 300**-0.5).to(dtype)
-    for tokens in (1, 5, moe.DECODE_MAX_TOKENS, 17):
-        out = moe.routed_moe(x[:tokens], gate, w13, w2, 4, renormalize, num_sms=64)
-        routing = moe.route(x[:tokens], gate, 4, renormalize, num_sms=64)
-        expected = moe.fused_moe(x[:tokens], w13, w2, *routing)
-        if DEVICE == "cpu":
-            assert torch.equal(out, expected), tokens
-        assert_matches(out, reference.fused_moe(x[:tokens], w13, w2, *routing), MOE_TOLERANCE)
-    assert not moe.counters(torch.device(DEVICE)).any()
-
-
-def test_routed_moe_hands_down_reduce_the_routing_route_computes():
-    """gate_up_act's programs of column block 0 store their assignment's expert and weight for down_reduce: the
-    routing route returns, ties included (a zero token ties every expert: the lowest four, 1/4 each)."""
-    from asyncengine.kernels import moe
-
-    x, w13, w2, _, _ = make_moe(5, 16, 4, 300, 24)
-    x[0] = 0.0
-    gate = torch.randn(16, 300, device=DEVICE) * 300**-0.5
-    partial, split = moe._launch_route(x, gate, 4, True, None, None, num_sms=64)
-    assert split == 3
-    ids = torch.full((20,), -1, dtype=torch.int64, device=DEVICE)
-    weights = torch.full((20,), float("nan"), device=DEVICE)
-    moe._fused_moe_decode(x, w13, w2, weights, ids, 4, slices=moe._Slices(partial, split, True))
-    route_weights, route_ids = moe.route(x, gate, 4, True, num_sms=64)
-    assert torch.equal(ids, route_ids.view(-1))
-    assert route_ids[0].tolist() == [0, 1, 2, 3]
-    torch.testing.assert_close(weights, route_weights.view(-1), atol=1e-7, rtol=1e-6)
-
-
-def test_routed_moe_rejects_a_router_of_other_experts():
-    from asyncengine.kernels import moe
-
-    x, w13, w2, _, _ = make_moe(2, 8, 2, 32, 16)
-    with pytest.raises(ValueError, match="router has 6 experts"):
-        moe.routed_moe(x, torch.randn(6, 32, device=DEVICE), w13, w2, 2, True)
-
-
 def test_route_rejects_bad_shapes_and_top_k():
     from asyncengine.kernels import moe
 
@@ -929,59 +883,6 @@ def test_gpu_route_picks_a_top_k_of_the_float32_router(shape, tokens):
     assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()
     assert (chosen.min(dim=1).values >= unchosen * 0.97).all()
     torch.testing.assert_close(weights, chosen, atol=2e-3, rtol=2e-2)
-    assert not moe.counters(x.device).any()
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("shape", list(MOE_SHAPES))
-@pytest.mark.parametrize("tokens", [1, 4, 16])
-def test_gpu_routed_moe_equals_route_then_fused_moe(shape, tokens):
-    """At the real expert shapes in bf16: the experts routed inside gate_up_act are route's (the same logits;
-    only the softmax's sum may run in another order) and the output matches route + fused_moe."""
-    from asyncengine.kernels import moe
-
-    experts, top_k, hidden, inter = MOE_SHAPES[shape]
-    x, w13, w2, _, _ = make_moe(tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
-    gate = (torch.randn(experts, hidden, device="cuda") * hidden**-0.5).to(torch.bfloat16)
-    partial, split = moe._launch_route(x, gate, top_k, True, None, None)
-    ids = torch.full((tokens * top_k,), -1, dtype=torch.int64, device="cuda")
-    weights = torch.full((tokens * top_k,), float("nan"), device="cuda")
-    out = moe._fused_moe_decode(x, w13, w2, weights, ids, top_k, slices=moe._Slices(partial, split, True))
-    route_weights, route_ids = moe.route(x, gate, top_k, True)
-    assert torch.equal(ids, route_ids.view(-1))
-    torch.testing.assert_close(weights, route_weights.view(-1), atol=1e-6, rtol=1e-5)
-    assert_matches(out, moe.fused_moe(x, w13, w2, route_weights, route_ids), MOE_TOLERANCE)
-    assert moe_error_vs_fp32_reference(x, w13, w2, route_weights, route_ids) < 1e-2
-    assert torch.equal(moe.routed_moe(x, gate, w13, w2, top_k, True), out)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_routed_moe_is_cuda_graph_capturable():
-    """routed_moe as the model runs it (router, routing and experts in three launches), captured once and replayed
-    with new tokens in the same buffers."""
-    from asyncengine.kernels import moe, reference
-
-    experts, top_k, hidden, inter = MOE_SHAPES["qwen3-30b-a3b"]
-    x, w13, w2, _, _ = make_moe(8, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
-    gate = (torch.randn(experts, hidden, device="cuda") * hidden**-0.5).to(torch.bfloat16)
-    out = torch.empty_like(x)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        out.copy_(moe.routed_moe(x, gate, w13, w2, top_k, True))  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(moe.routed_moe(x, gate, w13, w2, top_k, True))
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        weights, ids = moe.route(x, gate, top_k, True)
-        assert_matches(out, reference.fused_moe(x, w13, w2, weights, ids), MOE_TOLERANCE)
     assert not moe.counters(x.device).any()
 
 

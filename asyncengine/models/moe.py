@@ -2,7 +2,7 @@
 
 They are the Llama family (llama.py: attention, norms, decoder layer, loading) with the MLP of some layers
 replaced by a sparse block: a router picks each token's top-k experts, the experts (gated MLPs) run through one
-fused call (`ops.routed_moe`), and their outputs are summed with the routing weights. Qwen2-MoE adds a shared
+fused call (`ops.fused_moe`), and their outputs are summed with the routing weights. Qwen2-MoE adds a shared
 expert whose output, scaled by a sigmoid gate, is added for every token.
 
 Routing, as transformers computes it: softmax over all experts in float32, the top-k probabilities, divided by
@@ -30,8 +30,8 @@ from asyncengine.quantization import set_weight_attrs
 
 class Router(nn.Module):
     """The gate: logits [T, E] = x W^T with W [E, hidden], whole on every rank (it is small). The sparse block
-    hands its router's weight to the experts (ops.routed_moe: product, routing and experts in three launches at
-    decode sizes); forward serves the shared expert's gate."""
+    hands its router's weight to ops.route (product and routing in one launch at decode sizes); forward serves the
+    shared expert's gate."""
 
     def __init__(self, hidden: int, num_outputs: int, dtype: torch.dtype):
         super().__init__()
@@ -63,10 +63,9 @@ class FusedMoE(nn.Module):
         set_weight_attrs(self.w13_weight, output_dim=1, input_dim=2)
         set_weight_attrs(self.w2_weight, output_dim=1, input_dim=2)
 
-    def forward(self, x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden], summed over ranks: each token through the top_k experts that the router
-        (router_weight [E, hidden]) picks, renormalised or not (ops.routed_moe)."""
-        return all_reduce(ops.routed_moe(x, router_weight, self.w13_weight, self.w2_weight, top_k, renormalize))
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], topk_* [T, K] -> [T, hidden], summed over ranks."""
+        return all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids))
 
     def shard_ids(self, param_name: str) -> set:
         """The shard ids that fill `param_name` completely when loaded per expert (what the loader expects)."""
@@ -109,8 +108,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Router(cfg.hidden_size, 1, dtype) if shared_intermediate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the router and the experts in one call: on CUDA at decode sizes the experts' first kernel routes
-        out = self.experts(x, self.gate.weight, self.top_k, self.renormalize)
+        # the router product and the routing: one launch on CUDA at decode sizes (kernels/moe.py route)
+        topk_weights, topk_ids = ops.route(x, self.gate.weight, self.top_k, self.renormalize)  # [T, K] each
+        out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
