@@ -368,7 +368,7 @@ def _route_kernel(
         tl.atomic_xchg(counter_ptr, 0)
 
 
-# The last program (or every gate_up_act program, routed_moe) sums this many slices, in one round trip. At
+# The last program sums this many slices, in one round trip (128 atomics on one counter cost ~0.1 us). At
 # Qwen3-30B-A3B's shape 16 slices of one 128-wide tile each: a program's whole slice of the router is loaded
 # before its PDL wait, so after it only x is read (with 8, the second tile came from memory after the wait).
 ROUTE_MAX_SPLIT = 16
