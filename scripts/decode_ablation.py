@@ -92,12 +92,15 @@ def child(args) -> dict:
     ablate(args.child)
     config = json.loads((Path(args.checkpoint) / "config.json").read_text())
     vocab = config["vocab_size"]
-    llm = LLM(args.checkpoint, dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.9)
+    quant = {"quantization": args.quantization} if args.quantization else {}
+    llm = LLM(args.checkpoint, dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.9,
+              **quant)
     bo.run_engine(llm, *bo.sharegpt_like(8, 200, 16, seed=8, vocab=vocab))  # warm-up: compile the shapes
     runs = [bo.batch1_decode_ms(llm, vocab, 1000, args.new_tokens) for _ in range(args.repeats)]
     return {"variant": args.child, "ms_per_token": [r["ms_per_token"] for r in runs],
             "graph_replay_gpu_ms": [r["graph_replay_gpu_ms"] for r in runs],
-            "layers": config["num_hidden_layers"], "device": torch.cuda.get_device_name(), "site": SITE}
+            "layers": config["num_hidden_layers"], "device": torch.cuda.get_device_name(), "site": SITE,
+            "quantization": args.quantization}
 
 
 def build(args) -> None:
@@ -120,6 +123,7 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", default=["base", "attention", "rotary_cache", "norms", "base"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=200)
+    parser.add_argument("--quantization", choices=["fp8"], default=None, help="--quantization fp8 on the bf16 checkpoint")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,7 +137,7 @@ def main() -> int:
     for variant in args.variants:
         cmd = [sys.executable, __file__, "--family", args.family, "--num-layers", str(args.num_layers),
                "--checkpoint", args.checkpoint, "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens),
-               "--child", variant]
+               "--child", variant, *(["--quantization", args.quantization] if args.quantization else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -143,11 +147,12 @@ def main() -> int:
         print(f"{variant}: {rows[-1]['ms_per_token']} ms/token", flush=True)
     base = [statistics.median(r["graph_replay_gpu_ms"]) for r in rows if r["variant"] == "base"]
     base_ms = statistics.median(base) if base else float("nan")
-    tag = "_" + Path(SITE).name if SITE else ""
+    tag = ("_" + Path(SITE).name if SITE else "") + (f"_{args.quantization}" if args.quantization else "")
     out = Path(args.out) / f"decode_ablation_{args.family}_{args.num_layers}l{tag}.json"
     out.write_text(json.dumps({"family": args.family, "site": SITE, "rows": rows, "base_ms": base_ms}, indent=2))
     device = rows[0]["device"] if rows else "?"
-    print(f"\n{device}, {args.family} shape, {args.num_layers} layers, W3 (1,000 context), engine "
+    print(f"\n{device}, {args.family} shape{', ' + args.quantization if args.quantization else ''}, "
+          f"{args.num_layers} layers, W3 (1,000 context), engine "
           f"{SITE or 'this tree'}; graph replay GPU ms, median of {args.repeats}")
     print(f"{'variant':14} {'replay ms':>9} {'saved ms':>9} {'us/layer':>9} {'ms/token':>9}")
     for r in rows:
