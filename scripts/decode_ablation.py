@@ -14,6 +14,9 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
     route         the MoE router + top-k returns fixed experts 0..k-1 (weights 1/k)
     experts       the MoE experts (ops.fused_moe) return their input
     silu          silu_and_mul returns the gate half (a strided view, no kernel)
+    gemv_all      (not an ablation) every dense linear takes our decode GEMV up to 64 rows, whatever start-up
+                  measured against cuBLAS for it alone
+    cublas_all    (not an ablation) every dense linear takes the library's product (cuBLAS) at every size
 
     python scripts/decode_ablation.py --family qwen3-30b-a3b --num-layers 8 --checkpoint /dev/shm/q3-8l \
         --variants base attention rotary_cache norms route experts base
@@ -45,7 +48,7 @@ def bench_offline():
     """loadtest.bench_offline of the engine measured (installed as asyncengine.loadtest in ABLATION_SITE)."""
     return importlib.import_module("asyncengine.loadtest.bench_offline" if SITE else "loadtest.bench_offline")
 
-VARIANTS = ("base", "attention", "rotary_cache", "norms", "route", "experts", "silu")
+VARIANTS = ("base", "attention", "rotary_cache", "norms", "route", "experts", "silu", "gemv_all", "cublas_all")
 
 
 def ablate(variant: str) -> None:
@@ -78,6 +81,9 @@ def ablate(variant: str) -> None:
         ops.fused_moe = lambda hidden, *args, **kwargs: hidden
     elif variant == "silu":
         ops.silu_and_mul = lambda x, fp8_copy=False: x[:, : x.shape[1] // 2]
+    elif variant in ("gemv_all", "cublas_all"):
+        rows = 64 if variant == "gemv_all" else 0
+        ops.decode_gemv_max_m = lambda *args, **kwargs: rows
     elif variant != "base":
         raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
 
@@ -97,10 +103,13 @@ def child(args) -> dict:
               **quant)
     bo.run_engine(llm, *bo.sharegpt_like(8, 200, 16, seed=8, vocab=vocab))  # warm-up: compile the shapes
     runs = [bo.batch1_decode_ms(llm, vocab, 1000, args.new_tokens) for _ in range(args.repeats)]
+    gemv_rows = {name.split(".")[-1]: getattr(module, "gemv_max_m", None)
+                 for name, module in llm.engine.runner.model.named_modules() if ".layers.0." in name and
+                 name.endswith("_proj")}
     return {"variant": args.child, "ms_per_token": [r["ms_per_token"] for r in runs],
             "graph_replay_gpu_ms": [r["graph_replay_gpu_ms"] for r in runs],
             "layers": config["num_hidden_layers"], "device": torch.cuda.get_device_name(), "site": SITE,
-            "quantization": args.quantization}
+            "quantization": args.quantization, "gemv_max_m_layer0": gemv_rows}
 
 
 def build(args) -> None:
@@ -144,7 +153,8 @@ def main() -> int:
             print(f"{variant}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
             continue
         rows.append(json.loads(lines[-1][len("RESULT "):]))
-        print(f"{variant}: {rows[-1]['ms_per_token']} ms/token", flush=True)
+        print(f"{variant}: {rows[-1]['ms_per_token']} ms/token, our GEMV up to M = "
+              f"{rows[-1]['gemv_max_m_layer0']}", flush=True)
     base = [statistics.median(r["graph_replay_gpu_ms"]) for r in rows if r["variant"] == "base"]
     base_ms = statistics.median(base) if base else float("nan")
     tag = ("_" + Path(SITE).name if SITE else "") + (f"_{args.quantization}" if args.quantization else "")
