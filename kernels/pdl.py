@@ -24,6 +24,17 @@ only after every program of B has passed its own wait, i.e. after A completed; s
 done" exactly when no program of B can finish without waiting. A kernel launched without PDL (cuBLAS, a torch op,
 a memcpy) starts only after its predecessor completes, which keeps the chain intact too.
 
+  3. A kernel may let its dependents launch before its own wait (`launch_dependents_early`, then
+     `wait_for_prior_grids_only`) when no kernel that can follow it reads, before its own wait, anything a kernel
+     of this forward pass wrote, i.e. when its successors keep to rule 1 without its exception (which argues from
+     the predecessor's launch_dependents coming after its wait). The next kernel is then scheduled while this
+     one's predecessor still runs, and its prologue (a GEMV's weight prefetch) overlaps that kernel too, not only
+     this one. The small kernels between the big ones do it (`EARLY_LAUNCH_KERNELS`): the RMSNorms and
+     silu_and_mul, followed by a GEMV, FP8 GEMM, quantization, router or the library's product, and the rotary +
+     cache write, followed by the split-KV decode, whose pre-wait reads are the host's metadata and keys that
+     earlier steps wrote. Rule 2 still holds for their successors: each waits, so "C waited for B" still implies
+     "A is done" (B itself waits for A before it can complete).
+
 `launch_dependents` is called right after the wait: it lets the next kernel be scheduled as soon as every program
 of this one has started (all of them are then resident, so the dependents' waiting programs cannot starve this
 grid); the next kernel's own wait still waits for this grid's completion, so the hint is never unsafe.
@@ -66,3 +77,22 @@ def wait_for_prior_grids(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+# The kernels that launch their dependents before their wait (rule 3), named for the rule's audit.
+EARLY_LAUNCH_KERNELS = ("norm._rms_norm_kernel", "norm._fused_add_rms_norm_kernel",
+                        "activation._silu_and_mul_kernel", "rotary_cache._rotary_cache_kernel")
+
+
+@triton.jit
+def launch_dependents_early(USE_PDL: tl.constexpr):
+    """Rule 3: let the next kernel launch now, before this one waits (then `wait_for_prior_grids_only`)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_prior_grids_only(USE_PDL: tl.constexpr):
+    """After `launch_dependents_early`: wait until the previous kernel has completed, without a second trigger."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()

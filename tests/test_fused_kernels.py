@@ -453,7 +453,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from asyncengine.kernels import activation, attention, cache, norm, quant_fp8, quant_gemv, rotary, rotary_cache
+from asyncengine.kernels import activation, attention, cache, norm, pdl, quant_fp8, quant_gemv, rotary, rotary_cache
 
 target = GPUTarget("cuda", 90, 32)
 bf16, i32, i64, f32, fp8 = "*bf16", "*i32", "*i64", "*fp32", "*fp8e4nv"
@@ -467,7 +467,14 @@ def compile_kernel(fn, types, constants):
         print(fn.__name__, "failed:", e)
         return False
     prefetched = fn is not quant_gemv._gemv_kernel or "prefetch.global.L2" in ptx
-    return "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx and prefetched
+    if "griddepcontrol.wait" not in ptx or "griddepcontrol.launch_dependents" not in ptx:
+        return False
+    # pdl.py rule 3: only the kernels it names let their dependents launch before their own wait
+    early = ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
+    named = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}" in pdl.EARLY_LAUNCH_KERNELS
+    if early != named:
+        print(fn.__name__, "launches its dependents", "before" if early else "after", "its wait")
+    return early == named and prefetched
 
 
 def barrier_between(fn, types, constants, after: str, before: str) -> bool:
@@ -554,7 +561,8 @@ print("decode loads before its wait", sum("ld.global" in line for line in decode
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run these kernels natively")
 def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     """Without a GPU: every decode-path kernel compiled for sm_90 with USE_PDL carries griddepcontrol.wait and
-    launch_dependents in its PTX (and ptxas accepts it); the GEMV prefetches; and a bar.sync separates the stores and
+    launch_dependents in its PTX (and ptxas accepts it), the trigger before the wait in exactly the kernels that
+    pdl.EARLY_LAUNCH_KERNELS names (rule 3) and after it elsewhere; the GEMV prefetches; and a bar.sync separates the stores and
     loads of one program that other threads of it read back (run 51 found the one-split merge without it). About a minute on 2 loaded cores (a fresh Triton cache)."""
     import subprocess
     import sys
