@@ -33,7 +33,7 @@ def _silu_and_mul_kernel(
     QUANT: tl.constexpr,  # also write the row in e4m3 with its scale; then BLOCK >= I (one program a row)
     FP8_MAX_VALUE: tl.constexpr,
 ):
-    if QUANT:  # the copy feeds a W8A8 GEMM, which waits first: nothing of it to overlap (run 121)
+    if QUANT:  # the copy feeds a W8A8 GEMM, which waits first: nothing of it to overlap (run 119)
         wait_for_prior_grids(USE_PDL)
     else:  # kernels/pdl.py rule 3: the next kernel's prologue (a GEMV's prefetch) overlaps ours
         launch_dependents_early(USE_PDL)

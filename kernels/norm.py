@@ -116,7 +116,7 @@ def _fused_add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
     w = _load_weight(w_ptr, cols, col_mask)
-    if QUANT:  # the copy feeds a W8A8 GEMM, which waits first: nothing of it to overlap (run 121)
+    if QUANT:  # the copy feeds a W8A8 GEMM, which waits first: nothing of it to overlap (run 119)
         wait_for_prior_grids(USE_PDL)
     else:  # kernels/pdl.py rule 3: the next kernel's prologue (a GEMV's prefetch) overlaps ours
         launch_dependents_early(USE_PDL)

@@ -32,10 +32,10 @@ a memcpy) starts only after its predecessor completes, which keeps the chain int
      this one. The small kernels between the big ones do it (`EARLY_LAUNCH_KERNELS`): the RMSNorms and
      silu_and_mul, followed by a GEMV, FP8 GEMM, quantization, router or the library's product, and the rotary +
      cache write, followed by the split-KV decode, whose pre-wait reads are the host's metadata and keys that
-     earlier steps wrote. Measured on an H200 (runs 120-122): the 8B shape's bf16 W3 4.40 -> 4.32 ms, the MoE
-     shape level; but FP8 slower by as much (2.80 -> 2.88), where the norm and silu_and_mul write an FP8 copy for
-     the W8A8 GEMM, which waits first and has no prologue to overlap: those two kernels keep the trigger after
-     their wait when they write the copy (QUANT). Rule 2 still holds for their successors: each waits, so "C waited for B" still implies
+     earlier steps wrote. Measured on an H200 (runs 118-120, loadtest/RESULTS.md): the 8B shape's bf16 W3
+     4.40 -> 4.32 ms and 4.48 -> 4.40, the MoE shape level; FP8 was slower by as much (2.80 -> 2.88) where the
+     norm and silu_and_mul write an FP8 copy for the W8A8 GEMM, which waits first and has no prologue to overlap:
+     those two kernels keep the trigger after their wait when they write the copy (QUANT), and FP8 is level. Rule 2 still holds for their successors: each waits, so "C waited for B" still implies
      "A is done" (B itself waits for A before it can complete).
 
 `launch_dependents` is called right after the wait: it lets the next kernel be scheduled as soon as every program
