@@ -104,7 +104,7 @@ def child(args) -> dict:
     bo.run_engine(llm, *bo.sharegpt_like(8, 200, 16, seed=8, vocab=vocab))  # warm-up: compile the shapes
     runs = [bo.batch1_decode_ms(llm, vocab, 1000, args.new_tokens) for _ in range(args.repeats)]
     gemv_rows = {name.split(".")[-1]: getattr(module, "gemv_max_m", None)
-                 for name, module in llm.engine.runner.model.named_modules() if ".layers.0." in name and
+                 for name, module in llm.engine.runner.model.named_modules() if ".layers.0." in f".{name}" and
                  name.endswith("_proj")}
     return {"variant": args.child, "ms_per_token": [r["ms_per_token"] for r in runs],
             "graph_replay_gpu_ms": [r["graph_replay_gpu_ms"] for r in runs],
