@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enabled as pdl_enabled, launch_dependents_early, wait_for_prior_grids, wait_for_prior_grids_only
+from .pdl import enabled as pdl_enabled, wait_for_prior_grids_early
 from .quant_fp8 import Fp8Activation, fp8_row_buffers, fp8_warps, store_fp8_row
 from .quant_reference import FP8_MAX, _MIN_SCALE
 
@@ -33,11 +33,9 @@ def _silu_and_mul_kernel(
     QUANT: tl.constexpr,  # also write the row in e4m3 with its scale; then BLOCK >= I (one program a row)
     FP8_MAX_VALUE: tl.constexpr,
 ):
-    if QUANT:  # the copy feeds a W8A8 GEMM, which waits first: nothing of it to overlap (run 119)
-        wait_for_prior_grids(USE_PDL)
-    else:  # kernels/pdl.py rule 3: the next kernel's prologue (a GEMV's prefetch) overlaps ours
-        launch_dependents_early(USE_PDL)
-        wait_for_prior_grids_only(USE_PDL)
+    # kernels/pdl.py rule 3: the next kernel's prologue (a GEMV's prefetch) overlaps ours; not with the FP8 copy,
+    # which feeds a W8A8 GEMM that waits first: nothing of it to overlap (run 119)
+    wait_for_prior_grids_early(USE_PDL, not QUANT)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enabled as pdl_enabled, launch_dependents_early, wait_for_prior_grids, wait_for_prior_grids_only
+from .pdl import enabled as pdl_enabled, wait_for_prior_grids_early
 from .quant_fp8 import Fp8Activation, fp8_row_buffers, store_fp8_row
 from .quant_reference import FP8_MAX, _MIN_SCALE
 
@@ -84,8 +84,7 @@ def _rms_norm_kernel(
 ):
     cols = tl.arange(0, BLOCK_H)
     w = _load_weight(w_ptr, cols, cols < H)
-    launch_dependents_early(USE_PDL)  # kernels/pdl.py rule 3: the next kernel's prologue overlaps ours
-    wait_for_prior_grids_only(USE_PDL)
+    wait_for_prior_grids_early(USE_PDL, True)  # kernels/pdl.py rule 3: the next kernel's prologue overlaps ours
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     mask = (rows < num_rows)[:, None] & (cols < H)[None, :]
     x_rows = (rows // heads) * stride_token + (rows % heads) * stride_head
@@ -116,11 +115,9 @@ def _fused_add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
     w = _load_weight(w_ptr, cols, col_mask)
-    if QUANT:  # the copy feeds a W8A8 GEMM, which waits first: nothing of it to overlap (run 119)
-        wait_for_prior_grids(USE_PDL)
-    else:  # kernels/pdl.py rule 3: the next kernel's prologue (a GEMV's prefetch) overlaps ours
-        launch_dependents_early(USE_PDL)
-        wait_for_prior_grids_only(USE_PDL)
+    # kernels/pdl.py rule 3: the next kernel's prologue (a GEMV's prefetch) overlaps ours; not with the FP8 copy,
+    # which feeds a W8A8 GEMM that waits first: nothing of it to overlap (run 119)
+    wait_for_prior_grids_early(USE_PDL, not QUANT)
     row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + row * stride_res + cols, mask=col_mask, other=0.0)

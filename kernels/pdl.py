@@ -24,10 +24,10 @@ only after every program of B has passed its own wait, i.e. after A completed; s
 done" exactly when no program of B can finish without waiting. A kernel launched without PDL (cuBLAS, a torch op,
 a memcpy) starts only after its predecessor completes, which keeps the chain intact too.
 
-  3. A kernel may let its dependents launch before its own wait (`launch_dependents_early`, then
-     `wait_for_prior_grids_only`) when no kernel that can follow it reads, before its own wait, anything a kernel
-     of this forward pass wrote, i.e. when its successors keep to rule 1 without its exception (which argues from
-     the predecessor's launch_dependents coming after its wait). The next kernel is then scheduled while this
+  3. A kernel may let its dependents launch before its own wait (`wait_for_prior_grids_early`) when no kernel
+     that can follow it reads, before its own wait, anything a kernel of this forward pass wrote, i.e. when its
+     successors keep to rule 1 without its exception (which argues from the predecessor's launch_dependents
+     coming after its wait). The next kernel is then scheduled while this
      one's predecessor still runs, and its prologue (a GEMV's weight prefetch) overlaps that kernel too, not only
      this one. The small kernels between the big ones do it (`EARLY_LAUNCH_KERNELS`): the RMSNorms and
      silu_and_mul, followed by a GEMV, FP8 GEMM, quantization, router or the library's product, and the rotary +
@@ -35,8 +35,9 @@ a memcpy) starts only after its predecessor completes, which keeps the chain int
      earlier steps wrote. Measured on an H200 (runs 118-120, loadtest/RESULTS.md): the 8B shape's bf16 W3
      4.40 -> 4.32 ms and 4.48 -> 4.40, the MoE shape level; FP8 was slower by as much (2.80 -> 2.88) where the
      norm and silu_and_mul write an FP8 copy for the W8A8 GEMM, which waits first and has no prologue to overlap:
-     those two kernels keep the trigger after their wait when they write the copy (QUANT), and FP8 is level. Rule 2 still holds for their successors: each waits, so "C waited for B" still implies
-     "A is done" (B itself waits for A before it can complete).
+     those two kernels keep the trigger after their wait when they write the copy (QUANT), and FP8 is level.
+     Rule 2 still holds for their successors: each waits, so "C waited for B" still implies "A is done" (B
+     itself waits for A before it can complete).
 
 `launch_dependents` is called right after the wait: it lets the next kernel be scheduled as soon as every program
 of this one has started (all of them are then resident, so the dependents' waiting programs cannot starve this
@@ -90,14 +91,13 @@ NOT_EARLY_WITH_FP8_COPY = ("norm._fused_add_rms_norm_kernel", "activation._silu_
 
 
 @triton.jit
-def launch_dependents_early(USE_PDL: tl.constexpr):
-    """Rule 3: let the next kernel launch now, before this one waits (then `wait_for_prior_grids_only`)."""
+def wait_for_prior_grids_early(USE_PDL: tl.constexpr, EARLY: tl.constexpr):
+    """Rule 3 where EARLY: let the next kernel launch now, then wait until the previous kernel has completed.
+    Without EARLY: `wait_for_prior_grids` (wait, then let the next kernel launch)."""
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def wait_for_prior_grids_only(USE_PDL: tl.constexpr):
-    """After `launch_dependents_early`: wait until the previous kernel has completed, without a second trigger."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

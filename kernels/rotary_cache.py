@@ -21,7 +21,7 @@ import triton.language as tl
 
 from asyncengine.kernels.cache import _store_token, check_cache_inputs, to_cache_dtype
 from asyncengine.kernels.norm import head_norm_tile, normalize_heads_in_place
-from asyncengine.kernels.pdl import enabled as pdl_enabled, launch_dependents_early, wait_for_prior_grids_only
+from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids_early
 from asyncengine.kernels.reference import is_fp8
 from asyncengine.kernels.rotary import _cos_sin, _rotate_heads, check_rotary_inputs
 
@@ -91,8 +91,7 @@ def _rotary_cache_kernel(
     # two dependent loads, off the critical path this way
     cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, token, stride_cos_sin, HALF, HALF_PAD)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    launch_dependents_early(USE_PDL)  # kernels/pdl.py rule 3: the next kernel's prologue overlaps ours
-    wait_for_prior_grids_only(USE_PDL)
+    wait_for_prior_grids_early(USE_PDL, True)  # kernels/pdl.py rule 3: the next kernel's prologue overlaps ours
     q_heads = q_ptr + token * stride_q + kv_head * group * (2 * HALF)  # [group, D]: the kv head's q heads
     k_head = k_ptr + token * stride_k + kv_head * (2 * HALF)  # [1, D]
     if NORM:  # in place, then rotated from what was stored (the helper ends with a barrier)

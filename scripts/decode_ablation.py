@@ -48,6 +48,7 @@ def bench_offline():
     """loadtest.bench_offline of the engine measured (installed as asyncengine.loadtest in ABLATION_SITE)."""
     return importlib.import_module("asyncengine.loadtest.bench_offline" if SITE else "loadtest.bench_offline")
 
+
 VARIANTS = ("base", "attention", "rotary_cache", "norms", "route", "experts", "silu", "gemv_all", "cublas_all")
 
 
@@ -73,7 +74,8 @@ def ablate(variant: str) -> None:
             key = (hidden.shape[0], top_k, hidden.device)
             if key not in fixed:  # made on the first call of a size (a warm-up, before capture)
                 ids = torch.arange(top_k, device=hidden.device, dtype=torch.int32).expand(hidden.shape[0], top_k)
-                fixed[key] = (torch.full((hidden.shape[0], top_k), 1.0 / top_k, device=hidden.device), ids.contiguous())
+                weights = torch.full((hidden.shape[0], top_k), 1.0 / top_k, device=hidden.device)
+                fixed[key] = (weights, ids.contiguous())
             return fixed[key]
 
         ops.route = route
@@ -113,8 +115,6 @@ def child(args) -> dict:
 
 
 def build(args) -> None:
-    import torch  # noqa: F401  (the builders draw on the GPU)
-
     bo = bench_offline()
     folder = Path(args.checkpoint)
     if args.family == "llama3-8b":
@@ -132,7 +132,8 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", default=["base", "attention", "rotary_cache", "norms", "base"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=200)
-    parser.add_argument("--quantization", choices=["fp8"], default=None, help="--quantization fp8 on the bf16 checkpoint")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="--quantization fp8 on the bf16 checkpoint")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -9,8 +9,8 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 bash scripts/gpu_run.sh none > /dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/old ./.old > "$OUT/old_install.log" 2>&1 \
-  || { tail -5 "$OUT/old_install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/old ./.old \
+  > "$OUT/old_install.log" 2>&1 || { tail -5 "$OUT/old_install.log"; exit 1; }
 if [[ -n ${GPU_TESTS:-} ]]; then
   # shellcheck disable=SC2086  # GPU_TESTS is a list of pytest arguments
   timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu $GPU_TESTS -rfE --tb=short -p no:cacheprovider 2>&1 \

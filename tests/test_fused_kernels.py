@@ -563,8 +563,9 @@ print("decode loads before its wait", sum("ld.global" in line for line in decode
 def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     """Without a GPU: every decode-path kernel compiled for sm_90 with USE_PDL carries griddepcontrol.wait and
     launch_dependents in its PTX (and ptxas accepts it), the trigger before the wait in exactly the kernels that
-    pdl.EARLY_LAUNCH_KERNELS names (rule 3; those writing an FP8 copy excepted) and after it elsewhere; the GEMV prefetches; and a bar.sync separates the stores and
-    loads of one program that other threads of it read back (run 51 found the one-split merge without it). About a minute on 2 loaded cores (a fresh Triton cache)."""
+    pdl.EARLY_LAUNCH_KERNELS names (rule 3; those writing an FP8 copy excepted) and after it elsewhere; the GEMV
+    prefetches; and a bar.sync separates the stores and loads of one program that other threads of it read back
+    (run 51 found the one-split merge without it). About a minute on 2 loaded cores (a fresh Triton cache)."""
     import subprocess
     import sys
 
