@@ -398,3 +398,61 @@ def test_gpu_start_up_choice_times_device_work_in_graphs_and_picks_the_faster_pr
     assert quant_linear.gemv_max_m(("test-slow-host",), slow_host, four_times, (w,), 4096, w.dtype, "cuda") == \
         quant_linear.MAX_M
     assert quant_linear.gemv_max_m(("test-four-times",), four_times, slow_host, (w,), 4096, w.dtype, "cuda") == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("k, n", SHAPES)
+def test_gpu_gemv_making_its_input_at_llama_8b_sizes_eager_and_in_graph_replays(fmt, k, n):
+    """The decode GEMV at one row taking a NormedInput (add + RMSNorm) or GatedInput (silu * up) with the chosen
+    config of each 8B shape: the norm's product against the reference (its 1 / rms scales the float32 sums instead
+    of the rounded row), the residual bit for bit the fused norm kernel's, the silu product bit for bit the
+    activation kernel's followed by the same GEMV; then captured in a CUDA graph and replayed on new inputs (the
+    split-K counters and the slices' squares left ready by each run). Outputs NaN-poisoned."""
+    from asyncengine.kernels import activation, norm, quant_gemv, quant_reference
+
+    if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    scale = None
+    if fmt == "fp8":
+        w, scale = quant_reference.quantize_fp8(w, dim=-1)
+    assert quant_gemv.takes_prologue(fmt, 1, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    x, residual, gate_up = (torch.empty(1, size, device="cuda", dtype=torch.bfloat16) for size in (k, k, 2 * k))
+    norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    residual_out = torch.empty_like(x)
+
+    def run():
+        normed = quant_gemv.dense_gemv(quant_reference.NormedInput(x, residual, norm_weight, 1e-5, residual_out), w,
+                                       None, scale)
+        return normed, quant_gemv.dense_gemv(quant_reference.GatedInput(gate_up), w, None, scale)
+
+    def check(normed, gated, where):
+        assert not normed.isnan().any() and not gated.isnan().any(), where
+        ref_in, ref_residual = norm.fused_add_rms_norm(x, residual, norm_weight, 1e-5)
+        assert torch.equal(residual_out, ref_residual), where
+        error = rel_error(normed, quant_reference.dense_gemv(ref_in, w, None, scale))
+        assert error < 1e-2, (where, error)
+        assert torch.equal(gated, quant_gemv.dense_gemv(activation.silu_and_mul(gate_up), w, None, scale)), where
+
+    def fresh_inputs():
+        for tensor in (x, residual, gate_up):
+            tensor.copy_(2 * torch.randn_like(tensor))
+        residual_out.fill_(float("nan"))
+
+    fresh_inputs()
+    check(*run(), "eager")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for replay in range(2):
+        fresh_inputs()
+        graph.replay()
+        torch.cuda.synchronize()
+        check(*captured, f"graph replay {replay}")

@@ -455,6 +455,104 @@ def test_dense_gemv_load_ahead_matches_reference(fmt, n, k, config):
     assert_matches(out, ref, {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
 
 
+# -- the GEMV making its own input (quant_reference.NormedInput, GatedInput) ------------------------------------
+
+PROLOGUE_CONFIGS = [  # (block_n, block_k, split_k, fp8_words, load_ahead): y stored directly or by the last slice
+    (16, 32, 1, False, False), (32, 64, 3, False, False), (16, 64, 2, False, True),
+    (16, 32, 1, True, False), (32, 64, 3, True, True),
+]
+
+
+def prologue_case(fmt: str, n: int, k: int, dtype):
+    """(weight, scale or None) of a fresh random dense or FP8 weight [n, k] and a bias in dtype."""
+    from asyncengine.kernels import quant_reference
+
+    w, scale = torch.randn(n, k, device=DEVICE, dtype=dtype) / k**0.5, None
+    if fmt == "fp8":
+        w, scale = quant_reference.quantize_fp8(w.float(), dim=-1)
+    return w, scale, torch.randn(n, dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", PROLOGUE_CONFIGS)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_gemv_makes_the_rms_norm_of_its_input_and_stores_the_residual(dtype, config, with_residual):
+    """y = rms_norm(x + residual) @ W^T + b with the norm made in the GEMV's loads (its 1 / rms applied to the
+    float32 sums, not rounded per input as the norm kernel rounds: the bf16 tolerance); residual_out (poisoned
+    first) = x + residual rounded to x's dtype. K and N tails, split K, FP8 words, load-ahead."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    block_n, block_k, split_k, fp8_words, load_ahead = config
+    n, k = 50, 200
+    w, scale, bias = prologue_case("fp8" if fp8_words else "dense", n, k, dtype)
+    x = 3 * torch.randn(1, k, dtype=dtype, device=DEVICE)  # not unit scale: the norm must matter
+    residual = torch.randn(1, k, dtype=dtype, device=DEVICE) if with_residual else None
+    norm_weight = torch.rand(k, dtype=dtype, device=DEVICE) + 0.5
+    out_res = torch.empty(1, k, dtype=dtype, device=DEVICE) if with_residual else None  # NaN (the autouse fixture)
+    ref_res = torch.empty_like(out_res) if with_residual else None
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, fp8_words=fp8_words, load_ahead=load_ahead)
+    out = quant_gemv.dense_gemv(quant_reference.NormedInput(x, residual, norm_weight, 1e-6, out_res), w, bias,
+                                scale, config=config)
+    ref = quant_reference.dense_gemv(quant_reference.NormedInput(x, residual, norm_weight, 1e-6, ref_res), w, bias,
+                                     scale)
+    assert_matches(out, ref, {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)})
+    unnormed = quant_reference.dense_gemv(x if residual is None else x + residual, w, bias, scale)
+    assert not torch.allclose(out.float(), unnormed.float(), atol=0.1), "the norm changed nothing"
+    if with_residual:
+        # float32: exact; bf16: Triton's interpreter rounds float32 -> bf16 toward zero (the GPU to nearest, where
+        # test_gpu_quant checks the bits): one unit in the last place
+        ulp = 0.0 if dtype == torch.float32 else 2.0**-7 * ref_res.float().abs()
+        assert ((out_res.float() - ref_res.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", PROLOGUE_CONFIGS)
+def test_gemv_makes_silu_and_mul_of_its_input_bit_for_bit(dtype, config):
+    """GatedInput: silu(gate) * up made in the GEMV's loads with the activation kernel's rounding, so y has the bits
+    of the activation kernel followed by the same GEMV."""
+    from asyncengine.kernels import activation, quant_gemv, quant_reference
+
+    block_n, block_k, split_k, fp8_words, load_ahead = config
+    n, k = 50, 200
+    w, scale, bias = prologue_case("fp8" if fp8_words else "dense", n, k, dtype)
+    gate_up = 2 * torch.randn(1, 2 * k, dtype=dtype, device=DEVICE)
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, fp8_words=fp8_words, load_ahead=load_ahead)
+    out = quant_gemv.dense_gemv(quant_reference.GatedInput(gate_up), w, bias, scale, config=config)
+    two_kernels = quant_gemv.dense_gemv(activation.silu_and_mul(gate_up), w, bias, scale, config=config)
+    assert torch.equal(out, two_kernels)
+    ref = quant_reference.dense_gemv(quant_reference.GatedInput(gate_up), w, bias, scale)
+    assert not out.isnan().any()
+    # bf16: the interpreter rounds silu and the product toward zero, the torch reference to nearest
+    assert rel_error(out, ref) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_gemv_prologue_is_taken_at_one_row_on_the_fma_path_only_and_checks_its_tensors():
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    k = 64
+    w = torch.randn(16, k, device=DEVICE)
+    weight = torch.ones(k, device=DEVICE)
+    x = torch.randn(2, k, device=DEVICE)
+    normed = quant_reference.NormedInput(x, torch.randn_like(x), weight, 1e-6, torch.empty_like(x))
+    with pytest.raises(ValueError, match="M == 1 on the FMA path"):
+        quant_gemv.dense_gemv(normed, w)
+    with pytest.raises(ValueError, match="M == 1 on the FMA path"):
+        quant_gemv.dense_gemv(quant_reference.GatedInput(x[:1].repeat(1, 2)), w,
+                              config=quant_gemv.GemvConfig(16, 32, 1, dot=True))
+    one = x[:1]
+    with pytest.raises(ValueError, match="NormedInput.residual_out must be"):
+        quant_gemv.dense_gemv(quant_reference.NormedInput(one, one.clone(), weight, 1e-6, torch.empty(1, 32)), w)
+    with pytest.raises(ValueError, match="NormedInput.weight must be"):
+        quant_gemv.dense_gemv(quant_reference.NormedInput(one, None, weight[:32], 1e-6, None), w)
+    with pytest.raises(ValueError, match="GatedInput.gate_up must be"):
+        quant_gemv.dense_gemv(quant_reference.GatedInput(torch.randn(1, 2 * k + 1)), w)
+    with pytest.raises(ValueError, match="the weight has 64 inputs, x has 32"):
+        quant_gemv.dense_gemv(quant_reference.GatedInput(one), w)
+    assert quant_gemv.takes_prologue("bf16", 1, 6144, 4096, 132)
+    assert not quant_gemv.takes_prologue("bf16", 2, 6144, 4096, 132)
+    assert not quant_gemv.takes_prologue("int4", 1, 6144, 4096, 132)
+
+
 def test_gemv_sweep_write_table_replaces_known_keys_and_adds_new_ones_to_an_importable_table(tmp_path):
     """bench_gemv.write_table (what `--gemv-sweep --write-table` runs) on a copy of the real TUNED table."""
     import importlib.util
