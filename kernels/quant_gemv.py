@@ -605,7 +605,6 @@ def _gemv_kernel(
     PF_STEP: tl.constexpr,
     PROLOGUE: tl.constexpr,  # what the x loads make (PROLOGUE_*; not NONE: M == 1, dense, FMA path)
     SPLIT_POW2: tl.constexpr,  # next power of two >= split_k (the last program's load of the slices' squares)
-    NORMALISE: tl.constexpr,  # PROLOGUE is PROLOGUE_NORM or PROLOGUE_ADD_NORM: y scaled by the row's 1 / rms
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if USE_PDL:
@@ -657,19 +656,20 @@ def _gemv_kernel(
                                      res_out_ptr, nw_ptr, store_res, PROLOGUE, BLOCK_K, VEC)
     if not USE_DOT:
         acc = tl.sum(acc, axis=0)[None, :]  # [1, BN]
+    normalises = PROLOGUE == PROLOGUE_NORM or PROLOGUE == PROLOGUE_ADD_NORM
     square_sum = tl.sum(tl.sum(squares, axis=1), axis=0)  # this slice's part of the row's sum of squares
     scaled = HAS_SCALE and not INT4  # int4 applied its group scales per tile
     if PARTIAL:
         offsets = rows[:, None] * N + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         tl.store(partial_ptr + pid_k * M * N + offsets, acc, mask=mask)
-        if NORMALISE:
+        if normalises:
             tl.store(squares_ptr + pid_k * tl.num_programs(0) + pid_n, square_sum)
         tl.debug_barrier()  # every thread's partial sums stored before the (release) atomic below
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
         if arrived == split_k - 1:  # the last slice of this N tile: reduce, finish, reset the counter
             total = _sum_partials(partial_ptr, offsets, mask, M, N, split_k, BLOCK_M, BLOCK_N, REDUCE_CHUNK)
-            if NORMALISE:
+            if normalises:
                 slices = tl.arange(0, SPLIT_POW2)
                 square_sum = tl.sum(tl.load(squares_ptr + slices * tl.num_programs(0) + pid_n, mask=slices < split_k,
                                             other=0.0, cache_modifier=".cg"), axis=0)
@@ -678,7 +678,7 @@ def _gemv_kernel(
                           scaled, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + pid_n, 0)
     else:
-        if NORMALISE:
+        if normalises:
             acc = acc * tl.rsqrt(square_sum / K + eps)
         _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N, scaled,
                       HAS_BIAS)
@@ -880,7 +880,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=_vec(config, int4, weight, fit.block_k),
         USE_PDL=pdl, PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl, PROLOGUE=prologue.kind,
-        SPLIT_POW2=triton.next_power_of_2(fit.split_k), NORMALISE=normalises)
+        SPLIT_POW2=triton.next_power_of_2(fit.split_k))
     return out
 
 
