@@ -234,26 +234,8 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def dense_gemv(x, weight, bias=None, w_scale=None) -> torch.Tensor:
-    """Decode GEMV (M <= 64): x [M, K] @ (weight [N, K] * w_scale)^T (+ bias), weight dense or FP8 (weight-only).
-    x may be a quant_reference.NormedInput or GatedInput where `dense_gemv_takes_prologue` (elsewhere the
-    reference makes the input first)."""
-    return _quant_impl(_input_tensor(x)).dense_gemv(x, weight, bias, w_scale)
-
-
-def dense_gemv_takes_prologue(weight: torch.Tensor, m: int) -> bool:
-    """Whether `dense_gemv` on CUDA makes an M-row NormedInput or GatedInput in its own loads (one launch fewer
-    than the norm or activation kernel before it); False elsewhere."""
-    kernels = _quant_kernels() if weight.is_cuda else None
-    return kernels is not None and kernels.dense_gemv_takes_prologue(weight, m)
-
-
-def _input_tensor(x) -> torch.Tensor:
-    """The tensor a linear's input (a tensor, NormedInput or GatedInput) is read from."""
-    if isinstance(x, quant_reference.NormedInput):
-        return x.x
-    if isinstance(x, quant_reference.GatedInput):
-        return x.gate_up
-    return x
+    """Decode GEMV (M <= 64): x [M, K] @ (weight [N, K] * w_scale)^T (+ bias), weight dense or FP8 (weight-only)."""
+    return _quant_impl(x).dense_gemv(x, weight, bias, w_scale)
 
 
 def fp8_gemm_max_m(key: tuple, ours, library, weights: tuple, k: int, dtype: torch.dtype,

@@ -41,7 +41,6 @@ import triton.language as tl
 
 from . import arrival_counters, compute_capability, interpreting, sm_count
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
-from .quant_reference import GatedInput, NormedInput
 
 MAX_M = 64
 # Weight bytes each program asks L2 for before its PDL wait: at two programs per SM (the split-K rule) about 8 MB
@@ -345,51 +344,15 @@ def _x_words(x_ptr, words_k, row_mask, BF16_PAIRS: tl.constexpr):
     return xs
 
 
-# What the FMA path's x loads make (the `prologue` of `dense_gemv`; quant_reference.NormedInput / GatedInput):
-PROLOGUE_NONE = tl.constexpr(0)  # x as given
-PROLOGUE_NORM = tl.constexpr(1)  # rms_norm(x): x * norm weight per input, the row's 1 / rms applied to y
-PROLOGUE_ADD_NORM = tl.constexpr(2)  # rms_norm(x + residual), x + residual stored by the N tile 0 programs
-PROLOGUE_SILU = tl.constexpr(3)  # silu(gate) * up of x = [gate | up] (row stride 2K)
-
-
 @triton.jit
-def _input_tile(x_ptr, kv, k_mask, K, res_ptr, res_out_ptr, nw_ptr, store_res, PROLOGUE: tl.constexpr):
-    """Row 0's inputs kv (any shape, masked by k_mask) as float32 by PROLOGUE, and their squares for the norm's mean
-    (zeros unless PROLOGUE normalises). Rounding as the unfused kernels: x + residual and silu(gate) * up (silu
-    first) rounded to x's dtype. The norm's own rounding (the normalised row to x's dtype, then times the weight)
-    does not happen: its 1 / rms scales the float32 sums instead (`_gemv_kernel`)."""
-    if PROLOGUE == PROLOGUE_SILU:
-        gate_raw = tl.load(x_ptr + kv, mask=k_mask, other=0.0)
-        up = tl.load(x_ptr + K + kv, mask=k_mask, other=0.0).to(tl.float32)
-        gate = gate_raw.to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(gate_raw.dtype).to(tl.float32)
-        x = (silu * up).to(gate_raw.dtype).to(tl.float32)
-        squares = tl.zeros_like(x)
-    elif PROLOGUE == PROLOGUE_NONE:
-        x = tl.load(x_ptr + kv, mask=k_mask, other=0.0).to(tl.float32)
-        squares = tl.zeros_like(x)
-    else:
-        raw = tl.load(x_ptr + kv, mask=k_mask, other=0.0)
-        if PROLOGUE == PROLOGUE_ADD_NORM:
-            raw = (raw.to(tl.float32) + tl.load(res_ptr + kv, mask=k_mask, other=0.0).to(tl.float32)).to(raw.dtype)
-            tl.store(res_out_ptr + kv, raw, mask=k_mask & store_res)
-        h = raw.to(tl.float32)
-        x = h * tl.load(nw_ptr + kv, mask=k_mask, other=0.0).to(tl.float32)
-        squares = h * h
-    return x, squares
-
-
-@triton.jit
-def _fma_step(acc, squares, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, res_ptr, res_out_ptr, nw_ptr,
-              store_res, PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """(acc [BK / VEC, BN] plus x's row 0 times a dense W's tile at input k0 as [BK / VEC, VEC, BN], squares
-    [BK / VEC, VEC] plus the inputs' squares): the products of each 16 bytes of a W row (VEC inputs) summed
-    in-thread, the rest left for after the loop."""
+def _fma_step(acc, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """acc [BK / VEC, BN] plus x's row 0 times a dense W's tile at input k0 as [BK / VEC, VEC, BN]: the products of
+    each 16 bytes of a W row (VEC inputs) summed in-thread, the rest left for after the loop."""
     kv = k0 + tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [BK / VEC, VEC]
-    x, x_squares = _input_tile(x_ptr, kv, kv < K, K, res_ptr, res_out_ptr, nw_ptr, store_res, PROLOGUE)
+    x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols[None, None, :].to(tl.int64) * stride_wn + kv[:, :, None],
                 mask=(kv < K)[:, :, None] & col_mask[None, None, :], other=0.0).to(tl.float32)
-    return acc + tl.sum(w * x[:, :, None], axis=1), squares + x_squares
+    return acc + tl.sum(w * x[:, :, None], axis=1)
 
 
 # e4m3 has no infinities; its NaNs (0x7f, 0xff) never occur in quantized weights (quantize_fp8 clamps to +-448),
@@ -449,11 +412,9 @@ def _fp8_tile_words(w_ptr, k0, k_end, cols, col_mask, stride_wn, BLOCK_K: tl.con
 
 
 @triton.jit
-def _fp8_words_step(acc, words, squares, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, res_ptr,
-                    res_out_ptr, nw_ptr, store_res, PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fp8_words_step(acc, words, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K: tl.constexpr,
                     PTX: tl.constexpr, LOAD_AHEAD: tl.constexpr):
-    """(acc [BK / 4, BN] plus x's row 0 times an FP8 W's tile at input k0, the next words, squares [BK / 4, 4] plus
-    the inputs' squares (`_input_tile`)). The tile's words
+    """(acc [BK / 4, BN] plus x's row 0 times an FP8 W's tile at input k0, the next words). The tile's words
     (`_fp8_tile_words`) converted by `_e4m3_floats`, each word's 4 products summed in float32 in-thread. LOAD_AHEAD:
     `words` holds this tile already (loaded one step ahead, so two tiles' loads are in flight per thread: the FMA
     path's loads are not software-pipelined by Triton) and the next tile's are issued before this one's math."""
@@ -464,7 +425,7 @@ def _fp8_words_step(acc, words, squares, x_ptr, w_ptr, k0, k_end, cols, col_mask
         next_words = words
     weights = _e4m3_floats(words, PTX)
     kv = k0 + tl.arange(0, BLOCK_K // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BK / 4, 4]: a word's inputs
-    x, x_squares = _input_tile(x_ptr, kv, kv < K, K, res_ptr, res_out_ptr, nw_ptr, store_res, PROLOGUE)
+    x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)  # one 4-input vector per word
     x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 4, 2, 2)))  # inputs 4 w + {0, 2}, 4 w + {1, 3}
     x0, x2 = tl.split(x_even)
     x1, x3 = tl.split(x_odd)
@@ -472,7 +433,7 @@ def _fp8_words_step(acc, words, squares, x_ptr, w_ptr, k0, k_end, cols, col_mask
     acc += x1[:, None] * weights[1]
     acc += x2[:, None] * weights[2]
     acc += x3[:, None] * weights[3]
-    return acc, next_words, squares + x_squares
+    return acc, next_words
 
 
 @triton.jit
@@ -485,16 +446,15 @@ def _dense_tile(w_ptr, k0, k_end, cols, col_mask, stride_wn, BLOCK_K: tl.constex
 
 
 @triton.jit
-def _dense_load_ahead_step(acc, w, squares, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, res_ptr,
-                           res_out_ptr, nw_ptr, store_res, PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr,
-                           VEC: tl.constexpr):
+def _dense_load_ahead_step(acc, w, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K: tl.constexpr,
+                         VEC: tl.constexpr):
     """`_fma_step` on a tile `w` loaded one step ahead (`_dense_tile`): returns (acc plus x's row 0 times w, the
-    next tile, squares plus the inputs' squares), the next tile's loads issued before this one's math, so two tiles
-    are in flight per thread (the FMA path's loads are not software-pipelined by Triton)."""
+    next tile), the next tile's loads issued before this one's math, so two tiles are in flight per thread (the FMA
+    path's loads are not software-pipelined by Triton)."""
     next_w = _dense_tile(w_ptr, k0 + BLOCK_K, k_end, cols, col_mask, stride_wn, BLOCK_K, VEC)
     kv = k0 + tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    x, x_squares = _input_tile(x_ptr, kv, kv < K, K, res_ptr, res_out_ptr, nw_ptr, store_res, PROLOGUE)
-    return acc + tl.sum(w.to(tl.float32) * x[:, :, None], axis=1), next_w, squares + x_squares
+    x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)
+    return acc + tl.sum(w.to(tl.float32) * x[:, :, None], axis=1), next_w
 
 
 @triton.jit
@@ -564,11 +524,6 @@ def _gemv_kernel(
     scale_ptr,  # dense: [N] float32 (HAS_SCALE); INT4: [G, N]
     zero_ptr,  # INT4: [G, N]
     bias_ptr,  # [N] (HAS_BIAS)
-    res_ptr,  # PROLOGUE_ADD_NORM: the residual [1, K]
-    res_out_ptr,  # PROLOGUE_ADD_NORM: [1, K], written with x + residual
-    nw_ptr,  # PROLOGUE_NORM / _ADD_NORM: the norm's weight [K]
-    squares_ptr,  # PROLOGUE_NORM / _ADD_NORM with PARTIAL: [SPLIT_K, cdiv(N, BLOCK_N)] float32, each slice's sum
-    eps,  # the norm's epsilon
     M,
     N,
     K,
@@ -603,8 +558,6 @@ def _gemv_kernel(
     PF_ROWS: tl.constexpr,  # the prefetch's shape (_prefetch_weights)
     PF_LINES: tl.constexpr,
     PF_STEP: tl.constexpr,
-    PROLOGUE: tl.constexpr,  # what the x loads make (PROLOGUE_*; not NONE: M == 1, dense, FMA path)
-    SPLIT_POW2: tl.constexpr,  # next power of two >= split_k (the last program's load of the slices' squares)
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if USE_PDL:
@@ -622,8 +575,6 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    squares = tl.zeros((BLOCK_K // VEC, VEC), dtype=tl.float32)  # the inputs' squares (PROLOGUE normalising)
-    store_res = pid_n == 0  # PROLOGUE_ADD_NORM: N tile 0's slices store x + residual, once per input
     if FP8_WORDS and LOAD_AHEAD:  # the first tile, loaded ahead
         tile = _fp8_tile_words(w_ptr, k_start, k_end, cols, col_mask, stride_wn, BLOCK_K)
     elif FP8_WORDS:  # unread: each step loads its own
@@ -644,42 +595,28 @@ def _gemv_kernel(
             acc = _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
                                  BLOCK_K, ASM, X_BF16_PAIRS)
         elif FP8_WORDS:
-            acc, tile, squares = _fp8_words_step(acc, tile, squares, x_ptr, w_ptr, k0, k_end, cols, col_mask, K,
-                                                 stride_wn, res_ptr, res_out_ptr, nw_ptr, store_res, PROLOGUE,
-                                                 BLOCK_K, E4M3_PTX, LOAD_AHEAD)
+            acc, tile = _fp8_words_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K,
+                                        E4M3_PTX, LOAD_AHEAD)
         elif LOAD_AHEAD:
-            acc, tile, squares = _dense_load_ahead_step(acc, tile, squares, x_ptr, w_ptr, k0, k_end, cols, col_mask,
-                                                        K, stride_wn, res_ptr, res_out_ptr, nw_ptr, store_res,
-                                                        PROLOGUE, BLOCK_K, VEC)
+            acc, tile = _dense_load_ahead_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn,
+                                             BLOCK_K, VEC)
         else:
-            acc, squares = _fma_step(acc, squares, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, res_ptr,
-                                     res_out_ptr, nw_ptr, store_res, PROLOGUE, BLOCK_K, VEC)
+            acc = _fma_step(acc, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, BLOCK_K, VEC)
     if not USE_DOT:
         acc = tl.sum(acc, axis=0)[None, :]  # [1, BN]
-    normalises = PROLOGUE == PROLOGUE_NORM or PROLOGUE == PROLOGUE_ADD_NORM
-    square_sum = tl.sum(tl.sum(squares, axis=1), axis=0)  # this slice's part of the row's sum of squares
     scaled = HAS_SCALE and not INT4  # int4 applied its group scales per tile
     if PARTIAL:
         offsets = rows[:, None] * N + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         tl.store(partial_ptr + pid_k * M * N + offsets, acc, mask=mask)
-        if normalises:
-            tl.store(squares_ptr + pid_k * tl.num_programs(0) + pid_n, square_sum)
         tl.debug_barrier()  # every thread's partial sums stored before the (release) atomic below
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
         if arrived == split_k - 1:  # the last slice of this N tile: reduce, finish, reset the counter
             total = _sum_partials(partial_ptr, offsets, mask, M, N, split_k, BLOCK_M, BLOCK_N, REDUCE_CHUNK)
-            if normalises:
-                slices = tl.arange(0, SPLIT_POW2)
-                square_sum = tl.sum(tl.load(squares_ptr + slices * tl.num_programs(0) + pid_n, mask=slices < split_k,
-                                            other=0.0, cache_modifier=".cg"), axis=0)
-                total = total * tl.rsqrt(square_sum / K + eps)
             _store_output(out_ptr, total, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N,
                           scaled, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + pid_n, 0)
     else:
-        if normalises:
-            acc = acc * tl.rsqrt(square_sum / K + eps)
         _store_output(out_ptr, acc, scale_ptr, stride_scale, bias_ptr, rows, cols, row_mask, col_mask, N, scaled,
                       HAS_BIAS)
 
@@ -788,53 +725,9 @@ def _check_fp8_words(weight: torch.Tensor, use_dot: bool) -> None:
                          f"bytes, got K={weight.shape[1]}, stride {weight.stride(0)}, address {weight.data_ptr()}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Prologue:
-    """What the x loads make (PROLOGUE_*) and the tensors they read or write besides x (unused ones: x)."""
-
-    kind: int = 0
-    residual: Optional[torch.Tensor] = None
-    residual_out: Optional[torch.Tensor] = None
-    norm_weight: Optional[torch.Tensor] = None
-    eps: float = 0.0
-
-
-def _prologue_of(x) -> tuple[torch.Tensor, int, _Prologue]:
-    """(the [M, ...] tensor the kernel reads as x, K, the prologue) of a tensor, NormedInput or GatedInput, each
-    checked: one row of unit stride, the residual tensors of x's shape and dtype."""
-    if isinstance(x, GatedInput):
-        gate_up = _rows(x.gate_up)
-        if gate_up.shape[1] % 2:
-            raise ValueError(f"GatedInput.gate_up must be [M, 2K], got {tuple(gate_up.shape)}")
-        return gate_up, gate_up.shape[1] // 2, _Prologue(PROLOGUE_SILU.value)
-    if not isinstance(x, NormedInput):
-        x2 = _rows(x)
-        return x2, x2.shape[1], _Prologue()
-    x2 = _rows(x.x)
-    k = x2.shape[1]
-    if x.weight.shape != (k,):
-        raise ValueError(f"NormedInput.weight must be [{k}], got {tuple(x.weight.shape)}")
-    if x.residual is None:
-        return x2, k, _Prologue(PROLOGUE_NORM.value, norm_weight=x.weight.contiguous(), eps=x.eps)
-    for name in ("residual", "residual_out"):
-        tensor = getattr(x, name)
-        if tensor is None or tensor.shape != x.x.shape or tensor.dtype != x.x.dtype or not tensor.is_contiguous():
-            raise ValueError(f"NormedInput.{name} must be a contiguous tensor of x's shape {tuple(x.x.shape)} and "
-                             f"dtype {x.x.dtype}")
-    return x2, k, _Prologue(PROLOGUE_ADD_NORM.value, x.residual, x.residual_out, x.weight.contiguous(), x.eps)
-
-
-def takes_prologue(fmt: str, m: int, n: int, k: int, num_sms: int) -> bool:
-    """Whether `dense_gemv` may take a NormedInput or GatedInput for this shape: M == 1 on the FMA path (the
-    shape's config not forcing tl.dot), a dense format."""
-    return fmt != "int4" and m == 1 and not config_for(fmt, m, n, k, num_sms).dot
-
-
 def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, group_size: Optional[int],
-            config: GemvConfig, prologue: _Prologue = _Prologue(), k: Optional[int] = None) -> torch.Tensor:
-    """k: the inputs per row (x2's width unless the prologue makes them from a wider x, GatedInput)."""
-    m = x2.shape[0]
-    k = x2.shape[1] if k is None else k
+            config: GemvConfig) -> torch.Tensor:
+    m, k = x2.shape
     if m > MAX_M:
         raise ValueError(f"the decode GEMV takes at most {MAX_M} rows, got {m}")
     fit = _fit(config, k, group_size)
@@ -848,15 +741,9 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         _check_fp8_words(weight, use_dot)
     if config.load_ahead and (group_size is not None or use_dot):
         raise ValueError("GemvConfig.load_ahead applies to dense weights at M == 1 on the FMA path (dot=False) only")
-    if prologue.kind and (group_size is not None or use_dot):
-        raise ValueError("a NormedInput or GatedInput is taken by dense weights at M == 1 on the FMA path "
-                         "(dot=False) only (takes_prologue)")
     partial = fit.split_k > 1
     out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
-    normalises = prologue.kind in (PROLOGUE_NORM.value, PROLOGUE_ADD_NORM.value)
-    squares = torch.empty((fit.split_k, tiles), device=x2.device, dtype=torch.float32) if partial and normalises \
-        else out
     counters = _counter_buffer(x2.device)  # made on the first call, split or not (see _counter_buffer)
     int4 = group_size is not None
     stride_scale = 1 if int4 or scale is None else scale.stride(0)
@@ -864,9 +751,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
     prefetch = _prefetch_shape(weight, int4, config.block_n, fit.k_per_split)
     _gemv_kernel[(tiles, fit.split_k)](
         out, workspace, counters, x2, weight, scale if scale is not None else out,
-        zeros if zeros is not None else out, bias if bias is not None else out,
-        _or(prologue.residual, x2), _or(prologue.residual_out, x2), _or(prologue.norm_weight, x2), squares,
-        prologue.eps, m, n, k, x2.stride(0),
+        zeros if zeros is not None else out, bias if bias is not None else out, m, n, k, x2.stride(0),
         0 if int4 else weight.stride(0), stride_scale, group_size or 1,
         fit.k_per_split, fit.split_k,
         INT4=int4, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, PARTIAL=partial, USE_DOT=use_dot,
@@ -879,13 +764,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         FP8_WORDS=config.fp8_words, LOAD_AHEAD=config.load_ahead, E4M3_PTX=config.fp8_words and e4m3_ptx_ok(x2),
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=_vec(config, int4, weight, fit.block_k),
         USE_PDL=pdl, PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
-        num_stages=config.num_stages, launch_pdl=pdl, PROLOGUE=prologue.kind,
-        SPLIT_POW2=triton.next_power_of_2(fit.split_k))
+        num_stages=config.num_stages, launch_pdl=pdl)
     return out
-
-
-def _or(tensor: Optional[torch.Tensor], unused: torch.Tensor) -> torch.Tensor:
-    return unused if tensor is None else tensor
 
 
 def _prefetch_shape(weight: torch.Tensor, int4: bool, block_n: int, k_per_split: int) -> tuple[int, int, int]:
@@ -937,21 +817,18 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                w_scale: Optional[torch.Tensor] = None, num_sms: Optional[int] = None,
                config: Optional[GemvConfig] = None) -> torch.Tensor:
     """x [M, K] (M <= 64) @ (weight [N, K] * w_scale [N, 1] or [])^T (+ bias) -> [M, N] in x's dtype.
-    Same contract as quant_reference.dense_gemv. config: tiles for this call (default: `config_for`).
-    x may also be a NormedInput or GatedInput where `takes_prologue` (the input made in the kernel's loads)."""
-    x2, k, prologue = _prologue_of(x)
-    n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"dense_gemv: the weight has {weight.shape[1]} inputs, x has {k}")
+    Same contract as quant_reference.dense_gemv. config: tiles for this call (default: `config_for`)."""
+    x2 = _rows(x)
+    n, k = weight.shape
     if weight.stride(1) != 1:
         raise ValueError("dense_gemv: the weight must have unit stride along K")
     if config is None:
-        config = config_for(weight_format(weight), x2.shape[0], n, k, _num_sms(x2, num_sms))
+        config = config_for(weight_format(weight), x2.shape[0], n, k, _num_sms(x, num_sms))
     scale = None
     if w_scale is not None:  # [N] float32, or one value read with stride 0 (no copy per call)
         scale = w_scale.float().reshape(-1) if w_scale.numel() == n else w_scale.float().reshape(1).expand(n)
-    out = _launch(x2, weight, n, scale, None, bias, None, config, prologue, k)
-    return out.reshape(x2.shape[0], n) if prologue.kind else out.reshape(*x.shape[:-1], n)
+    out = _launch(x2, weight, n, scale, None, bias, None, config)
+    return out.reshape(*x.shape[:-1], n)
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

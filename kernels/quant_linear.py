@@ -5,8 +5,7 @@ decode GEMV and the library's product, made once per shape at start-up.
                        the library's GEMM; other widths have no kernel (asyncengine rejects them on CUDA at start-up)
     fp8_linear         quant_fp8: per-token quantization + torch._scaled_mm (per-tensor form when it applies)
     fp8_gemm_linear    quant_fp8: the same product through our W8A8 GEMM (fp8_gemm.py), for decode-sized batches
-    dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 64 (where measured faster); at
-                       M == 1 also a NormedInput or GatedInput, made in its loads (dense_gemv_takes_prologue)
+    dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 64 (where measured faster)
     (the GEMV's tiles per shape: quant_gemv_configs.TUNED, filled from `bench_kernels --gemv-sweep`)
     gemv_max_m         measures dense_gemv against the library per decode batch size (graph_time_us)
     fp8_gemm_max_m     the same for fp8_gemm_linear against fp8_linear, at M = 16 ... 512
@@ -21,14 +20,12 @@ from typing import Callable
 
 import torch
 
-from . import sm_count
 from .fp8_gemm import MAX_M as FP8_GEMM_MAX_M
 from .quant_fp8 import fp8_gemm_linear, fp8_linear
-from .quant_gemv import MAX_M, dense_gemv, takes_prologue, weight_format
+from .quant_gemv import MAX_M, dense_gemv
 from .quant_int4 import int_weight_matmul
 
-__all__ = ["dense_gemv", "dense_gemv_takes_prologue", "fp8_gemm_linear", "fp8_gemm_max_m", "fp8_linear", "gemv_max_m",
-           "int_weight_matmul"]
+__all__ = ["dense_gemv", "fp8_gemm_linear", "fp8_gemm_max_m", "fp8_linear", "gemv_max_m", "int_weight_matmul"]
 
 logger = logging.getLogger(__name__)
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes measured; a choice holds up to the next one
@@ -36,13 +33,6 @@ GEMM_SIZES = (16, 32, 64, 128, 256, 512)  # fp8_gemm_max_m's: the FP8 GEMM's tok
 MEASURE_ROUNDS = 2  # alternating (ours, library) measurements per batch size; the medians decide
 L2_DEFEAT_BYTES = 256 << 20  # weight copies cycled per timed graph: several times any GPU's L2 (H200: 60 MB)
 _chosen: dict[tuple, int] = {}
-
-
-def dense_gemv_takes_prologue(weight: torch.Tensor, m: int) -> bool:
-    """Whether dense_gemv takes a NormedInput or GatedInput of M rows for this weight [N, K]
-    (quant_gemv.takes_prologue on the weight's GPU)."""
-    n, k = weight.shape
-    return takes_prologue(weight_format(weight), m, n, k, sm_count(weight.device.index))
 
 
 def gemv_max_m(key: tuple, ours: Callable, library: Callable, weights: tuple, k: int, dtype: torch.dtype,

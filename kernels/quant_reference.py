@@ -19,8 +19,6 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .reference import fused_add_rms_norm, rms_norm, silu_and_mul
-
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 # The smallest scale used for a row of zeros or a zero activation, so 0 / scale stays 0 and nothing is NaN.
@@ -111,39 +109,6 @@ class Fp8Activation(NamedTuple):
     scale: torch.Tensor  # [M, 1] float32: value ~= fp8 * scale
 
 
-class NormedInput(NamedTuple):
-    """A linear layer's input not made yet: rms_norm(x + residual) (residual None: rms_norm(x)), with x + residual
-    stored into residual_out. The decode GEMV takes it at M == 1 (quant_gemv.dense_gemv: each input tile made in
-    its loads, the row's 1 / rms applied to its float32 sums), so the norm costs no launch of its own; elsewhere
-    `made_input` makes it. Shapes [M, K]; weight [K]."""
-
-    x: torch.Tensor
-    residual: Optional[torch.Tensor]
-    weight: torch.Tensor
-    eps: float
-    residual_out: Optional[torch.Tensor]  # given with residual: receives x + residual
-
-
-class GatedInput(NamedTuple):
-    """A linear layer's input not made yet: silu(gate) * up of gate_up [M, 2K] = [gate | up] (as NormedInput)."""
-
-    gate_up: torch.Tensor
-
-
-def made_input(x):
-    """A linear layer's input as a tensor: a NormedInput or GatedInput made by the references (NormedInput's
-    residual_out written), anything else as given."""
-    if isinstance(x, GatedInput):
-        return silu_and_mul(x.gate_up)
-    if not isinstance(x, NormedInput):
-        return x
-    if x.residual is None:
-        return rms_norm(x.x, x.weight, x.eps)
-    out, residual = fused_add_rms_norm(x.x, x.residual, x.weight, x.eps)
-    x.residual_out.copy_(residual)
-    return out
-
-
 def taken_fp8_copy(quantized: Fp8Activation,
                    input_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, per-token scales) of a copy made beforehand; a layer with a static input scale cannot take one
@@ -209,9 +174,7 @@ def fp8_gemm_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] * w_scale)^T (+ bias) with float32 sums, in x's dtype: the decode GEMV of a dense
-    weight (bf16 / fp16 / fp32, or FP8 with w_scale [N, 1] or [] and x left unquantized). x may be a NormedInput or
-    GatedInput (`made_input` first)."""
-    x = made_input(x)
+    weight (bf16 / fp16 / fp32, or FP8 with w_scale [N, 1] or [] and x left unquantized)."""
     w = weight.float() if w_scale is None else dequantize_fp8(weight, w_scale)
     out = x.float() @ w.t()
     if bias is not None:

@@ -5,8 +5,6 @@ shorter than most prompts and than every prompt with its output."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -75,46 +73,6 @@ def test_greedy_matches_transformers(checkpoint_dir, arch, variant):
         assert all(o.num_cached_tokens >= 16 for o in again), [o.num_cached_tokens for o in again]
         assert [o.outputs[0].token_ids for o in again] == expected[2:4]
     assert_no_leaks(engine)
-
-
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-                                  "Qwen2MoeForCausalLM"])
-def test_greedy_matches_transformers_with_norms_and_activations_left_to_the_next_gemv(checkpoint_dir, arch,
-                                                                                    monkeypatch):
-    """The decoder's hand-over of unmade inputs (layers.RMSNorm.folded -> NormedInput, MLP -> GatedInput), which on
-    CUDA the decode GEMV makes in its loads at one row: here every one-row product is routed that way on CPU, where
-    the references make the inputs (quant_reference.made_input). One prompt at a time (each decode step one row):
-    transformers' greedy tokens, and both kinds of input were handed over (a mixture of experts' layers only
-    the attention's norm)."""
-    from asyncengine import ops
-    from asyncengine.kernels import quant_reference
-
-    monkeypatch.setattr(ops, "decode_gemv_max_m", lambda *args, **kwargs: 1)
-    monkeypatch.setattr(ops, "dense_gemv_takes_prologue", lambda weight, m: m == 1)
-    made: dict[str, int] = {}
-    real_made_input = quant_reference.made_input
-
-    def counting_made_input(x):
-        made[type(x).__name__] = made.get(type(x).__name__, 0) + 1
-        return real_made_input(x)
-
-    monkeypatch.setattr(quant_reference, "made_input", counting_made_input)
-    folder = checkpoint_dir(arch)
-    llm = LLM(str(folder), dtype="float32", max_model_len=128)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    expected = transformers_greedy(folder, PROMPTS, llm.get_tokenizer())
-    for prompt, ref in zip(PROMPTS, expected):
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        assert out.outputs[0].token_ids == ref, f"{arch}: prompt {prompt!r} diverged"
-    # per decode step of one row (the first token comes from the prefill) and layer: both norms and the activation,
-    # or the attention's norm alone before a mixture of experts
-    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    layer_steps = len(PROMPTS) * (NEW_TOKENS - 1) * layers
-    if "Moe" in arch:
-        assert made.get("NormedInput", 0) >= layer_steps, made
-    else:
-        assert made.get("NormedInput", 0) >= 2 * layer_steps and made.get("GatedInput", 0) >= layer_steps, made
-    assert_no_leaks(llm.engine)
 
 
 def test_outputs_in_input_order_with_prompt_fields(llama_dir):

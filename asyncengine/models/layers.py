@@ -20,7 +20,6 @@ from torch import nn
 
 from asyncengine import ops
 from asyncengine.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
-from asyncengine.kernels.quant_reference import NormedInput
 from asyncengine.quantization import LinearMethod, UnquantizedLinearMethod, set_weight_attrs
 from asyncengine.quantization.cpu_prepacked import onednn_linear, onednn_rows
 
@@ -97,11 +96,6 @@ class LinearBase(nn.Module):
         """May the kernel making this layer's M-row input hand it over with its per-token e4m3 copy (an
         Fp8Activation)? See LinearMethod.takes_fp8_input."""
         return self.linear_method.takes_fp8_input(self, m)
-
-    def takes_prologue(self, m: int) -> bool:
-        """May the layer before hand this layer's M-row input over unmade, as a NormedInput (`RMSNorm.folded`) or
-        GatedInput, for this layer's kernel to make in its loads? See LinearMethod.takes_prologue."""
-        return self.linear_method.takes_prologue(self, m)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -273,15 +267,6 @@ class RMSNorm(nn.Module):
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, fp8_copy)
-
-    def folded(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> tuple[NormedInput, torch.Tensor]:
-        """`forward` left to the next linear's kernel (for a linear that `takes_prologue`): (the NormedInput it
-        makes its input from, the residual stream after the add: x itself without residual, else a new tensor
-        that kernel fills with x + residual)."""
-        if residual is None:
-            return NormedInput(x, None, self.weight, self.eps, None), x
-        residual_out = torch.empty_like(residual)
-        return NormedInput(x, residual, self.weight, self.eps, residual_out), residual_out
 
 
 def rope_inv_freq(head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:

@@ -15,7 +15,6 @@ from torch import nn
 
 from asyncengine import ops
 from asyncengine.distributed.parallel_state import tp_size
-from asyncengine.kernels.quant_reference import GatedInput
 from asyncengine.quantization import LinearMethod, QuantizationConfig
 from asyncengine.quantization.cpu_prepacked import cpu_onednn_weight
 from asyncengine.models.layers import (
@@ -114,19 +113,12 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] (or an Fp8Activation or NormedInput of it, see takes_fp8_input and takes_prologue) ->
-        [T, hidden]."""
+        """x: [T, hidden] (or an Fp8Activation of it, see takes_fp8_input) -> [T, hidden]."""
         gate_up = self.gate_up_proj(x)  # [T, 2 * inter]
-        tokens = gate_up.shape[0]
-        if self.down_proj.takes_prologue(tokens):  # silu(gate) * up made in the down projection's loads
-            return self.down_proj(GatedInput(gate_up))
-        return self.down_proj(ops.silu_and_mul(gate_up, self.down_proj.takes_fp8_input(tokens)))
+        return self.down_proj(ops.silu_and_mul(gate_up, self.down_proj.takes_fp8_input(gate_up.shape[0])))
 
     def takes_fp8_input(self, m: int) -> bool:
         return self.gate_up_proj.takes_fp8_input(m)
-
-    def takes_prologue(self, m: int) -> bool:
-        return self.gate_up_proj.takes_prologue(m)
 
 
 class DecoderLayer(nn.Module):
@@ -142,25 +134,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual: Optional[torch.Tensor], kv_cache, metadata):
         """Pre-norm block; the residual stream travels beside the hidden states so norms can fuse the add."""
-        # A linear after a norm that `takes_prologue` makes the norm itself (the norm launches nothing); an FP8
-        # linear after one gets the norm's per-token e4m3 copy of its input (one launch fewer).
+        # An FP8 linear after a norm gets the norm's per-token e4m3 copy of its input (one launch fewer).
         tokens = hidden.shape[0]
-        qkv_proj = self.self_attn.qkv_proj
-        if qkv_proj.takes_prologue(tokens):
-            hidden, residual = self.input_layernorm.folded(hidden, residual)
-        elif residual is None:
+        if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, qkv_proj.takes_fp8_input(tokens))
+            hidden, residual = self.input_layernorm(hidden, residual,
+                                                    self.self_attn.qkv_proj.takes_fp8_input(tokens))
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-        # MLP's; not a mixture of experts'
-        mlp_takes_fp8, mlp_takes_prologue = (getattr(self.mlp, name, None)
-                                             for name in ("takes_fp8_input", "takes_prologue"))
-        if mlp_takes_prologue is not None and mlp_takes_prologue(tokens):
-            hidden, residual = self.post_attention_layernorm.folded(hidden, residual)
-        else:
-            hidden, residual = self.post_attention_layernorm(hidden, residual,
-                                                             mlp_takes_fp8 is not None and mlp_takes_fp8(tokens))
+        mlp_takes_fp8 = getattr(self.mlp, "takes_fp8_input", None)  # MLP's; not a mixture of experts'
+        hidden, residual = self.post_attention_layernorm(hidden, residual,
+                                                         mlp_takes_fp8 is not None and mlp_takes_fp8(tokens))
         return self.mlp(hidden), residual
 
 

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels.quant_reference import GatedInput, NormedInput, made_input
 from asyncengine.quantization.cpu_prepacked import (cpu_onednn_weight, onednn_linear, onednn_rows,
                                                    use_cpu_gemm_layout)
 
@@ -48,12 +47,6 @@ class LinearMethod(ABC):
         pass `apply` a quant_reference.Fp8Activation (the input with that copy) instead of a tensor. No by default."""
         return False
 
-    def takes_prologue(self, layer: nn.Module, m: int) -> bool:
-        """Would `apply` on an M-row input make it itself from a quant_reference.NormedInput (the RMSNorm before
-        the layer) or GatedInput (silu(gate) * up), one launch fewer? Then the layer before may pass one. No by
-        default."""
-        return False
-
 
 class UnquantizedLinearMethod(LinearMethod):
     """weight [out_per_rank, in_per_rank] in the model's dtype; y = x W^T (+ b).
@@ -78,20 +71,7 @@ class UnquantizedLinearMethod(LinearMethod):
             ("dense", *weight.shape, weight.dtype), lambda x, w: ops.dense_gemv(x, w[0]),
             lambda x, w: F.linear(x, w[0]), (weight,), weight.shape[1], weight.dtype, weight.device)
 
-    def takes_prologue(self, layer, m):
-        """On CUDA, where our GEMV serves M rows and takes a prologue there (M == 1, its FMA path)."""
-        from asyncengine import ops
-
-        return m <= getattr(layer, "gemv_max_m", 0) and ops.dense_gemv_takes_prologue(layer.weight, m)
-
     def apply(self, layer, x, bias):
-        """x: [T, K], or a NormedInput / GatedInput (made by the GEMV where takes_prologue, else by the references)."""
-        if isinstance(x, (NormedInput, GatedInput)):
-            if self.takes_prologue(layer, x[0].shape[0]):
-                from asyncengine import ops
-
-                return ops.dense_gemv(x, layer.weight, bias)
-            x = made_input(x)
         packed = getattr(layer, "onednn_weight", None)
         if packed is not None and x.device.type == "cpu" and x.dtype == torch.float32 and onednn_rows(x.shape[0]):
             return onednn_linear(x, packed, bias)

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine import ops
-from asyncengine.kernels.quant_reference import (FP8_DTYPE, Fp8Activation, GatedInput, NormedInput, dequantize_fp8,
-                                                 made_input, quantize_fp8)
+from asyncengine.kernels.quant_reference import FP8_DTYPE, Fp8Activation, dequantize_fp8, quantize_fp8
 from asyncengine.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
 
 
@@ -90,17 +89,8 @@ class Fp8LinearMethod(LinearMethod):
         weight-only GEMV's)."""
         return layer.weight.is_cuda and layer.input_scale is None and m > layer.gemv_max_m
 
-    def takes_prologue(self, layer, m):
-        """On CUDA, where the weight-only GEMV serves M rows and takes a prologue there (M == 1, its FMA path)."""
-        return m <= layer.gemv_max_m and ops.dense_gemv_takes_prologue(layer.weight, m)
-
     def apply(self, layer, x, bias):
-        """x: [T, K], an Fp8Activation (x with its per-token e4m3 copy; see takes_fp8_input), or a NormedInput /
-        GatedInput (see takes_prologue) -> [T, N]."""
-        if isinstance(x, (NormedInput, GatedInput)):
-            if self.takes_prologue(layer, x[0].shape[0]):
-                return ops.dense_gemv(x, layer.weight, bias, layer.weight_scale)
-            x = made_input(x)  # not taken here: the references make it
+        """x: [T, K], or an Fp8Activation (x with its per-token e4m3 copy; see takes_fp8_input) -> [T, N]."""
         quantized = None
         if isinstance(x, Fp8Activation):
             x, quantized = x.value, x
