@@ -17,6 +17,9 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
     gemv_all      (not an ablation) every dense linear takes our decode GEMV up to 64 rows, whatever start-up
                   measured against cuBLAS for it alone
     cublas_all    (not an ablation) every dense linear takes the library's product (cuBLAS) at every size
+    prefetch_KB   (not an ablation) each GEMV program asks L2 for KB KiB of its weights before its PDL wait
+                  (quant_gemv.PREFETCH_BYTES; whole slices at most); prefetch_o_KB: only square weights (the 8B
+                  shape's o projection, after the decode attention), the others as they are
 
     python scripts/decode_ablation.py --family qwen3-30b-a3b --num-layers 8 --checkpoint /dev/shm/q3-8l \
         --variants base attention rotary_cache norms route experts base
@@ -86,8 +89,25 @@ def ablate(variant: str) -> None:
     elif variant in ("gemv_all", "cublas_all"):
         rows = 64 if variant == "gemv_all" else 0
         ops.decode_gemv_max_m = lambda *args, **kwargs: rows
+    elif variant.startswith("prefetch_"):
+        from asyncengine.kernels import quant_gemv
+
+        square_only = variant.startswith("prefetch_o_")
+        budget = int(variant.rsplit("_", 1)[1]) * 1024
+        prefetch_shape = quant_gemv._prefetch_shape
+
+        def shaped(weight, int4, block_n, k_per_split):
+            kept = quant_gemv.PREFETCH_BYTES
+            if not square_only or weight.shape[0] == weight.shape[1]:
+                quant_gemv.PREFETCH_BYTES = budget
+            try:
+                return prefetch_shape(weight, int4, block_n, k_per_split)
+            finally:
+                quant_gemv.PREFETCH_BYTES = kept
+
+        quant_gemv._prefetch_shape = shaped
     elif variant != "base":
-        raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+        raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB")
 
 
 def child(args) -> dict:
