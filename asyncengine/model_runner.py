@@ -29,7 +29,7 @@ from asyncengine.models.layers import AttentionMetadata, PagedAttention
 from asyncengine.models.loader import load_model
 from asyncengine.outputs import Logprob
 from asyncengine.request import Request
-from asyncengine.sampler import Sampler, SamplerOutput, SamplingBatch, to_device
+from asyncengine.sampler import Sampler, SamplerOutput, SamplingBatch, to_device_packed
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduler import SchedulerOutput
 
@@ -297,11 +297,16 @@ class ModelRunner:
         pooling = tuple(s.request for s in items if s.pools)
         pooling_idx = [qsl[i + 1] - 1 for i, s in enumerate(items) if s.pools] if pooling else None
         qsl_cpu, lens_cpu = torch.from_numpy(qsl), torch.from_numpy(seq_lens)
+        # the step's inputs in one host-to-device copy (to_device_packed)
+        sent = to_device_packed([qsl, seq_lens, tables, slots, input_ids, positions, logits_idx,
+                                 np.asarray(feedback[0], dtype=np.int64), np.asarray(feedback[1], dtype=np.int64),
+                                 np.asarray(pooling_idx or [], dtype=np.int64)], self.device)
+        d_qsl, d_seq_lens, d_tables, d_slots, d_input_ids, d_positions, d_logits_idx, *d_feedback, d_pooling = sent
         metadata = AttentionMetadata(
-            query_start_loc=to_device(qsl, self.device),
-            seq_lens=to_device(seq_lens, self.device),
-            block_tables=to_device(tables, self.device),
-            slot_mapping=to_device(slots, self.device),
+            query_start_loc=d_qsl,
+            seq_lens=d_seq_lens,
+            block_tables=d_tables,
+            slot_mapping=d_slots,
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=lens_cpu,
             max_query_len=int(num_new.max()),
@@ -312,19 +317,19 @@ class ModelRunner:
         )
         self._num_prepared += 1
         return StepInputs(
-            input_ids=to_device(input_ids, self.device),
-            positions=to_device(positions, self.device),
+            input_ids=d_input_ids,
+            positions=d_positions,
             metadata=metadata,
-            logits_indices=to_device(logits_idx, self.device),
+            logits_indices=d_logits_idx,
             sampling_requests=sampling,
             # Built before the forward is launched: its small host-to-device copies never wait on the GPU.
             sampling=SamplingBatch.build(sampling, self.model_config.vocab_size, self.device, inflight),
             graph_size=self.graphs.batch_size_for(sched) if self.graphs is not None else None,
             logprobs_asked={r.request_id: r.params.logprobs for r in sampling if r.params.logprobs is not None},
-            feedback=tuple(to_device(a, self.device, torch.int64) for a in feedback) if feedback[0] else None,
+            feedback=tuple(d_feedback) if feedback[0] else None,
             step_index=self._num_prepared,
             pooling_requests=pooling,
-            pooling_indices=to_device(np.array(pooling_idx, dtype=np.int64), self.device) if pooling else None,
+            pooling_indices=d_pooling if pooling else None,
         )
 
     @staticmethod

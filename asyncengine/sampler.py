@@ -37,6 +37,27 @@ def to_device(values, device: torch.device, dtype: Optional[torch.dtype] = None)
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Several host arrays on `device` in ONE copy, as `to_device` sends one: packed into one pinned byte buffer
+    (each array at a 16-byte aligned offset, the alignment Triton specialises its kernels on, as a tensor of its own
+    has), sent once, and returned as views of the device buffer, in order, each
+    with its array's dtype and shape. On CUDA each copy is a step of its own on the stream, between the previous
+    forward pass and the next: a decode step's ten small inputs cost ten of them (run 126: ~60 us a token of
+    GPU time outside the graph on an H100)."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    offsets, size = [], 0
+    for a in arrays:
+        offsets.append(size)
+        size += -(-a.nbytes // 16) * 16
+    host = torch.empty(max(size, 16), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host_bytes = host.numpy()
+    for a, offset in zip(arrays, offsets):
+        host_bytes[offset: offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+    packed = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    return [packed[offset: offset + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
+            for a, offset in zip(arrays, offsets)]
+
+
 @dataclass
 class SamplingBatch:
     """Host-side description of the rows, built once per step; tensors live on the logits' device."""
