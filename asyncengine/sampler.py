@@ -38,23 +38,35 @@ def to_device(values, device: torch.device, dtype: Optional[torch.dtype] = None)
 
 
 def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Several host arrays on `device` in ONE copy, as `to_device` sends one: packed into one pinned byte buffer
-    (each array at a 16-byte aligned offset, the alignment Triton specialises its kernels on, as a tensor of its own
-    has), sent once, and returned as views of the device buffer, in order, each
-    with its array's dtype and shape. On CUDA each copy is a step of its own on the stream, between the previous
-    forward pass and the next: a decode step's ten small inputs cost ten of them (run 126: ~60 us a token of
-    GPU time outside the graph on an H100)."""
+    """Several host arrays on `device`, as `to_device` sends one, but on CUDA in ONE copy: packed into one pinned
+    byte buffer (`pack_arrays`), sent once, and returned as views of the device buffer, in order, each with its
+    array's dtype and shape. Each copy is a step of its own on the stream, between the previous forward pass and
+    the next: a decode step's ten small inputs cost ten of them (run 127, RESULTS.md). Elsewhere the arrays
+    themselves, as tensors (nothing to save on a CPU)."""
+    if device.type != "cuda":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    host, offsets = pack_arrays(arrays, pin=True)
+    return unpack_arrays(host.to(device, non_blocking=True), arrays, offsets)
+
+
+def pack_arrays(arrays: list[np.ndarray], pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """(one byte buffer holding the arrays' bytes, each array's offset in it): every offset 16-byte aligned, the
+    alignment Triton specialises its kernels on, as a tensor of its own has."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
     offsets, size = [], 0
     for a in arrays:
         offsets.append(size)
         size += -(-a.nbytes // 16) * 16
-    host = torch.empty(max(size, 16), dtype=torch.uint8, pin_memory=device.type == "cuda")
-    host_bytes = host.numpy()
+    buffer = torch.empty(max(size, 16), dtype=torch.uint8, pin_memory=pin)
+    buffer_bytes = buffer.numpy()
     for a, offset in zip(arrays, offsets):
-        host_bytes[offset: offset + a.nbytes] = a.reshape(-1).view(np.uint8)
-    packed = host.to(device, non_blocking=True) if device.type == "cuda" else host
-    return [packed[offset: offset + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
+        buffer_bytes[offset: offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+    return buffer, offsets
+
+
+def unpack_arrays(buffer: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:
+    """Views of `buffer` (pack_arrays' buffer, or a copy of it) with each array's dtype and shape."""
+    return [buffer[offset: offset + a.nbytes].view(torch.from_numpy(np.asarray(a)[:0]).dtype).view(np.shape(a))
             for a, offset in zip(arrays, offsets)]
 
 

@@ -405,19 +405,21 @@ def test_greedy_tokens_on_the_cpu_heads_transposed_logits_equal_argmax(rows, voc
     assert torch.equal(greedy_tokens(contiguous), contiguous.argmax(dim=-1))
 
 
-def test_to_device_packed_sends_arrays_of_any_dtype_and_shape_as_aligned_views_of_one_buffer():
-    """A step's inputs in one copy (model_runner.prepare): each array comes back with its dtype, shape and values,
-    at a 16-byte aligned offset of one buffer (Triton specialises kernels on 16-byte alignment); empty ones too."""
+def test_packed_step_inputs_keep_each_arrays_dtype_shape_and_values_at_aligned_offsets_of_one_buffer():
+    """A step's inputs in one copy (model_runner.prepare -> sampler.to_device_packed on CUDA): packed and unpacked,
+    each array comes back with its dtype, shape and values, at a 16-byte aligned offset of one buffer (Triton
+    specialises kernels on 16-byte alignment); empty ones too. On a CPU the arrays are sent as they are."""
     import numpy as np
 
-    from asyncengine.sampler import to_device_packed
+    from asyncengine.sampler import pack_arrays, to_device_packed, unpack_arrays
 
     arrays = [np.arange(5, dtype=np.int32), np.full((2, 3), 7, dtype=np.int32), np.arange(3, dtype=np.int64),
               np.array([], dtype=np.int64), np.array([1.5, -2.0], dtype=np.float32), np.array([True, False])]
-    sent = to_device_packed(arrays, torch.device("cpu"))
-    base = sent[0].untyped_storage().data_ptr()
-    for array, tensor in zip(arrays, sent):
-        assert tensor.dtype == torch.from_numpy(array).dtype and tuple(tensor.shape) == array.shape
-        assert np.array_equal(tensor.numpy(), array)
-        assert tensor.untyped_storage().data_ptr() == base  # one buffer
-        assert (tensor.data_ptr() - base) % 16 == 0
+    buffer, offsets = pack_arrays(arrays)
+    for sent in (unpack_arrays(buffer.clone(), arrays, offsets), to_device_packed(arrays, torch.device("cpu"))):
+        for array, tensor in zip(arrays, sent):
+            assert tensor.dtype == torch.from_numpy(array).dtype and tuple(tensor.shape) == array.shape
+            assert np.array_equal(tensor.numpy(), array)
+    views = unpack_arrays(buffer, arrays, offsets)
+    base = buffer.data_ptr()
+    assert all(v.untyped_storage().data_ptr() == base and (v.data_ptr() - base) % 16 == 0 for v in views)
