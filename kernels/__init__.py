@@ -69,3 +69,12 @@ def sm_count(device_index) -> int:
     import torch
 
     return torch.cuda.get_device_properties(device_index if device_index is not None else 0).multi_processor_count
+
+
+@functools.cache
+def device_name(device_index) -> str:
+    """A CUDA device's name as torch reports it ("NVIDIA H100 80GB HBM3", "NVIDIA H200"): the key of the per-GPU
+    rows of the tuned tile tables (asked once)."""
+    import torch
+
+    return torch.cuda.get_device_name(device_index if device_index is not None else 0)

@@ -26,7 +26,7 @@ slice that arrives last sums the partials, applies the scale and bias, writes y 
 (so the next call, or a CUDA-graph replay, finds it zeroed). Calls must not overlap on two streams.
 
 Tile sizes per shape come from quant_gemv_configs.TUNED (filled from `python -m loadtest.bench_kernels
---gemv-sweep` on the GPU), else from `default_config`.
+--gemv-sweep` on the GPU): the row measured on this GPU model, else the row for any GPU, else `default_config`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import arrival_counters, compute_capability, interpreting, sm_count
+from . import arrival_counters, compute_capability, device_name, interpreting, sm_count
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
 
 MAX_M = 64
@@ -663,11 +663,13 @@ def default_config(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig
                       dot=dot, slot_dot=int4 and dot, half_fma=int4 and not dot)
 
 
-def config_for(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """The tuned config of this shape (quant_gemv_configs.TUNED) or the default one."""
+def config_for(fmt: str, m: int, n: int, k: int, num_sms: int, gpu: str = "") -> GemvConfig:
+    """The tuned config of this shape: quant_gemv_configs.TUNED's row measured on this GPU (`gpu`, its name as
+    torch reports it) if there is one, else its row for any GPU, else the default."""
     from .quant_gemv_configs import TUNED
 
-    return TUNED.get((fmt, n, k, m_bucket(m, fmt))) or default_config(fmt, m, n, k, num_sms)
+    key = (fmt, n, k, m_bucket(m, fmt))
+    return TUNED.get(key + (gpu,)) or TUNED.get(key) or default_config(fmt, m, n, k, num_sms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -805,6 +807,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _gpu(x: torch.Tensor) -> str:
+    """The name of x's GPU, the key of the tile table's per-GPU rows ("" on a CPU or in the interpreter)."""
+    return device_name(x.device.index) if x.is_cuda and not interpreting() else ""
+
+
 def _num_sms(x: torch.Tensor, num_sms: Optional[int]) -> int:
     if num_sms is not None:
         return num_sms
@@ -823,7 +830,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if weight.stride(1) != 1:
         raise ValueError("dense_gemv: the weight must have unit stride along K")
     if config is None:
-        config = config_for(weight_format(weight), x2.shape[0], n, k, _num_sms(x, num_sms))
+        config = config_for(weight_format(weight), x2.shape[0], n, k, _num_sms(x, num_sms), _gpu(x))
     scale = None
     if w_scale is not None:  # [N] float32, or one value read with stride 0 (no copy per call)
         scale = w_scale.float().reshape(-1) if w_scale.numel() == n else w_scale.float().reshape(1).expand(n)
@@ -841,6 +848,6 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if qweight.shape[0] * 8 != k:
         raise ValueError(f"int4 GEMV: qweight has {qweight.shape[0]} rows of 8 inputs, x has {k} inputs")
     if config is None:
-        config = config_for("int4", x2.shape[0], n, k, _num_sms(x, num_sms))
+        config = config_for("int4", x2.shape[0], n, k, _num_sms(x, num_sms), _gpu(x))
     out = _launch(x2, qweight, n, scales.contiguous(), zeros.contiguous(), bias, group_size, config)
     return out.reshape(*x.shape[:-1], n)

@@ -1,10 +1,14 @@
 """Tuned launch configurations of the decode GEMV (quant_gemv.py), per weight format and shape.
 
-Key: (format, N, K, M bucket): format bf16 / fp16 / fp32 / fp8 (dense weights) or int4 (group size 128 unless a
-tile's block_k is cut to the group); M bucket 1 (M == 1, the FMA path unless dot=True) or 16 (M of 2..16, tl.dot).
-Shapes missing here take quant_gemv.default_config. Paste the lines that `python -m loadtest.bench_kernels
---gemv-sweep` prints under "winners" (measured on one GPU kind: note which, below); an int4 winner on one of its
-alternative paths carries slot_dot=True or half_fma=True (GemvConfig's docstring).
+Key: (format, N, K, M bucket) for a row any GPU takes, or (format, N, K, M bucket, GPU name) for a row only that GPU
+model takes (its name as torch.cuda.get_device_name reports it; such a row wins over the row for any GPU):
+format bf16 / fp16 / fp32 / fp8 (dense weights) or int4 (group size 128 unless a tile's block_k is cut to the
+group); M bucket 1 (M == 1, the FMA path unless dot=True) or 16 (M of 2..16, tl.dot). Shapes missing here take
+quant_gemv.default_config. `python -m loadtest.bench_kernels --gemv-sweep --write-table` writes its winners here as
+rows of the GPU it ran on (`--any-gpu`: rows for any GPU); an int4 winner on one of its alternative paths carries
+slot_dot=True or half_fma=True (GemvConfig's docstring). The rows without a GPU name were measured on the GPUs their
+comments name: tiles tuned on an H200 are not always an H100's best (run 126: the FP8 M = 1 rows lost to the W8A8
+GEMM there), hence the per-GPU rows.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from .quant_gemv import GemvConfig
 # The bf16 8B rows at M = 1 and 16 are session 9's run 59 (one NVIDIA H200, copy ~4,230 GB/s; written by
 # `--gemv-sweep --formats bf16 --shapes 8b --ms 1,16 --write-table`): the FMA path with load-ahead (session 8) now
 # wins at M = 1 where run 41's H100 sweep, before load-ahead existed, chose tl.dot. Their M = 64 rows are run 41's.
-TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
+TUNED: dict[tuple, GemvConfig] = {
     # int4 and fp8: session 8's run 51 (one H100 80GB HBM3, 2026-11-24, main + s8-fp8 at 7693a21): int4 M = 1 rows
     # mostly on the bf16x2 word sums (half_fma: rel error ~3e-3 against the float32 reference, the float32 FMA path
     # ~3e-9), M = 16 rows on one dot per nibble slot; fp8 M = 1 rows on 32-bit words of four codes (fp8_words). In run

@@ -339,11 +339,14 @@ def flush() -> None:
     sys.stdout.flush()
 
 
-def winner_line(r: Result, copy_gbps: float) -> str:
+def winner_line(r: Result, copy_gbps: float, gpu: str = "") -> str:
+    """A row of quant_gemv_configs.TUNED for the winner: keyed by `gpu` (a GPU's name) when given, for any GPU
+    when not."""
     us, c = r.best[0]
     g = r.group
     lib = ", ".join(f"{name} {t:.1f} us" for name, t in r.library.items())
-    return (f'    ("{g.fmt}", {g.n}, {g.k}, {g.m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, '
+    gpu_key = f", {gpu!r}".replace("'", '"') if gpu else ""
+    return (f'    ("{g.fmt}", {g.n}, {g.k}, {g.m}{gpu_key}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, '
             f'{c.num_warps}, {c.num_stages}, {c.dot}{_int4_variant(c)}{_fp8_variant(c)}),  '
             f'# {g.name}: {us:.1f} us,{_rate(r.bytes, us, copy_gbps)}'
             f"{'; ' + lib if lib else ''}")
@@ -356,7 +359,7 @@ def write_table(lines: list[str], path: str) -> int:
     head, close, tail = text.rpartition("\n}")
     rows = head.split("\n")
     for line in lines:
-        key = line.strip().split(":", 1)[0]  # '("bf16", 6144, 4096, 1)'
+        key = line.strip().split("):", 1)[0] + ")"  # '("bf16", 6144, 4096, 1)' or '(..., 1, "NVIDIA H200")'
         at = [i for i, row in enumerate(rows) if row.strip().startswith(key + ":")]
         if at:
             rows[at[0]] = line
@@ -416,6 +419,8 @@ def run_sweep(argv: list[str]) -> int:
     parser.add_argument("--ms", default="", help="comma-separated M values (default: each format's own)")
     parser.add_argument("--write-table", action="store_true",
                         help="also write the winners into kernels/quant_gemv_configs.py (replacing their keys' rows)")
+    parser.add_argument("--any-gpu", action="store_true",
+                        help="winners as rows for any GPU (default: rows keyed by the name of the GPU measured)")
     args = parser.parse_args(argv)
     if args.tiny and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it once, when first imported
         raise SystemExit("--tiny runs in Triton's interpreter: TRITON_INTERPRET=1 python -m loadtest.bench_kernels "
@@ -454,7 +459,8 @@ def run_sweep(argv: list[str]) -> int:
             continue
         results.append(sweep_group(group, configs, failed, device, num_sms, copy_gbps))
     print(f"\nwinners ({time.perf_counter() - start:.0f} s; paste into kernels/quant_gemv_configs.py TUNED):")
-    lines = [winner_line(r, copy_gbps) for r in results if r.best]
+    gpu = torch.cuda.get_device_name() if device == "cuda" and not args.any_gpu else ""
+    lines = [winner_line(r, copy_gbps, gpu) for r in results if r.best]
     print("\n".join(lines))
     if args.write_table and lines and not args.tiny:
         from asyncengine.kernels import quant_gemv_configs

@@ -52,6 +52,11 @@ def bench_offline():
     return importlib.import_module("asyncengine.loadtest.bench_offline" if SITE else "loadtest.bench_offline")
 
 
+def model_folder(args) -> Path:
+    """The folder the engine loads: the bf16 checkpoint, or its AWQ copy (group 128) for --quantization awq."""
+    return Path(args.checkpoint + "-awq-g128" if args.quantization == "awq" else args.checkpoint)
+
+
 VARIANTS = ("base", "attention", "rotary_cache", "norms", "route", "experts", "silu", "gemv_all", "cublas_all")
 
 
@@ -118,10 +123,10 @@ def child(args) -> dict:
 
     bo = bench_offline()
     ablate(args.child)
-    config = json.loads((Path(args.checkpoint) / "config.json").read_text())
+    config = json.loads((model_folder(args) / "config.json").read_text())
     vocab = config["vocab_size"]
-    quant = {"quantization": args.quantization} if args.quantization else {}
-    llm = LLM(args.checkpoint, dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.9,
+    quant = {"quantization": args.quantization} if args.quantization == "fp8" else {}  # AWQ: from its config
+    llm = LLM(str(model_folder(args)), dtype="bfloat16", max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.9,
               **quant)
     bo.run_engine(llm, *bo.sharegpt_like(8, 200, 16, seed=8, vocab=vocab))  # warm-up: compile the shapes
     runs = [bo.batch1_decode_ms(llm, vocab, 1000, args.new_tokens) for _ in range(args.repeats)]
@@ -142,6 +147,9 @@ def build(args) -> None:
     else:
         cfg = dict(bo.QWEN3_30B_A3B, num_hidden_layers=args.num_layers)
         bo.build_moe_checkpoint(folder, cfg, "cuda")
+    if args.quantization == "awq":  # the linears quantized on the GPU (RTN, group 128), as bench_offline --quant does
+        quant = importlib.import_module("asyncengine.loadtest.bench_quant" if SITE else "loadtest.bench_quant")
+        quant.build_awq_checkpoint(folder, model_folder(args), 128, "cuda")
 
 
 def main() -> int:
@@ -152,8 +160,8 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", default=["base", "attention", "rotary_cache", "norms", "base"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=200)
-    parser.add_argument("--quantization", choices=["fp8"], default=None,
-                        help="--quantization fp8 on the bf16 checkpoint")
+    parser.add_argument("--quantization", choices=["fp8", "awq"], default=None,
+                        help="fp8: --quantization fp8 on the bf16 checkpoint; awq: its AWQ int4 copy (built once)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()

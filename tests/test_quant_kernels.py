@@ -475,3 +475,37 @@ def test_gemv_sweep_write_table_replaces_known_keys_and_adds_new_ones_to_an_impo
     assert module.TUNED[("bf16", 4096, 4096, 1)].split_k == 3
     assert module.TUNED[("bf16", 1234, 5678, 1)].block_k == 256
     assert len(module.TUNED) == len(quant_gemv_configs.TUNED) + 1
+    # a row of one GPU model sits beside the row for any GPU of that key, and is replaced by its own key only
+    gpu_row = '    ("bf16", 4096, 4096, 1, "NVIDIA H100 80GB HBM3"): GemvConfig(16, 512, 2, 4, 3, False),  # o: H100'
+    assert write_table([gpu_row], str(path)) == 1
+    assert write_table([gpu_row.replace("(16, 512, 2,", "(16, 512, 7,")], str(path)) == 1
+    spec.loader.exec_module(module)
+    assert module.TUNED[("bf16", 4096, 4096, 1)].split_k == 3
+    assert module.TUNED[("bf16", 4096, 4096, 1, "NVIDIA H100 80GB HBM3")].split_k == 7
+    assert len(module.TUNED) == len(quant_gemv_configs.TUNED) + 2
+
+
+def test_gemv_config_for_takes_the_row_of_its_gpu_then_the_row_for_any_gpu_then_the_default(monkeypatch):
+    from asyncengine.kernels import quant_gemv, quant_gemv_configs
+
+    any_gpu, h100 = quant_gemv.GemvConfig(32, 256, 3), quant_gemv.GemvConfig(16, 512, 5)
+    monkeypatch.setattr(quant_gemv_configs, "TUNED", {("fp8", 6144, 4096, 1): any_gpu,
+                                                      ("fp8", 6144, 4096, 1, "NVIDIA H100 80GB HBM3"): h100})
+    assert quant_gemv.config_for("fp8", 1, 6144, 4096, 132, "NVIDIA H100 80GB HBM3") == h100
+    assert quant_gemv.config_for("fp8", 1, 6144, 4096, 132, "NVIDIA H200") == any_gpu
+    assert quant_gemv.config_for("fp8", 1, 6144, 4096, 132) == any_gpu
+    assert quant_gemv.config_for("fp8", 16, 6144, 4096, 132, "NVIDIA H100 80GB HBM3") == \
+        quant_gemv.default_config("fp8", 16, 6144, 4096, 132)
+
+
+def test_gemv_sweep_winner_line_keys_the_row_by_the_gpu_measured():
+    from asyncengine.kernels import quant_gemv
+    from loadtest import bench_gemv
+
+    group = bench_gemv.Group("fp8", "qkv", 4096, 6144, 1)
+    result = bench_gemv.Result(group=group, best=[(10.0, quant_gemv.GemvConfig(32, 512, 2, 8, 3, fp8_words=True))],
+                               library={}, bytes=6144 * 4096, error=0.0)
+    line = bench_gemv.winner_line(result, 3000.0, "NVIDIA H100 80GB HBM3")
+    assert line.startswith('    ("fp8", 6144, 4096, 1, "NVIDIA H100 80GB HBM3"): GemvConfig(32, 512, 2, 8, 3, False, '
+                           'fp8_words=True),'), line
+    assert bench_gemv.winner_line(result, 3000.0).startswith('    ("fp8", 6144, 4096, 1): GemvConfig(')
