@@ -18,9 +18,6 @@ from asyncengine.kernels import cpu, quant_reference, reference
 
 # The fast CPU kernels; tests turn this off (monkeypatch) to run the whole model on the references.
 CPU_FAST_PATH = True
-# A decode step's rotary + cache write inside the split-KV attention launch (attention.rotary_cache_and_decode);
-# tests and scripts/decode_ablation.py turn it off to compare with the two launches.
-FUSED_DECODE_ROTARY = True
 
 logger = logging.getLogger(__name__)
 
@@ -131,15 +128,7 @@ def cache_and_attend(q, k, v, k_cache, v_cache, metadata, scale: float, sliding_
     rotary: None, or (positions [T], cos_sin_cache [max_pos, D]) to rotate q and k first (rotary_embedding); on
     CUDA the rotation and the cache write are one kernel (kernels/rotary_cache.py). q and k may be rotated in
     place. qk_norm: q and k are first rms_norm'ed over each head; on CUDA with rotary inside the same kernel
-    (in place too), elsewhere by `rms_norm`, with the same bits. A decode step (every q_len <= 1) without qk_norm
-    takes ONE launch on CUDA: the split-KV attention rotates q and the newest key itself and writes the cache
-    (attention.rotary_cache_and_decode; q and k are then left unrotated)."""
-    if rotary is not None and q.is_cuda and _decode_rotary_fused(q, metadata, qk_norm):
-        positions, cos_sin_cache = rotary
-        return _impl(q, "attention").rotary_cache_and_decode(
-            q, k, v, positions, cos_sin_cache, k_cache, v_cache, metadata.slot_mapping, metadata.query_start_loc,
-            metadata.seq_lens, metadata.block_tables, scale, max_seq_len=metadata.max_seq_len,
-            sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+    (in place too), elsewhere by `rms_norm`, with the same bits."""
     if rotary is not None and q.is_cuda:
         positions, cos_sin_cache = rotary
         norm = {} if qk_norm is None else dict(q_norm_weight=qk_norm.q_weight, k_norm_weight=qk_norm.k_weight,
@@ -158,14 +147,6 @@ def cache_and_attend(q, k, v, k_cache, v_cache, metadata, scale: float, sliding_
                                     sliding_window, softcap, k_scale, v_scale)
     reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, metadata, scale, sliding_window, softcap, k_scale, v_scale)
-
-
-def _decode_rotary_fused(q, metadata, qk_norm) -> bool:
-    """Whether cache_and_attend takes the one-launch decode: switched on, a decode step (every sequence one token
-    at most, the token at its query_start_loc), no per-head q/k norm (Qwen3 keeps rotary_cache's fused norms), and
-    the Triton kernels there."""
-    return (FUSED_DECODE_ROTARY and qk_norm is None and metadata.max_query_len <= 1
-            and _impl(q, "attention") is not reference)
 
 
 def paged_attention(q, k_cache, v_cache, metadata, scale: float, sliding_window=None, softcap=None,

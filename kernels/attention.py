@@ -41,10 +41,8 @@ import triton
 import triton.language as tl
 
 from asyncengine.kernels import arrival_counters, interpreting
-from asyncengine.kernels.cache import check_cache_inputs, to_cache_dtype
 from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
 from asyncengine.kernels.reference import FP8_KV_DTYPE, is_fp8
-from asyncengine.kernels.rotary import check_rotary_inputs, rotate_pair
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)  # the same, readable inside kernels
@@ -86,34 +84,6 @@ def _kv_offsets(
     """Element offsets [BLOCK_N] (int64) of (page of key, offset in page, kv_head, 0) in a paged cache."""
     page = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
     return page * stride_b + (keys % BLOCK_SIZE) * stride_s + kv_head * stride_h
-
-
-@triton.jit
-def _rotary_angle(positions_ptr, cos_sin_ptr, token, stride_cos_sin, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_PAD: tl.constexpr):
-    """cos and sin [HEAD_DIM_PAD] (float32) of the token's position for every dim d of a head: the angle of d's
-    neox pair (d mod D/2), zeros past HEAD_DIM."""
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    pair = dims % (HEAD_DIM // 2)
-    row = cos_sin_ptr + pos * stride_cos_sin
-    cos = tl.load(row + pair, mask=dims < HEAD_DIM, other=0.0).to(tl.float32)
-    sin = tl.load(row + HEAD_DIM // 2 + pair, mask=dims < HEAD_DIM, other=0.0).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
-def _load_rotated(head_ptr, mask, dims, cos, sin, HEAD_DIM: tl.constexpr):
-    """The head(s) at head_ptr ([1] or [ROWS, 1] pointers to each head's first element) rotated by (cos, sin)
-    (`_rotary_angle`, broadcast like dims), rounded to the heads' dtype: each element and its neox partner
-    loaded, then `rotary.rotate_pair`, so the bits are those rotary.py stores."""
-    half = HEAD_DIM // 2
-    first_half = dims < half
-    partner = tl.where(first_half, dims + half, dims - half)
-    x = tl.load(head_ptr + dims, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(head_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-    rotated = tl.where(first_half, rotate_pair(x, p, cos, sin)[0], rotate_pair(p, x, cos, sin)[1])
-    return rotated.to(head_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -448,15 +418,8 @@ def _decode_partial_kernel(
     query_start_loc_ptr,  # [B + 1], every q_len <= 1
     seq_lens_ptr,  # [B]
     block_tables_ptr,  # [B, MAXB]
-    positions_ptr,  # [T] int (ROTARY)
-    cos_sin_ptr,  # [max_pos, D] float32 = [cos | sin] (ROTARY)
-    k_new_ptr,  # [T, KVH, D] this step's keys, not yet rotated (ROTARY)
-    v_new_ptr,  # [T, KVH, D] this step's values (ROTARY)
-    slot_ptr,  # [T] int, the cache slot of each token, < 0 = padding (ROTARY)
     qk_scale,  # with KV_FP8, k_scale included
     v_scale,  # read only with KV_FP8
-    k_inv_scale,  # float32 1 / k_scale (ROTARY with KV_FP8: the newest key's cache write)
-    v_inv_scale,
     num_heads,
     stride_qt,
     stride_qh,
@@ -469,11 +432,6 @@ def _decode_partial_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
-    stride_cos_sin,  # (ROTARY)
-    stride_knt,
-    stride_knh,
-    stride_vnt,
-    stride_vnh,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= GROUP and >= 16 (the smallest dot)
@@ -489,7 +447,6 @@ def _decode_partial_kernel(
     FUSED_REDUCE: tl.constexpr,  # the last split to finish merges the partials (no reduction kernel)
     SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS (FUSED_REDUCE)
     MERGE_HEADS: tl.constexpr,  # heads merged per pass (FUSED_REDUCE; merge_heads())
-    ROTARY: tl.constexpr,  # q and the newest key arrive unrotated: rotate them here, write the newest K/V (below)
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): the wait comes before the early return
 ):
     seq = tl.program_id(0)
@@ -513,15 +470,10 @@ def _decode_partial_kernel(
     newest = seq_len - 1
     newest_here = (newest >= seg_start) & (newest < tl.minimum(seg_start + BLOCK_N, seg_end))
     dims = tl.arange(0, HEAD_DIM_PAD)
-    if ROTARY:  # the host's inputs and a constant table: the angle of the query's position, and its cache slot
-        token = tl.where(has_query, q_start, 0).to(tl.int64)  # a sequence without a query may have no token
-        cos, sin = _rotary_angle(positions_ptr, cos_sin_ptr, token, stride_cos_sin, HEAD_DIM, HEAD_DIM_PAD)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-    else:
-        newest_row = _kv_offsets(block_table_ptr, newest, newest_here, kv_head, stride_kb, stride_ks, stride_kh,
-                                 BLOCK_SIZE)
-        newest_row_v = _kv_offsets(block_table_ptr, newest, newest_here, kv_head, stride_vb, stride_vs,
-                                   stride_vh, BLOCK_SIZE)
+    newest_row = _kv_offsets(block_table_ptr, newest, newest_here, kv_head, stride_kb, stride_ks, stride_kh,
+                             BLOCK_SIZE)
+    newest_row_v = _kv_offsets(block_table_ptr, newest, newest_here, kv_head, stride_vb, stride_vs, stride_vh,
+                               BLOCK_SIZE)
     wait_for_prior_grids(USE_PDL)
     if not has_query or split >= used:
         return  # no query for this sequence, or no keys in this segment (_segments)
@@ -530,58 +482,31 @@ def _decode_partial_kernel(
     head = kv_head * GROUP + rows  # [BLOCK_H]
     row_mask = rows < GROUP
     q_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
-    q_off = q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh
-    if ROTARY:
-        q = _load_rotated(q_ptr + q_off, q_mask, dims, cos[None, :], sin[None, :], HEAD_DIM)
-    else:
-        q = tl.load(q_ptr + q_off + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_H, HEAD_DIM_PAD]
+    q_off = q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # [BLOCK_H, HEAD_DIM_PAD]
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = tl.full([BLOCK_H], 0, dtype=tl.int32) + (seq_len - 1)
-
-    if ROTARY:
-        # The newest key and value, as the cache stores them, from this step's k and v; the segment that holds
-        # the newest key writes them to the cache (rotary_cache.py's arithmetic, so the same bits) and uses them
-        # from registers in whichever of its blocks they fall.
-        newest_in_segment = (newest >= seg_start) & (newest < seg_end)
-        newest_mask = newest_in_segment & (dims < HEAD_DIM)
-        k_new = _load_rotated(k_new_ptr + token * stride_knt + kv_head * stride_knh, newest_mask, dims, cos, sin,
-                              HEAD_DIM)
-        newest_k = to_cache_dtype(k_new, k_cache_ptr, k_inv_scale, KV_FP8)
-        v_new = tl.load(v_new_ptr + token * stride_vnt + kv_head * stride_vnh + dims, mask=newest_mask, other=0.0)
-        newest_v = to_cache_dtype(v_new, v_cache_ptr, v_inv_scale, KV_FP8)
-        store_mask = newest_mask & (slot >= 0)
-        block = tl.maximum(slot, 0) // BLOCK_SIZE
-        offset = tl.maximum(slot, 0) % BLOCK_SIZE
-        tl.store(k_cache_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh + dims, newest_k,
-                 mask=store_mask)
-        tl.store(v_cache_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh + dims, newest_v,
-                 mask=store_mask)
-    else:
-        # the newest key's row, now written by the kernel before, in place of what the preload read there
-        dim_mask = newest_here & (dims < HEAD_DIM)
-        newest_k = tl.load(k_cache_ptr + newest_row + dims, mask=dim_mask, other=0.0)
-        newest_v = tl.load(v_cache_ptr + newest_row_v + dims, mask=dim_mask, other=0.0)
 
     acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     if seg_start < seg_end:
+        # the newest key's row, now written, in place of what the preload read there
+        dim_mask = newest_here & (dims < HEAD_DIM)
+        newest_k = tl.load(k_cache_ptr + newest_row + dims, mask=dim_mask, other=0.0)
+        newest_v = tl.load(v_cache_ptr + newest_row_v + dims, mask=dim_mask, other=0.0)
         is_newest = ((seg_start + tl.arange(0, BLOCK_N)) == newest) & newest_here  # [BLOCK_N]
         k_first = tl.where(is_newest[:, None], newest_k[None, :], k_first)
         v_first = tl.where(is_newest[:, None], newest_v[None, :], v_first)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, k_first, v_first, seg_start, seq_len, key_lo,
                                       qk_scale, BLOCK_N, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP)
     for start in range(seg_start + BLOCK_N, seg_end, BLOCK_N):
-        k, v = _load_block(start, seq_len, key_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, stride_kb,
-                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
-                           HEAD_DIM_PAD, True, SLIDING_WINDOW)
-        if ROTARY:  # the newest key, if in this block, from registers (this program's store need not be read back)
-            is_newest = (start + tl.arange(0, BLOCK_N)) == newest
-            k = tl.where(is_newest[:, None], newest_k[None, :], k)
-            v = tl.where(is_newest[:, None], newest_v[None, :], v)
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, k, v, start, seq_len, key_lo, qk_scale, BLOCK_N, True,
-                                      DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP)
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, q_pos, start, seq_len, key_lo, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+            qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, DOT_F32, PRECISION, SLIDING_WINDOW, SOFTCAP,
+        )  # fmt: skip
 
     if KV_FP8:
         acc = acc * v_scale
@@ -821,11 +746,10 @@ def _launch_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
 
 
 def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out,
-                   sliding_window=None, softcap=None, k_scale=1.0, v_scale=1.0, fused_reduce=True, rotary=None):
+                   sliding_window=None, softcap=None, k_scale=1.0, v_scale=1.0, fused_reduce=True):
     """Split-KV partial kernel on a (B, KVH, num_splits) grid whose last split per (sequence, kv head) merges the
     partials (fused_reduce, when B * KVH counters fit), else followed by the reduction kernel on (B, KVH). Both
-    merge in the same order, to the same bits. rotary: None, or (positions, cos_sin_cache, k, v, slot_mapping):
-    q, k unrotated, rotated in the kernel, this step's k and v written to the caches by it (ROTARY)."""
+    merge in the same order, to the same bits."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -842,22 +766,18 @@ def _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     counters = arrival_counters("split-KV decode", q.device, DECODE_COUNTER_SLOTS) if fused_reduce else part_sum
     splits_pad = triton.next_power_of_2(num_splits)
     heads_per_pass, block_n, num_warps, num_stages = decode_config(group, num_splits, head_dim_pad, _dot_f32(q))
-    positions, cos_sin, k_new, v_new, slots = rotary if rotary is not None else (q, q, q, q, q)  # unread without
-    strides_new = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1)) if rotary else (0, 0, 0, 0)
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         part_acc, part_max, part_sum, out, counters, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        positions, cos_sin, k_new, v_new, slots,
-        _score_scale(scale, softcap, k_cache, k_scale), v_scale, 1.0 / k_scale, 1.0 / v_scale, num_heads,
+        _score_scale(scale, softcap, k_cache, k_scale), v_scale, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), cos_sin.stride(0) if rotary else 0, *strides_new,
+        block_tables.stride(0),
         NUM_SPLITS=num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         DOT_F32=_dot_f32(q), PRECISION=_precision(), SLIDING_WINDOW=sliding_window or 0,
         SOFTCAP=float(softcap or 0.0), KV_FP8=is_fp8(k_cache), FUSED_REDUCE=fused_reduce, SPLITS_PAD=splits_pad,
-        MERGE_HEADS=heads_per_pass, ROTARY=rotary is not None, USE_PDL=pdl, num_warps=num_warps,
-        num_stages=num_stages, launch_pdl=pdl,
+        MERGE_HEADS=heads_per_pass, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if not fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_kv_heads)](
@@ -954,66 +874,6 @@ def paged_attention_decode(
     return out
 
 
-def rotary_cache_and_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    *,
-    max_seq_len: int | None = None,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """A decode step's `rotary_cache.rotary_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-    slot_mapping, k_scale, v_scale)` then `paged_attention(q, ...)` in ONE launch of the split-KV kernel: every
-    program rotates its group's q heads in registers, and the segment holding a sequence's newest key rotates it,
-    writes it and the value to the caches at the token's slot (slot < 0: not written) and uses them from
-    registers. The caches and the output are bit for bit those of the two launches (except the output of a pad
-    row, slot < 0, which attends to its unwritten newest key where the two launches read the cache's stale one);
-    q and k are left as they came (unrotated), unlike rotary_and_cache's in-place rotation.
-
-    Every q_len must be <= 1, the token of sequence b at query_start_loc[b] (the layout paged_attention's decode
-    path reads); q: [T, H, D], k, v: [T, KVH, D] (views of a fused qkv output are fine), positions and
-    slot_mapping: [T]; no per-head q/k norm (Qwen3's take rotary_and_cache). num_splits: as paged_attention_decode
-    (default: what paged_attention would choose for max_seq_len). Other arguments as paged_attention's.
-    """
-    _check_inputs(q, k_cache, v_cache, block_tables)
-    head_dim = q.shape[-1]
-    if k.dim() != 3 or v.shape != k.shape or k_cache.shape[2:] != k.shape[1:]:
-        raise ValueError(f"k and v must be [T, KVH, D] matching the caches' [NB, BS, KVH, D]; got k "
-                         f"{tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
-    check_rotary_inputs(q, k, cos_sin_cache, head_dim)
-    check_cache_inputs(k, v, k_cache, v_cache)
-    if positions.shape != (q.shape[0],) or slot_mapping.shape != (q.shape[0],):
-        raise ValueError(f"positions and slot_mapping must be [T] = [{q.shape[0]}], got {tuple(positions.shape)} "
-                         f"and {tuple(slot_mapping.shape)}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    num_seqs = seq_lens.shape[0]
-    if q.shape[0] == 0 or num_seqs == 0:
-        return out
-    if num_splits is None:
-        kv_bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * k_cache.shape[1]
-        if sliding_window:
-            kv_bound = min(kv_bound, sliding_window + DECODE_BLOCK_N)
-        num_splits = decode_num_splits(num_seqs, k_cache.shape[2], kv_bound, _num_sms(q.device))
-    _launch_decode(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_splits, out,
-                   sliding_window, softcap, k_scale, v_scale, rotary=(positions, cos_sin_cache, k, v, slot_mapping))
-    return out
-
-
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1046,5 +906,4 @@ def varlen_attention(
     return out
 
 
-__all__ = ["paged_attention", "paged_attention_decode", "rotary_cache_and_decode", "decode_num_splits",
-           "varlen_attention"]
+__all__ = ["paged_attention", "paged_attention_decode", "decode_num_splits", "varlen_attention"]

@@ -14,15 +14,6 @@ from .pdl import enabled as pdl_enabled, wait_for_prior_grids
 
 
 @triton.jit
-def rotate_pair(x1, x2, cos, sin):
-    """The rotation of neox pairs (x1, x2) = (x[d], x[d + D/2]) by the angle's cos and sin, in float32:
-    (x1 * cos - x2 * sin, x2 * cos + x1 * sin). The one definition of the arithmetic: every kernel that rotates
-    (this module, rotary_cache.py, the split-KV decode that rotates its own q and newest key) computes exactly
-    these expressions, so they round alike."""
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
-
-
-@triton.jit
 def _rotate_heads(
     x_ptr,  # [nh, D] of one token, heads contiguous
     cos,  # [HALF_PAD] float32
@@ -39,7 +30,8 @@ def _rotate_heads(
     first = x_ptr + heads[:, None] * (2 * HALF) + cols[None, :]  # [HEADS_PAD, HALF_PAD]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1, out2 = rotate_pair(x1, x2, cos[None, :], sin[None, :])
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
     out1 = out1.to(x_ptr.dtype.element_ty)
     out2 = out2.to(x_ptr.dtype.element_ty)
     # In place: every thread's loads done before any store. A tile with fewer elements than threads (one kv head

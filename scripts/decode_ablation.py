@@ -9,8 +9,7 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
 
     base          the engine as it is
     attention     decode attention (ops.paged_attention) returns q
-    rotary_cache  rotary (+ Qwen3's q/k norm) + KV-cache write returns q, k untouched (where it runs: Qwen3's
-                  q/k norms, or with unfused_rotary's switch; a decode step of the others rotates in the attention)
+    rotary_cache  rotary (+ Qwen3's q/k norm) + KV-cache write returns q, k untouched
     norms         every RMSNorm (fused add + norm included) returns its input
     route         the MoE router + top-k returns fixed experts 0..k-1 (weights 1/k)
     experts       the MoE experts (ops.fused_moe) return their input
@@ -18,8 +17,6 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
     gemv_all      (not an ablation) every dense linear takes our decode GEMV up to 64 rows, whatever start-up
                   measured against cuBLAS for it alone
     cublas_all    (not an ablation) every dense linear takes the library's product (cuBLAS) at every size
-    unfused_rotary  (not an ablation) a decode step's rotary + cache write as its own launch before the attention
-                  (ops.FUSED_DECODE_ROTARY off), as before session 18
     prefetch_KB   (not an ablation) each GEMV program asks L2 for KB KiB of its weights before its PDL wait
                   (quant_gemv.PREFETCH_BYTES; whole slices at most); prefetch_o_KB: only square weights (the 8B
                   shape's o projection, after the decode attention), the others as they are
@@ -60,8 +57,7 @@ def model_folder(args) -> Path:
     return Path(args.checkpoint + "-awq-g128" if args.quantization == "awq" else args.checkpoint)
 
 
-VARIANTS = ("base", "attention", "rotary_cache", "norms", "route", "experts", "silu", "gemv_all", "cublas_all",
-            "unfused_rotary")
+VARIANTS = ("base", "attention", "rotary_cache", "norms", "route", "experts", "silu", "gemv_all", "cublas_all")
 
 
 def ablate(variant: str) -> None:
@@ -95,8 +91,6 @@ def ablate(variant: str) -> None:
         ops.fused_moe = lambda hidden, *args, **kwargs: hidden
     elif variant == "silu":
         ops.silu_and_mul = lambda x, fp8_copy=False: x[:, : x.shape[1] // 2]
-    elif variant == "unfused_rotary":
-        ops.FUSED_DECODE_ROTARY = False
     elif variant in ("gemv_all", "cublas_all"):
         rows = 64 if variant == "gemv_all" else 0
         ops.decode_gemv_max_m = lambda *args, **kwargs: rows

@@ -270,90 +270,6 @@ def test_cache_and_attend_with_qk_norm_equals_norming_first(fast_cpu, monkeypatc
     assert not same(out, unnormed), "the norms changed nothing: the test proves nothing"
 
 
-def check_rotary_decode_equals_two_launches(seq_lens, heads, kv_heads, head_dim, dtype, cache_dtype, num_splits,
-                                            scales=(1.0, 1.0), sliding_window=None, softcap=None, device=DEVICE):
-    """attention.rotary_cache_and_decode == rotary_and_cache then the split-KV decode, bit for bit: the output, both
-    caches (written slots and untouched ones), and q, k, v left as they came. The last sequence is a CUDA-graph pad
-    row (slot -1: writes nothing; its output, garbage either way, is not compared). Returns the fused output and the reference attention's, for tolerance checks."""
-    from asyncengine.kernels import attention, rotary_cache
-
-    metadata, num_blocks = decode_metadata(seq_lens, 16, device=device)
-    metadata.slot_mapping[-1] = -1
-    tokens = len(seq_lens)
-    qkv, q, k, v, _, _, _, k_cache, v_cache = qkv_step(tokens, heads, kv_heads, head_dim, num_blocks, 16, dtype,
-                                                       cache_dtype, device=device)
-    positions = torch.tensor([n - 1 for n in seq_lens], device=device)
-    cos_sin = torch.randn(max(seq_lens) + 3, head_dim, device=device)
-    layout = (metadata.query_start_loc, metadata.seq_lens, metadata.block_tables)
-    options = dict(sliding_window=sliding_window, softcap=softcap, k_scale=scales[0], v_scale=scales[1])
-    inputs = qkv.clone()
-
-    two_qkv, two_k_cache, two_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
-    two_q, two_k, two_v = split_heads(two_qkv, heads, kv_heads, head_dim)
-    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    ref_q, ref_k = reference.rotary_and_cache(positions, two_q.clone(), two_k.clone(), two_v, cos_sin, ref_k_cache,
-                                              ref_v_cache, metadata.slot_mapping, *scales)
-    rotary_cache.rotary_and_cache(positions, two_q, two_k, two_v, cos_sin, two_k_cache, two_v_cache,
-                                  metadata.slot_mapping, *scales)
-    two = attention.paged_attention_decode(two_q, two_k_cache, two_v_cache, *layout, 0.125, num_splits, **options)
-
-    out = attention.rotary_cache_and_decode(q, k, v, positions, cos_sin, k_cache, v_cache, metadata.slot_mapping,
-                                            *layout, 0.125, num_splits=num_splits, **options)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    assert same(qkv, inputs), "q, k or v were touched"
-    assert same(k_cache, two_k_cache) and same(v_cache, two_v_cache), "a cache differs from the two launches'"
-    # (the pad row's output is not compared: the two launches read its unwritten newest key from the cache)
-    assert same(out[:-1], two[:-1]), "the output differs from the two launches'"
-    ref = reference.paged_attention(ref_q, ref_k_cache, ref_v_cache, metadata.query_start_loc_cpu,
-                                    metadata.seq_lens_cpu, metadata.block_tables, 0.125, sliding_window, softcap,
-                                    *scales)
-    return out, ref
-
-
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("dtype,cache_dtype", CASES)
-def test_rotary_cache_and_decode_equals_rotary_and_cache_then_decode_bit_for_bit(dtype, cache_dtype, num_splits):
-    """One launch instead of two: every split count puts a sequence's newest key in a segment's first block
-    (patched in the preloaded tile) for some sequences and in a later block for others."""
-    scales = (0.37, 1.9) if cache_dtype == FP8 else (1.0, 1.0)
-    out, ref = check_rotary_decode_equals_two_launches([1, 17, 64, 65, 130, 1], 6, 2, 64, dtype, cache_dtype,
-                                                       num_splits, scales)
-    if cache_dtype == FP8:  # random e4m3 caches make peaky softmaxes: the error of the whole output instead
-        error = ((out[:-1].float() - ref[:-1].float()).norm() / ref[:-1].float().norm()).item()
-        assert error < (1e-5 if dtype == torch.float32 else 3e-2), error
-    else:
-        assert_matches(out[:-1], ref[:-1], {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)})
-
-
-@pytest.mark.parametrize("head_dim,sliding_window,softcap", [(48, None, None), (64, 40, None), (64, None, 30.0)])
-def test_rotary_cache_and_decode_with_odd_head_dims_windows_and_softcap_bit_for_bit(head_dim, sliding_window,
-                                                                                    softcap):
-    out, ref = check_rotary_decode_equals_two_launches([9, 70, 150, 1], 4, 4, head_dim, torch.float32,
-                                                       torch.float32, 4, sliding_window=sliding_window,
-                                                       softcap=softcap)
-    assert_matches(out[:-1], ref[:-1], {torch.float32: (2e-5, 2e-5)})
-
-
-def test_rotary_cache_and_decode_rejects_bad_inputs_naming_them():
-    from asyncengine.kernels import attention
-
-    metadata, num_blocks = decode_metadata([5, 9], 16)
-    _, q, k, v, _, _, cos_sin, k_cache, v_cache = qkv_step(2, 4, 2, 64, num_blocks, 16, torch.float32,
-                                                           torch.float32)
-    positions = torch.tensor([4, 8], device=DEVICE)
-    layout = (metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, 0.125)
-    with pytest.raises(ValueError, match="k and v"):
-        attention.rotary_cache_and_decode(q, k, v[:, :1], positions, cos_sin, k_cache, v_cache,
-                                          metadata.slot_mapping, *layout)
-    with pytest.raises(ValueError, match="positions and slot_mapping"):
-        attention.rotary_cache_and_decode(q, k, v, positions[:1], cos_sin, k_cache, v_cache, metadata.slot_mapping,
-                                          *layout)
-    with pytest.raises(ValueError, match="cos_sin_cache"):
-        attention.rotary_cache_and_decode(q, k, v, positions, cos_sin[:, :32], k_cache, v_cache,
-                                          metadata.slot_mapping, *layout)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # PDL: the switch (kernels/pdl.py)
 # ----------------------------------------------------------------------------------------------------------------
@@ -400,23 +316,6 @@ def test_gpu_rotary_and_cache_at_llama_sizes_equals_the_two_kernels_bit_for_bit(
     assert same(qkv, two_qkv) and same(k_cache, two_k_cache) and same(v_cache, two_v_cache)
     assert_matches(q.flatten(1), ref_q)
     assert_matches(k.flatten(1), ref_k)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-@pytest.mark.parametrize("seq_lens", [[1000, 1], [1000, 1, 1500, 33, 4096, 17, 64, 65] * 8 + [1]])
-def test_gpu_rotary_cache_and_decode_at_llama_sizes_equals_the_two_launches_bit_for_bit(cache_dtype, seq_lens):
-    """Llama-3-8B attention, bf16, batch 1 (W3) and 64 (+ a pad row), the split count the engine would choose."""
-    from asyncengine.kernels import attention
-
-    scales = (0.05, 0.03) if cache_dtype == FP8 else (1.0, 1.0)
-    splits = attention.decode_num_splits(len(seq_lens), KV_HEADS, 4096, torch.cuda.get_device_properties(0)
-                                         .multi_processor_count)
-    out, ref = check_rotary_decode_equals_two_launches(seq_lens, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16,
-                                                       cache_dtype, splits, scales, device="cuda")
-    error = ((out[:-1].float() - ref[:-1].float()).norm() / ref[:-1].float().norm()).item()
-    assert error < 3e-2, error
 
 
 QWEN3_MOE_HEADS, QWEN3_MOE_KV_HEADS = 32, 4  # Qwen3-30B-A3B's attention (D = 128): groups of 8 q heads
@@ -476,10 +375,8 @@ def gemv(x, params):
 
 def decode_step(state, layers, metadata, cos_sin, k_scale, v_scale):
     """The decode step's kernels for every layer, as the engine launches them (batch-1 or a few sequences):
-    norm, qkv GEMV, rotary + cache write + decode attention (ops.cache_and_attend: one launch, or two with
-    ops.FUSED_DECODE_ROTARY off), o GEMV, norm, gate_up GEMV, silu_and_mul, down GEMV."""
-    from asyncengine import ops
-    from asyncengine.kernels import activation, norm, quant_fp8
+    norm, qkv GEMV, rotary + cache write, decode attention, o GEMV, norm, gate_up GEMV, silu_and_mul, down GEMV."""
+    from asyncengine.kernels import activation, attention, norm, quant_fp8, rotary_cache
 
     hidden, residual = state["hidden"], state["residual"]
     tokens = hidden.shape[0]
@@ -488,8 +385,11 @@ def decode_step(state, layers, metadata, cos_sin, k_scale, v_scale):
         qkv = gemv(normed, weights["qkv"])
         q, k, v = (x.unflatten(-1, (-1, HEAD_DIM)) for x in qkv.split(
             [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1))
-        out = ops.cache_and_attend(q, k, v, k_cache, v_cache, metadata, HEAD_DIM**-0.5, None, None, k_scale, v_scale,
-                                   (state["positions"], cos_sin))
+        rotary_cache.rotary_and_cache(state["positions"], q, k, v, cos_sin, k_cache, v_cache, metadata.slot_mapping,
+                                      k_scale, v_scale)
+        out = attention.paged_attention(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                                        metadata.block_tables, HEAD_DIM**-0.5, max_query_len=1,
+                                        max_seq_len=metadata.max_seq_len, k_scale=k_scale, v_scale=v_scale)
         hidden = gemv(out.view(tokens, -1), weights["o"])
         normed, residual = norm.fused_add_rms_norm(hidden, residual, weights["norm2"], 1e-5)
         hidden = gemv(activation.silu_and_mul(gemv(normed, weights["gate_up"])), weights["down"])
@@ -497,14 +397,11 @@ def decode_step(state, layers, metadata, cos_sin, k_scale, v_scale):
     state["out"].copy_(norm.rms_norm(hidden, layers[-1]["norm1"], 1e-5))
 
 
-def run_decode_graph(pdl_on: bool, quant: str, cache_dtype, seed: int, monkeypatch, fused_rotary: bool = True):
-    """Fresh inputs from `seed`, the decode step captured in a CUDA graph with PDL on or off (and the rotary in the
-    attention's launch or not), replayed three times (steps at growing positions); returns the outputs and
-    caches."""
-    from asyncengine import ops
+def run_decode_graph(pdl_on: bool, quant: str, cache_dtype, seed: int, monkeypatch):
+    """Fresh inputs from `seed`, the decode step captured in a CUDA graph with PDL on or off, replayed three
+    times (steps at growing positions); returns the outputs and caches."""
     from asyncengine.kernels import pdl
 
-    monkeypatch.setattr(ops, "FUSED_DECODE_ROTARY", fused_rotary)
     monkeypatch.setenv(pdl.ENV_SWITCH, "1" if pdl_on else "0")
     assert pdl.enabled(torch.device("cuda")) == pdl_on
     torch.manual_seed(seed)
@@ -551,21 +448,6 @@ def test_gpu_decode_step_in_a_cuda_graph_gives_the_same_bits_with_and_without_pd
         assert same(a, b), f"PDL changed the results (seed {seed})"
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-def test_gpu_decode_step_in_a_cuda_graph_gives_the_same_bits_with_the_rotary_in_the_attention(cache_dtype,
-                                                                                                monkeypatch):
-    """Two layers' decode step in a graph, three replays: the rotary + cache write inside the attention's launch
-    (ops.FUSED_DECODE_ROTARY) leaves the outputs and every cache bit for bit as the separate rotary launch does."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    fused = run_decode_graph(True, "bf16", cache_dtype, seed, monkeypatch)
-    separate = run_decode_graph(True, "bf16", cache_dtype, seed, monkeypatch, fused_rotary=False)
-    for a, b in zip(fused[0] + fused[1], separate[0] + separate[1]):
-        assert not (a.float().isnan().any()), "NaN in a decode output"
-        assert same(a, b), f"the fused rotary changed the results (seed {seed})"
-
-
 AHEAD_OF_TIME = """
 import sys
 import triton
@@ -608,7 +490,7 @@ def barrier_between(fn, types, constants, after: str, before: str) -> bool:
 
 decode = dict(NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
               DOT_F32=False, PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=False, FUSED_REDUCE=True,
-              SPLITS_PAD=4, MERGE_HEADS=4, ROTARY=False)
+              SPLITS_PAD=4, MERGE_HEADS=4)
 kernels = [
     (norm._rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096, ROWS=1)),
     (norm._fused_add_rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096, QUANT=False, FP8_MAX_VALUE=448.0)),
@@ -649,12 +531,6 @@ kernels = [
      dict(BLOCK_H=4096, QUANT=True, FP8_MAX_VALUE=448.0)),
     (activation._silu_and_mul_kernel, dict(fp8_ptr=fp8, fp8_scale_ptr=f32, min_scale="fp32"),
      dict(BLOCK=16384, QUANT=True, FP8_MAX_VALUE=448.0)),
-    # the split-KV decode rotating q and the newest key itself and writing it to an FP8 cache
-    (attention._decode_partial_kernel, dict(part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, counter_ptr=i32,
-                                            query_start_loc_ptr=i32, seq_lens_ptr=i32, block_tables_ptr=i32,
-                                            positions_ptr=i64, cos_sin_ptr=f32, slot_ptr=i64, k_cache_ptr=fp8,
-                                            v_cache_ptr=fp8, qk_scale="fp32", v_scale="fp32", k_inv_scale="fp32",
-                                            v_inv_scale="fp32"), dict(decode, ROTARY=True, KV_FP8=True)),
 ]
 ok = [compile_kernel(*k) for k in kernels]
 print("with griddepcontrol", sum(ok), "of", len(ok))
@@ -695,7 +571,7 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
-    assert "with griddepcontrol 15 of 15" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "with griddepcontrol 14 of 14" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     assert "barriers [True, True, True, True]" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     preloads = int(run.stdout.split("decode loads before its wait")[1].split()[0])
     assert preloads >= 4, run.stdout[-3000:]  # metadata, block table, K and V tiles

@@ -372,9 +372,8 @@ class PagedAttention(nn.Module):
                 rotary: Optional[tuple[torch.Tensor, "RotaryEmbedding"]] = None,
                 qk_norm: Optional[ops.QKNorm] = None):
         """q: [T, H*D], k, v: [T, KVH*D] -> [T, H*D]. rotary: (positions [T], the layer's RotaryEmbedding) to
-        rotate q and k first (on CUDA in the same kernel as the cache write, in place, or for a decode step in the
-        attention's own launch, leaving q and k as they came: ops.cache_and_attend). qk_norm: per-head norms of q
-        and k before the rotation (on CUDA in the rotary kernel too)."""
+        rotate q and k first (in place; on CUDA in the same kernel as the cache write). qk_norm: per-head norms
+        of q and k before the rotation (on CUDA in that kernel too)."""
         tokens = q.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
