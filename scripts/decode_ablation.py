@@ -17,6 +17,8 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
     gemv_all      (not an ablation) every dense linear takes our decode GEMV up to 64 rows, whatever start-up
                   measured against cuBLAS for it alone
     cublas_all    (not an ablation) every dense linear takes the library's product (cuBLAS) at every size
+    maxnreg_N     (not an ablation) the decode GEMV compiled with at most N registers a thread (more programs,
+                  of it or of the next kernel, fit an SM; spills if too few)
     prefetch_KB   (not an ablation) each GEMV program asks L2 for KB KiB of its weights before its PDL wait
                   (quant_gemv.PREFETCH_BYTES; whole slices at most); prefetch_o_KB: only square weights (the 8B
                   shape's o projection, after the decode attention), the others as they are
@@ -94,6 +96,10 @@ def ablate(variant: str) -> None:
     elif variant in ("gemv_all", "cublas_all"):
         rows = 64 if variant == "gemv_all" else 0
         ops.decode_gemv_max_m = lambda *args, **kwargs: rows
+    elif variant.startswith("maxnreg_"):
+        from asyncengine.kernels import quant_gemv
+
+        quant_gemv._gemv_kernel = _WithMaxRegisters(quant_gemv._gemv_kernel, int(variant.rsplit("_", 1)[1]))
     elif variant.startswith("prefetch_"):
         from asyncengine.kernels import quant_gemv
 
@@ -112,7 +118,19 @@ def ablate(variant: str) -> None:
 
         quant_gemv._prefetch_shape = shaped
     elif variant != "base":
-        raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB")
+        raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB, "
+                         "maxnreg_N")
+
+
+class _WithMaxRegisters:
+    """A Triton kernel whose launches pass maxnreg (ptxas's register cap per thread): `kernel[grid](...)` as usual."""
+
+    def __init__(self, kernel, registers: int):
+        self.kernel, self.registers = kernel, registers
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, maxnreg=self.registers, **kwargs)
 
 
 def child(args) -> dict:
