@@ -17,6 +17,8 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
     gemv_all      (not an ablation) every dense linear takes our decode GEMV up to 64 rows, whatever start-up
                   measured against cuBLAS for it alone
     cublas_all    (not an ablation) every dense linear takes the library's product (cuBLAS) at every size
+    split_div_D   (not an ablation) every GEMV config's split_k divided by D (at least 1): fewer programs, so
+                  the next kernel's programs can become resident beside them and prefetch
     maxnreg_N     (not an ablation) the decode GEMV compiled with at most N registers a thread (more programs,
                   of it or of the next kernel, fit an SM; spills if too few)
     prefetch_KB   (not an ablation) each GEMV program asks L2 for KB KiB of its weights before its PDL wait
@@ -96,6 +98,18 @@ def ablate(variant: str) -> None:
     elif variant in ("gemv_all", "cublas_all"):
         rows = 64 if variant == "gemv_all" else 0
         ops.decode_gemv_max_m = lambda *args, **kwargs: rows
+    elif variant.startswith("split_div_"):
+        import dataclasses
+
+        from asyncengine.kernels import quant_gemv
+
+        divisor, chosen = int(variant.rsplit("_", 1)[1]), quant_gemv.config_for
+
+        def fewer_slices(*args, **kwargs):
+            config = chosen(*args, **kwargs)
+            return dataclasses.replace(config, split_k=max(1, config.split_k // divisor))
+
+        quant_gemv.config_for = fewer_slices
     elif variant.startswith("maxnreg_"):
         from asyncengine.kernels import quant_gemv
 
@@ -119,7 +133,7 @@ def ablate(variant: str) -> None:
         quant_gemv._prefetch_shape = shaped
     elif variant != "base":
         raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB, "
-                         "maxnreg_N")
+                         "maxnreg_N, split_div_D")
 
 
 class _WithMaxRegisters:
