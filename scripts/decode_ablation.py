@@ -18,7 +18,7 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
                   measured against cuBLAS for it alone
     cublas_all    (not an ablation) every dense linear takes the library's product (cuBLAS) at every size
     split_div_D   (not an ablation) every GEMV config's split_k divided by D (at least 1): fewer programs, so
-                  the next kernel's programs can become resident beside them and prefetch
+                  the next kernel's programs can become resident beside them and prefetch; split_mul_M: times M
     maxnreg_N     (not an ablation) the decode GEMV compiled with at most N registers a thread (more programs,
                   of it or of the next kernel, fit an SM; spills if too few)
     prefetch_KB   (not an ablation) each GEMV program asks L2 for KB KiB of its weights before its PDL wait
@@ -98,18 +98,19 @@ def ablate(variant: str) -> None:
     elif variant in ("gemv_all", "cublas_all"):
         rows = 64 if variant == "gemv_all" else 0
         ops.decode_gemv_max_m = lambda *args, **kwargs: rows
-    elif variant.startswith("split_div_"):
+    elif variant.startswith(("split_div_", "split_mul_")):
         import dataclasses
 
         from asyncengine.kernels import quant_gemv
 
-        divisor, chosen = int(variant.rsplit("_", 1)[1]), quant_gemv.config_for
+        factor, chosen = int(variant.rsplit("_", 1)[1]), quant_gemv.config_for
+        scale = (lambda n: max(1, n // factor)) if variant.startswith("split_div_") else (lambda n: n * factor)
 
-        def fewer_slices(*args, **kwargs):
+        def other_slices(*args, **kwargs):
             config = chosen(*args, **kwargs)
-            return dataclasses.replace(config, split_k=max(1, config.split_k // divisor))
+            return dataclasses.replace(config, split_k=scale(config.split_k))
 
-        quant_gemv.config_for = fewer_slices
+        quant_gemv.config_for = other_slices
     elif variant.startswith("maxnreg_"):
         from asyncengine.kernels import quant_gemv
 
@@ -133,7 +134,7 @@ def ablate(variant: str) -> None:
         quant_gemv._prefetch_shape = shaped
     elif variant != "base":
         raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB, "
-                         "maxnreg_N, split_div_D")
+                         "maxnreg_N, split_div_D, split_mul_M")
 
 
 class _WithMaxRegisters:
