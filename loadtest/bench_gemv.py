@@ -459,7 +459,9 @@ def run_sweep(argv: list[str]) -> int:
             continue
         results.append(sweep_group(group, configs, failed, device, num_sms, copy_gbps))
     print(f"\nwinners ({time.perf_counter() - start:.0f} s; paste into kernels/quant_gemv_configs.py TUNED):")
-    gpu = torch.cuda.get_device_name() if device == "cuda" and not args.any_gpu else ""
+    from asyncengine.kernels import device_name
+
+    gpu = device_name(0) if device == "cuda" and not args.any_gpu else ""  # the key config_for looks up
     lines = [winner_line(r, copy_gbps, gpu) for r in results if r.best]
     print("\n".join(lines))
     if args.write_table and lines and not args.tiny:

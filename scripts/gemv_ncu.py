@@ -21,22 +21,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
+LINEARS = ("qkv", "o", "gate_up", "down")  # of bench_gemv.SHAPES (the LM head stays bf16 and is left out)
 
 
-def case(fmt: str, k: int, n: int):
-    """run(x) -> y for one format at (K, N), with the config quant_gemv picks for M = 1."""
-    from asyncengine.kernels import quant_gemv, quant_reference
+def case(fmt: str, name: str):
+    """run() -> y for one format at one 8B shape: bench_gemv's case (its x, one weight copy), with the config
+    quant_gemv picks for M = 1."""
+    from loadtest.bench_gemv import SHAPES, Case, Group
 
-    if fmt == "int4":
-        qweight, scales, zeros = quant_reference.quantize_int_weight(torch.randn(k, n, device="cuda"), 128)
-        scales, zeros = scales.bfloat16(), zeros.bfloat16()
-        return lambda x: quant_gemv.int4_gemv(x, qweight, scales, zeros, 128)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    scale = None
-    if fmt == "fp8":
-        w, scale = quant_reference.quantize_fp8(w, dim=-1)
-    return lambda x: quant_gemv.dense_gemv(x, w, None, scale)
+    k, n = SHAPES[name]
+    one = Case(Group(fmt, name, k, n, 1), "cuda", copies=1)
+    ours = one.ours(None)  # config None: the chosen one
+    return lambda: ours(one.weights[0])
 
 
 def main() -> int:
@@ -44,21 +40,18 @@ def main() -> int:
     parser.add_argument("--formats", default="int4,fp8,bf16")
     parser.add_argument("--count", action="store_true", help="print the number of cases and exit")
     args = parser.parse_args()
-    names = [(fmt, name) for fmt in args.formats.split(",") for name in SHAPES]
+    names = [(fmt, name) for fmt in args.formats.split(",") for name in LINEARS]
     if args.count:
         print(len(names))
         return 0
     print(f"{len(names)} cases, profiled in this order:", flush=True)
-    runs = []
-    for fmt, name in names:
-        k, n = SHAPES[name]
-        runs.append((fmt, name, case(fmt, k, n), torch.randn(1, k, device="cuda", dtype=torch.bfloat16)))
-    for _, _, run, x in runs:  # compile (the launches ncu skips)
-        run(x)
+    runs = [(fmt, name, case(fmt, name)) for fmt, name in names]
+    for _, _, run in runs:  # compile (the launches ncu skips)
+        run()
     torch.cuda.synchronize()
-    for i, (fmt, name, run, x) in enumerate(runs):
+    for i, (fmt, name, run) in enumerate(runs):
         print(f"  {i}: {fmt} {name}", flush=True)
-        run(x)
+        run()
     torch.cuda.synchronize()
     return 0
 
