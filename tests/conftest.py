@@ -15,10 +15,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Choices measured on this machine (asyncengine/measured_choices.py) go to a directory of this run's own, shared by
 # every process it starts, not to the user's ~/.cache.
+# The process that makes the directory removes it at exit (every test run left one behind in /tmp before).
 if "ASYNCENGINE_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["ASYNCENGINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="asyncengine-test-choices-")
+    atexit.register(shutil.rmtree, os.environ["ASYNCENGINE_CACHE_DIR"], ignore_errors=True)
 # Without CUDA, Triton kernels run in its interpreter, which must be chosen before any module defines a kernel:
 # set here, first, not in the kernel tests, so collection order (another module importing Triton) cannot matter.
 import torch  # noqa: E402
