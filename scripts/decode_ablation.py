@@ -24,6 +24,9 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
     prefetch_KB   (not an ablation) each GEMV program asks L2 for KB KiB of its weights before its PDL wait
                   (quant_gemv.PREFETCH_BYTES; whole slices at most); prefetch_o_KB: only square weights (the 8B
                   shape's o projection, after the decode attention), the others as they are
+    attn_splits_S (not an ablation) the split-KV decode attention's split count capped at S (fewer programs,
+                  longer segments, a smaller merge); attn_bn_B_S: its key tiles and shortest segment B keys, at
+                  most S splits
 
     python scripts/decode_ablation.py --family qwen3-30b-a3b --num-layers 8 --checkpoint /dev/shm/q3-8l \
         --variants base attention rotary_cache norms route experts base
@@ -111,6 +114,18 @@ def ablate(variant: str) -> None:
             return dataclasses.replace(config, split_k=scale(config.split_k))
 
         quant_gemv.config_for = other_slices
+    elif variant.startswith("attn_splits_"):  # the split-KV decode's split count capped at S
+        from asyncengine.kernels import attention
+
+        cap, chosen = int(variant.rsplit("_", 1)[1]), attention.decode_num_splits
+        attention.decode_num_splits = lambda *args: min(cap, chosen(*args))
+    elif variant.startswith("attn_bn_"):  # attn_bn_B_S: key tiles (and shortest segment) of B, at most S splits
+        from asyncengine.kernels import attention
+
+        block_n, max_splits = (int(v) for v in variant.split("_")[2:4])
+        attention.DECODE_BLOCK_N = attention.DECODE_MIN_SEGMENT = block_n
+        attention.DECODE_MAX_SPLITS = max_splits
+        attention.DECODE_PROGRAMS_PER_SM = 8  # so that S, not the SM count, bounds the splits
     elif variant.startswith("maxnreg_"):
         from asyncengine.kernels import quant_gemv
 
@@ -134,7 +149,7 @@ def ablate(variant: str) -> None:
         quant_gemv._prefetch_shape = shaped
     elif variant != "base":
         raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB, "
-                         "maxnreg_N, split_div_D, split_mul_M")
+                         "maxnreg_N, split_div_D, split_mul_M, attn_splits_S, attn_bn_B_S")
 
 
 class _WithMaxRegisters:

@@ -35,7 +35,7 @@ SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # (N, K) of
 
 @triton.jit
 def _phase(x_ptr, w_ptr, y_ptr, N, K, arrive_ptr, wait_ptr, pid, P, WAIT: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPIN_LOAD: tl.constexpr):
     """y[tile rows] = W[tile rows] @ x for the tiles pid, pid + P, ... of N / BLOCK_N (full K each), streamed as
     one sequence of [BLOCK_N, BLOCK_K] chunks, each loaded one step ahead; the first chunk before the wait for
     the previous phase (weights depend on nothing). Then arrive on arrive_ptr (release)."""
@@ -49,8 +49,13 @@ def _phase(x_ptr, w_ptr, y_ptr, N, K, arrive_ptr, wait_ptr, pid, P, WAIT: tl.con
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
                 mask=(rows < N)[:, None] & (ks < K)[None, :] & (total > 0), other=0.0)
     if WAIT:
-        while tl.atomic_add(wait_ptr, 0, sem="acquire") < P:
-            pass
+        if SPIN_LOAD:  # spin on plain (volatile) reads, which L2 serves side by side, then one acquire
+            while tl.load(wait_ptr, volatile=True) < P:
+                pass
+            tl.atomic_add(wait_ptr, 0, sem="acquire")
+        else:  # spin on atomic reads (read-modify-write: serialized at the counter's L2 slice)
+            while tl.atomic_add(wait_ptr, 0, sem="acquire") < P:
+                pass
         tl.debug_barrier()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for step in range(0, total):
@@ -75,12 +80,12 @@ def _phase(x_ptr, w_ptr, y_ptr, N, K, arrive_ptr, wait_ptr, pid, P, WAIT: tl.con
 
 @triton.jit(do_not_specialize=["P"])
 def _chain_kernel(x_ptr, w1, y1, w2, y2, w3, y3, w4, y4, counters_ptr, N1, K1, N2, K2, N3, K3, N4, K4, P,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPIN_LOAD: tl.constexpr):
     pid = tl.program_id(0)
-    _phase(x_ptr, w1, y1, N1, K1, counters_ptr + 0, counters_ptr, pid, P, False, BLOCK_N, BLOCK_K)
-    _phase(y1, w2, y2, N2, K2, counters_ptr + 1, counters_ptr + 0, pid, P, True, BLOCK_N, BLOCK_K)
-    _phase(y2, w3, y3, N3, K3, counters_ptr + 2, counters_ptr + 1, pid, P, True, BLOCK_N, BLOCK_K)
-    _phase(y3, w4, y4, N4, K4, counters_ptr + 3, counters_ptr + 2, pid, P, True, BLOCK_N, BLOCK_K)
+    _phase(x_ptr, w1, y1, N1, K1, counters_ptr + 0, counters_ptr, pid, P, False, BLOCK_N, BLOCK_K, SPIN_LOAD)
+    _phase(y1, w2, y2, N2, K2, counters_ptr + 1, counters_ptr + 0, pid, P, True, BLOCK_N, BLOCK_K, SPIN_LOAD)
+    _phase(y2, w3, y3, N3, K3, counters_ptr + 2, counters_ptr + 1, pid, P, True, BLOCK_N, BLOCK_K, SPIN_LOAD)
+    _phase(y3, w4, y4, N4, K4, counters_ptr + 3, counters_ptr + 2, pid, P, True, BLOCK_N, BLOCK_K, SPIN_LOAD)
     # The last program to finish phase 4 knows every program passed every barrier: it resets the counters for
     # the next launch (graph replay).
     if tl.atomic_add(counters_ptr + 4, 1, sem="acq_rel") == P - 1:
@@ -88,11 +93,12 @@ def _chain_kernel(x_ptr, w1, y1, w2, y2, w3, y3, w4, y4, counters_ptr, N1, K1, N
             tl.atomic_xchg(counters_ptr + i, 0)
 
 
-def persistent_chain(x, weights, outs, counters, programs, block_n, block_k, num_warps):
+def persistent_chain(x, weights, outs, counters, programs, block_n, block_k, num_warps, spin_load=True):
     (w1, w2, w3, w4), (y1, y2, y3, y4) = weights, outs
     shapes = [d for w in weights for d in w.shape]
     kernel = _chain_kernel[(programs,)](x, w1, y1, w2, y2, w3, y3, w4, y4, counters, *shapes, programs,
-                                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+                                        BLOCK_N=block_n, BLOCK_K=block_k, SPIN_LOAD=spin_load,
+                                        num_warps=num_warps)
     return y4, kernel
 
 
@@ -130,10 +136,19 @@ def graph_time_us(fn, repeats, per_graph=10):
 
 
 def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    """Device-to-device copy of 1 GiB, read + write bytes per second (the engine's bench_offline measures the same)."""
+    a = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
-    us = graph_time_us(lambda: b.copy_(a), 10, per_graph=4)
-    return 2 * a.numel() / (us * 1e-6)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 4 * 10 / (start.elapsed_time(end) * 1e-3)
 
 
 def main() -> None:
@@ -168,18 +183,21 @@ def main() -> None:
     reference = engine().float().flatten()
     rows = [("engine GEMV x4 (PDL)", graph_time_us(engine, args.repeats)),
             ("cuBLAS x4", graph_time_us(cublas, args.repeats))]
-    for block_n, block_k, num_warps, per_sm in ((16, 512, 8, 1), (16, 256, 4, 2), (8, 512, 4, 2), (16, 512, 8, 2),
-                                               (32, 256, 8, 1), (8, 256, 4, 4)):
+    for block_n, block_k, num_warps, per_sm, spin_load in ((16, 512, 8, 2, False), (16, 512, 8, 2, True),
+                                                          (16, 512, 8, 3, True), (16, 1024, 8, 2, True),
+                                                          (32, 512, 8, 2, True), (8, 512, 4, 4, True)):
         # one program alone first: it compiles the kernel and cannot deadlock (it waits only for itself)
-        _, kernel = persistent_chain(x, weights, outs, counters, 1, block_n, block_k, num_warps)
+        _, kernel = persistent_chain(x, weights, outs, counters, 1, block_n, block_k, num_warps, spin_load)
         torch.cuda.synchronize()
         fit = resident_programs(kernel, num_warps, dev)
         programs = torch.cuda.get_device_properties(dev).multi_processor_count * per_sm
-        name = f"persistent {block_n}x{block_k} w{num_warps} {per_sm}/SM ({kernel.n_regs} regs)"
+        name = (f"persistent {block_n}x{block_k} w{num_warps} {per_sm}/SM {'load' if spin_load else 'atomic'} spin "
+                f"({kernel.n_regs} regs)")
         if programs > fit:
             rows.append((name + f": {programs} programs > {fit} resident, skipped", float("nan")))
             continue
-        run = lambda: persistent_chain(x, weights, outs, counters, programs, block_n, block_k, num_warps)[0]  # noqa
+        run = lambda: persistent_chain(x, weights, outs, counters, programs, block_n, block_k, num_warps,  # noqa
+                                       spin_load)[0]
         got = run().float()
         torch.cuda.synchronize()
         err = ((got - reference).norm() / reference.norm()).item()
@@ -188,9 +206,11 @@ def main() -> None:
     tiny = [torch.randn(16 * 132, 64, device=dev, dtype=torch.bfloat16) for _ in SHAPES]
     tiny_outs = [torch.empty(16 * 132, device=dev, dtype=torch.bfloat16) for _ in SHAPES]
     xt = torch.randn(1, 64, device=dev, dtype=torch.bfloat16)
-    rows.append(("barriers alone (4 phases, 1 tile of 16x64 a program, 132 programs)",
-                 graph_time_us(lambda: persistent_chain(xt, tiny, tiny_outs, counters, 132, 16, 64, 4)[0],
-                               args.repeats)))
+    for spin_load in (False, True):
+        rows.append((f"barriers alone (4 phases, 1 tile of 16x64 a program, 132 programs, "
+                     f"{'load' if spin_load else 'atomic'} spin)",
+                     graph_time_us(lambda: persistent_chain(xt, tiny, tiny_outs, counters, 132, 16, 64, 4,
+                                                            spin_load)[0], args.repeats)))
     rows.append(("one empty-ish GEMV launch alone (engine, 2112x64)",
                  graph_time_us(lambda: dense_gemv(xt, tiny[0]), args.repeats)))
     print(f"{'chain of the 8B products at M = 1':<78} {'us':>8} {'of floor':>9}")
