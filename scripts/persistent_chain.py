@@ -114,7 +114,8 @@ def resident_programs(kernel, num_warps, device) -> int:
 
 
 def graph_time_us(fn, repeats, per_graph=10):
-    """Median over `repeats` replays of a graph of `per_graph` calls of fn: microseconds per call."""
+    """Median over `repeats` replays of a graph of `per_graph` calls of fn: microseconds per call (ten calls a
+    graph, so that the replay's own launch is spread over them; bench_kernels.graph_ms times one call a graph)."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(3):
@@ -135,27 +136,12 @@ def graph_time_us(fn, repeats, per_graph=10):
     return statistics.median(times)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 1 GiB, read + write bytes per second (the engine's bench_offline measures the same)."""
-    a = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 4 * 10 / (start.elapsed_time(end) * 1e-3)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     from asyncengine.kernels.quant_gemv import dense_gemv
+    from asyncengine.loadtest.bench_offline import measure_copy_bandwidth
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -176,7 +162,7 @@ def main() -> None:
             h = F.linear(h[:, : w.shape[1]], w)
         return h
 
-    bw = copy_bandwidth()
+    bw = measure_copy_bandwidth()
     nbytes = sum(w.numel() * 2 for w in weights)
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:,.0f} GB/s; the four products' weights "
           f"{nbytes / 1e6:.0f} MB: floor {nbytes / bw * 1e6:.1f} us")
