@@ -27,6 +27,10 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
     attn_splits_S (not an ablation) the split-KV decode attention's split count capped at S (fewer programs,
                   longer segments, a smaller merge); attn_bn_B_S: its key tiles and shortest segment B keys, at
                   most S splits
+    l2_o          (not an ablation) a kernel that asks L2 for the whole o projection's weight (one
+                  `prefetch.global.L2` per 128-byte line) between the qkv GEMV and the rotary + cache write, so
+                  that the weight streams in while the latency-bound rotary and decode attention run; l2_o_first:
+                  before the qkv GEMV (bf16 weights)
 
     python scripts/decode_ablation.py --family qwen3-30b-a3b --num-layers 8 --checkpoint /dev/shm/q3-8l \
         --variants base attention rotary_cache norms route experts base
@@ -126,6 +130,8 @@ def ablate(variant: str) -> None:
         attention.DECODE_BLOCK_N = attention.DECODE_MIN_SEGMENT = block_n
         attention.DECODE_MAX_SPLITS = max_splits
         attention.DECODE_PROGRAMS_PER_SM = 8  # so that S, not the SM count, bounds the splits
+    elif variant in ("l2_o", "l2_o_first"):
+        _prefetch_o_weights(before_qkv=variant == "l2_o_first")
     elif variant.startswith("maxnreg_"):
         from asyncengine.kernels import quant_gemv
 
@@ -149,7 +155,49 @@ def ablate(variant: str) -> None:
         quant_gemv._prefetch_shape = shaped
     elif variant != "base":
         raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB, "
-                         "maxnreg_N, split_div_D, split_mul_M, attn_splits_S, attn_bn_B_S")
+                         "maxnreg_N, split_div_D, split_mul_M, attn_splits_S, attn_bn_B_S, l2_o, l2_o_first")
+
+
+def _prefetch_o_weights(before_qkv: bool) -> None:
+    """Patch the model's attention block to launch `_l2_prefetch_kernel` over its o projection's weight."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from asyncengine.kernels import pdl
+    from asyncengine.models import llama
+
+    @triton.jit
+    def _l2_prefetch_kernel(ptr, n_lines, LINES: tl.constexpr, USE_PDL: tl.constexpr):
+        # rule 3 (kernels/pdl.py): the next kernel may launch now (this one writes nothing); the wait at the end
+        # keeps the chain (this kernel cannot complete before its predecessor has)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        lines = tl.program_id(0) * LINES + tl.arange(0, LINES)
+        base = ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+        addresses = (base + tl.where(lines < n_lines, lines, 0).to(tl.int64) * 128).to(tl.int64, bitcast=True)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [addresses], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+
+    def prefetch(weight: torch.Tensor) -> None:
+        n_lines = triton.cdiv(weight.numel() * weight.element_size(), 128)
+        use_pdl = pdl.enabled(weight.device)
+        _l2_prefetch_kernel[(triton.cdiv(n_lines, 2048),)](weight, n_lines, LINES=2048, USE_PDL=use_pdl,
+                                                           num_warps=4, launch_pdl=use_pdl)
+
+    def forward(self, positions, hidden_states, kv_cache, metadata):
+        if before_qkv:
+            prefetch(self.o_proj.weight)
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if not before_qkv:
+            prefetch(self.o_proj.weight)
+        out = self.attn(q, k, v, kv_cache, metadata, rotary=(positions, self.rotary_emb), qk_norm=self.qk_norm())
+        return self.o_proj(out)
+
+    llama.Attention.forward = forward
 
 
 class _WithMaxRegisters:
