@@ -36,7 +36,8 @@ import asyncengine
 from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, create_app
 from asyncengine.api.reasoning import REASONING_PARSERS
 from asyncengine.api.tool_calls import TOOL_PARSERS
-from asyncengine.engine_core import leave_a_core_for_the_event_loop
+from asyncengine.engine_core import (API_CPU_PRIORITIES, check_api_cpu_priority, leave_a_core_for_the_event_loop,
+                                     run_threads_at_idle_priority)
 from asyncengine.quantization import QUANTIZATION_METHODS
 
 logger = logging.getLogger("asyncengine.api")
@@ -177,6 +178,11 @@ def _engine_args(engine) -> None:
                         help="run the engine in a process of its own, so HTTP framing and the engine's steps use "
                              "two cores (measured: 1.1-1.25x the requests/s of one process under load on an H100, "
                              "1.1x the tokens/s on 2 CPU cores; loadtest/RESULTS.md). Default: on")
+    engine.add_argument("--api-cpu-priority", default="normal", choices=API_CPU_PRIORITIES,
+                        help="the server's CPU priority beside its engine process. idle (Linux SCHED_IDLE): HTTP "
+                             "and SSE work runs only on CPU time no other thread wants; on a machine that only "
+                             "serves on CPU, 1.05x the tokens/s (2 cores), but any other busy process in the same "
+                             "session or container starves the server. Default: normal")
     _parallel_args(engine)
     engine.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                         help="generate text, or pool (/v1/embeddings; /score and /rerank for cross-encoders); "
@@ -455,8 +461,11 @@ def serve(args: argparse.Namespace) -> int:
         options = serving_options(args, config.model)
         if not config.engine_process:  # an engine process keeps every core: its event loop is elsewhere
             leave_a_core_for_the_event_loop(config)
+        check_api_cpu_priority(config, args.api_cpu_priority)
         engine = AsyncLLMEngine(config)
         sock = bind_socket(args.host, args.port)
+        if args.api_cpu_priority == "idle":  # after the engine process started: it must not inherit the policy
+            run_threads_at_idle_priority()
     except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: an engine process that died starting
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

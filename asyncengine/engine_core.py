@@ -143,6 +143,42 @@ def leave_a_core_for_the_event_loop(config) -> None:
         torch.set_num_threads(cores - 1)
 
 
+API_CPU_PRIORITIES = ("normal", "idle")
+
+
+def check_api_cpu_priority(config: EngineConfig, choice: str) -> None:
+    """ValueError naming api_cpu_priority unless `choice` can be had: "normal", or "idle" (the server's threads
+    under Linux's SCHED_IDLE) beside an engine process.
+
+    What idle buys and costs (loadtest/RESULTS.md, session 20; 2 cores, the default model on CPU, 64 streams): the
+    engine process's torch threads meet at a barrier after every operation, so a server thread that holds a core
+    for a burst of SSE writes (~3.5 ms a step) stalls both, and the scheduler does not preempt it for them (nice
+    19 did not help). Under SCHED_IDLE the server runs only on CPU time no normal thread wants: 1.05x the tokens/s,
+    the decode steps as fast as offline. But any other busy process of the same session or container then takes
+    the cores first: with two spinning processes beside it the server fell to 1/3 of normal priority's tokens/s
+    and /health took up to 27 s (another session's: level tokens/s, /health up to 0.7 s against 0.05 s). Hence
+    opt-in, for a machine that does nothing but serve; and an unprivileged process cannot return to normal."""
+    if choice not in API_CPU_PRIORITIES:
+        raise ValueError(f"api_cpu_priority must be one of {', '.join(API_CPU_PRIORITIES)}, got {choice!r}")
+    if choice == "idle" and not hasattr(os, "SCHED_IDLE"):
+        raise ValueError("api_cpu_priority 'idle' needs Linux's SCHED_IDLE, which this platform lacks")
+    if choice == "idle" and not config.engine_process:
+        raise ValueError("api_cpu_priority 'idle' needs the engine in a process of its own (engine_process): in "
+                         "the server's process the model's threads would run idle too")
+
+
+def run_threads_at_idle_priority(thread_ids: Optional[list[int]] = None) -> None:
+    """Put these threads (native ids; default: every thread of this process) under SCHED_IDLE; threads they
+    start later inherit it, and so would a process they start: an unprivileged process cannot leave SCHED_IDLE,
+    so call this only after the engine process has started."""
+    ids = thread_ids if thread_ids is not None else [int(t) for t in os.listdir("/proc/self/task")]
+    for tid in ids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
 def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> None:
     """The child's entry point: load the engine, report ready (or why not), then step until told to stop.
 

@@ -20,6 +20,9 @@ table then gives engine / transformers, engine / baseline and served / offline, 
 ratios. Use `--engine-process --client subprocess` for the served side as `asyncengine serve` runs it.
 `--quantization int8` quantizes this run's engine (offline and served; the baseline keeps its own defaults).
 `--stream-interval N` streams the served requests' tokens in groups of N (EngineConfig.stream_interval).
+`--api-cpu-priority idle` runs the server thread under SCHED_IDLE as `asyncengine serve --api-cpu-priority idle`
+does; `--client-priority idle` runs the load generator so, standing for clients on other machines (on 2 cores a
+normal-priority client takes CPU from the engine it measures).
 
 CPU seconds (issue 17, session 8): every trial also records the CPU time each side spent, which a shared machine's
 load does not bias the way it biases wall time: offline, this process's; served, this process's (the server, and the
@@ -166,13 +169,17 @@ def offline_worker(prompts_path: str, max_tokens: int) -> int:
 class InProcessServer:
     """create_app(AsyncLLMEngine) under hypercorn on 127.0.0.1:ephemeral, in a thread with its own loop."""
 
-    def __init__(self, engine_kwargs: dict):
+    def __init__(self, engine_kwargs: dict, api_cpu_priority: str = "normal"):
         from asyncengine.api import create_app
         from asyncengine.api.cli import bind_socket, url_of
         from asyncengine.async_engine import AsyncLLMEngine
         from asyncengine.config import EngineConfig
+        from asyncengine.engine_core import check_api_cpu_priority
 
-        self.engine = AsyncLLMEngine(EngineConfig(**engine_kwargs))
+        config = EngineConfig(**engine_kwargs)
+        check_api_cpu_priority(config, api_cpu_priority)  # as `asyncengine serve --api-cpu-priority`
+        self.priority = api_cpu_priority
+        self.engine = AsyncLLMEngine(config)
         self.app = create_app(self.engine, served_model_name="default")
         self.sock = bind_socket("127.0.0.1", 0)
         self.url = url_of(self.sock)
@@ -196,6 +203,10 @@ class InProcessServer:
                 await self.engine.shutdown()
 
         def run() -> None:
+            from asyncengine.engine_core import run_threads_at_idle_priority
+
+            if self.priority == "idle":  # this thread and those it starts (the offline side keeps its own)
+                run_threads_at_idle_priority([threading.get_native_id()])
             try:
                 _run(main())
             except BaseException as exc:  # noqa: BLE001 - reported on exit
@@ -255,10 +266,16 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# `python -m loadtest` under SCHED_IDLE: the load generator takes only the CPU time the server side leaves
+_IDLE_CLIENT = ("import os, runpy, sys; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+                "sys.argv[0] = 'loadtest'; runpy.run_module('loadtest', run_name='__main__', alter_sys=True)")
+
+
 def served_trial(url: str, dataset: str, num: int, max_tokens: int, client: str,
-                 engine_pid: Optional[int] = None) -> dict:
-    """One run of `num` concurrent streams through loadtest (in this process or as `python -m loadtest`), with
-    the CPU seconds of this process, of the engine process `engine_pid` (if given) and of the client process."""
+                 engine_pid: Optional[int] = None, client_priority: str = "normal") -> dict:
+    """One run of `num` concurrent streams through loadtest (in this process or as `python -m loadtest`, at
+    `client_priority`), with the CPU seconds of this process, of the engine process `engine_pid` (if given) and
+    of the client process."""
     cpu = {"server": time.process_time(), "client": _children_cpu_s()}
     engine_cpu = process_cpu_s(engine_pid) if engine_pid is not None else None
     if client == "inprocess":
@@ -266,7 +283,8 @@ def served_trial(url: str, dataset: str, num: int, max_tokens: int, client: str,
     else:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "run.json"
-            cmd = [sys.executable, "-m", "loadtest", "--base-url", url, "--model", "default", "--dataset", "jsonl",
+            launch = ["-c", _IDLE_CLIENT] if client_priority == "idle" else ["-m", "loadtest"]
+            cmd = [sys.executable, *launch, "--base-url", url, "--model", "default", "--dataset", "jsonl",
                    "--dataset-path", dataset, "--num-prompts", str(num), "--output-len", str(max_tokens),
                    "--max-concurrency", str(num), "--temperature", "0", "--no-progress", "--result-json", str(out)]
             subprocess.run(cmd, check=True, capture_output=True, timeout=600)
@@ -299,9 +317,11 @@ def run(args: argparse.Namespace) -> dict:
         hf = TransformersStaticBatch(prompts, args.max_tokens) if args.compare else None
         baseline = BaselineWorker(args.baseline_site, dataset, args.max_tokens) if args.baseline_site else None
         with InProcessServer({**engine_kwargs, "engine_process": args.engine_process,
-                              "stream_interval": args.stream_interval}) as server:
+                              "stream_interval": args.stream_interval}, args.api_cpu_priority) as server:
             engine_pid = server.engine.client.process.pid if args.engine_process else None
-            served_trial(server.url, dataset, max(1, args.num_prompts // 4), args.max_tokens, args.client)  # warm-up
+            # warm-up as Offline's: a quarter of the prompts in full, then every prompt (into the prefix cache)
+            served_trial(server.url, dataset, max(1, args.num_prompts // 4), args.max_tokens, args.client)
+            served_trial(server.url, dataset, args.num_prompts, 2, args.client)
             for trial in range(args.trials):
                 row = {"trial": trial}
                 if hf is not None:
@@ -310,7 +330,7 @@ def run(args: argparse.Namespace) -> dict:
                     row["baseline"] = baseline.trial()
                 row["offline"] = off = offline.trial()
                 row["served"] = served = served_trial(server.url, dataset, args.num_prompts, args.max_tokens,
-                                                      args.client, engine_pid)
+                                                      args.client, engine_pid, args.client_priority)
                 row["ratio"] = served["output_tok_s"] / off["output_tok_s"]
                 for peer in ("transformers", "baseline"):
                     if peer in row:
@@ -327,6 +347,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "bench_cpu_serving",
         "config": {"num_prompts": args.num_prompts, "input_tokens_mean": float(np.mean([len(p) for p in prompts])),
                    "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True, "client": args.client,
+                   "client_priority": args.client_priority, "api_cpu_priority": server.priority,
                    "engine": engine_kwargs or "defaults", "engine_process": args.engine_process,
                    "stream_interval": args.stream_interval, "seed": args.seed, "trials": args.trials},
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
@@ -363,7 +384,8 @@ def format_table(report: dict) -> str:
         "== asyncengine CPU serving vs offline " + "=" * 42,
         f"{c['num_prompts']} prompts of ~{c['input_tokens_mean']:.0f} tokens, max_tokens {c['max_tokens']} "
         f"(greedy, ignore_eos), default model on CPU ({report['machine']['cpus']} cores, "
-        f"{report['machine']['torch_threads']} torch threads), client {c['client']}"
+        f"{report['machine']['torch_threads']} torch threads), client {c['client']} at "
+        f"{c.get('client_priority', 'normal')} priority, server at {c.get('api_cpu_priority', 'normal')}"
         + (", server's engine in its own process" if c.get("engine_process") else "")
         + (f", stream interval {c['stream_interval']}" if c.get("stream_interval", 1) > 1 else ""),
         f"{'trial':>5} {'offline tok/s':>14} {'served tok/s':>13} {'ratio':>7} {'served TTFT ms':>15} "
@@ -408,6 +430,13 @@ def main(argv=None) -> int:
                         help="torch intra-op threads for both runs (default: torch's choice, one per core)")
     parser.add_argument("--engine-process", action="store_true",
                         help="the server's engine in a process of its own (EngineConfig.engine_process)")
+    parser.add_argument("--api-cpu-priority", default="normal", choices=["normal", "idle"],
+                        help="the server thread's CPU priority, as `asyncengine serve --api-cpu-priority` (idle "
+                             "needs --engine-process)")
+    parser.add_argument("--client-priority", default="normal", choices=["normal", "idle"],
+                        help="the load generator's (--client subprocess): idle runs it under SCHED_IDLE, so "
+                             "that on a machine of few cores it takes only CPU time the server side leaves, as "
+                             "clients on other machines would")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the served engine's stream_interval: each stream's tokens in groups of this many")
     parser.add_argument("--compare", action="store_true",
@@ -420,6 +449,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_cpu_serving.json")
     args = parser.parse_args(argv)
+    if args.client_priority == "idle" and args.client != "subprocess":
+        parser.error("--client-priority idle needs --client subprocess (the in-process client shares this "
+                     "process, whose offline side must keep normal priority)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.offline_worker:
         return offline_worker(args.offline_worker, args.max_tokens)

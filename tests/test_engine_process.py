@@ -5,6 +5,8 @@ the core's death reported to every stream, and start-up failures that say why.""
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 
 import pytest
@@ -12,7 +14,7 @@ import uvloop
 
 from asyncengine import EngineConfig, RequestOutputKind, SamplingParams
 from asyncengine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
-from asyncengine.engine_core import EngineCoreClient
+from asyncengine.engine_core import EngineCoreClient, check_api_cpu_priority, run_threads_at_idle_priority
 from conftest import assert_same_completions
 
 ENGINE_ARGS = dict(max_model_len=128, max_num_seqs=16)
@@ -204,3 +206,36 @@ def test_a_core_gone_between_the_health_check_and_the_send_is_an_engine_dead_err
 
     asyncio.run(main())
     asyncio.run(engine.shutdown())
+
+
+# -- the server's CPU priority beside its engine process (`asyncengine serve --api-cpu-priority`) -----------------
+def test_idle_priority_needs_an_engine_process_and_a_known_name(llama_dir):
+    def check(choice, **kwargs):
+        check_api_cpu_priority(EngineConfig(model=str(llama_dir), device="cpu", **kwargs), choice)
+
+    check("idle", engine_process=True)
+    check("normal", engine_process=False)
+    with pytest.raises(ValueError, match="api_cpu_priority 'idle' needs the engine in a process of its own"):
+        check("idle", engine_process=False)  # the model's threads would be idle too
+    with pytest.raises(ValueError, match="api_cpu_priority must be one of normal, idle"):
+        check("auto", engine_process=True)
+
+
+def test_idle_priority_covers_the_thread_and_those_it_starts_not_the_others():
+    seen = {}
+
+    def child():
+        seen["child"] = os.sched_getscheduler(0)
+
+    def worker():
+        run_threads_at_idle_priority([threading.get_native_id()])
+        seen["self"] = os.sched_getscheduler(0)
+        started = threading.Thread(target=child)
+        started.start()
+        started.join()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == {"self": os.SCHED_IDLE, "child": os.SCHED_IDLE}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this (the test's) thread kept its policy

@@ -409,6 +409,7 @@ def test_ray_replicas_without_ray_names_the_extra(monkeypatch, capsys):
     (["--ray-replicas", "2", "--root-path", "/llm"], "--root-path"),
     (["--ray-replicas", "2", "--ssl-keyfile", "key.pem"], "--ssl-certfile"),
     (["--ray-replicas", "2", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["--ray-replicas", "2", "--api-cpu-priority", "idle"], "--api-cpu-priority"),
 ])
 def test_ray_replicas_refuses_bad_flags_before_starting_ray(flags, message, capsys):
     from asyncengine.api.cli import main

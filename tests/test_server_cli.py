@@ -133,6 +133,12 @@ def test_bad_engine_flags_exit_2_with_the_reason(tmp_path):
     assert result.returncode == 2 and "block_size" in result.stderr
 
 
+def test_an_idle_server_without_an_engine_process_exits_2_naming_the_flag():
+    result = subprocess.run([sys.executable, "-m", "asyncengine.api", "serve", "--no-engine-process",
+                             "--api-cpu-priority", "idle", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "api_cpu_priority 'idle' needs the engine in a process" in result.stderr
+
+
 # -- vLLM's flags, on one real server ---------------------------------------------------------------------------
 OVERRIDE_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 ORIGIN = "https://app.example"

@@ -32,6 +32,17 @@ def engine_process_of(pid: int) -> int:
     return cores[0]
 
 
+def policies(pid: int) -> set[int]:
+    """The CPU scheduling policies of a process's threads (os.SCHED_*)."""
+    policies = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            policies.add(os.sched_getscheduler(int(task.name)))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    return policies
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
@@ -48,7 +59,8 @@ def wait_gone(pid: int, timeout: float) -> bool:
 
 
 def test_streams_metrics_and_sigterm_stop_both_processes(tmp_path):
-    server = CLIServer(None, "--engine-process", "--max-model-len", "512", log_dir=tmp_path, num_kv_blocks=256)
+    server = CLIServer(None, "--engine-process", "--max-model-len", "512", "--api-cpu-priority", "idle",
+                       log_dir=tmp_path, num_kv_blocks=256)
     try:
         core_pid = engine_process_of(server.proc.pid)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -65,6 +77,10 @@ def test_streams_metrics_and_sigterm_stop_both_processes(tmp_path):
             streamed_texts = list(pool.map(streamed, PROMPTS))
         assert streamed_texts == [whole(p) for p in PROMPTS]
         assert all(streamed_texts)
+        # the server serves from idle CPU time (--api-cpu-priority idle); its engine process, started before,
+        # keeps normal priority
+        assert policies(server.proc.pid) == {os.SCHED_IDLE}
+        assert policies(core_pid) == {os.SCHED_OTHER}
 
         # a Ctrl-C or a group-wide SIGTERM reaches the engine process too: it waits for the server's word
         os.kill(core_pid, signal.SIGINT)
@@ -88,6 +104,7 @@ def test_a_killed_server_takes_its_engine_process_with_it(tmp_path):
     server = CLIServer(None, "--engine-process", "--max-model-len", "512", log_dir=tmp_path, num_kv_blocks=256)
     try:
         core_pid = engine_process_of(server.proc.pid)
+        assert policies(server.proc.pid) == policies(core_pid) == {os.SCHED_OTHER}  # the default priority
         server.proc.kill()
         server.proc.wait(10)
         assert wait_gone(core_pid, 10), "the engine process outlived its killed server"
