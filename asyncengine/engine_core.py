@@ -153,9 +153,11 @@ def check_api_cpu_priority(config: EngineConfig, choice: str) -> None:
     What idle buys and costs (loadtest/RESULTS.md, session 20; 2 cores, the default model on CPU, 64 streams): the
     engine process's torch threads meet at a barrier after every operation, so a server thread that holds a core
     for a burst of SSE writes (~3.5 ms a step) stalls both, and the scheduler does not preempt it for them (nice
-    19 did not help). Under SCHED_IDLE the server runs only on CPU time no normal thread wants: 1.05x the tokens/s,
-    the decode steps as fast as offline. But any other busy process of the same session or container then takes
-    the cores first: with two spinning processes beside it the server fell to 1/3 of normal priority's tokens/s
+    19 did not help). Under SCHED_IDLE the server runs only on CPU time no normal thread wants. Served / offline,
+    medians of 5 trials: 0.83 with server and load generator at normal priority, 0.85 with the server idle, 0.86
+    with the load generator idle, **0.97** with both idle (the load generator then stands for clients on other
+    machines, whose CPU the engine does not share). But any other busy process of the same session or container
+    takes the cores first: with two spinning processes beside it the server fell to 1/3 of normal priority's tokens/s
     and /health took up to 27 s (another session's: level tokens/s, /health up to 0.7 s against 0.05 s). Hence
     opt-in, for a machine that does nothing but serve; and an unprivileged process cannot return to normal."""
     if choice not in API_CPU_PRIORITIES:
