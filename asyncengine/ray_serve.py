@@ -264,7 +264,7 @@ def _default_actor_options(device: str, tensor_parallel_size: int) -> dict[str, 
 def check_replica_parallelism(args: argparse.Namespace) -> None:
     """ValueError naming the flag for what a replica cannot run: tensor parallelism other than the `mp`
     backend's processes (Ray actors of a placement group of their own would not hold the replica's GPUs), and an
-    idle CPU priority (`auto` means normal in a replica)."""
+    idle CPU priority."""
     if args.tensor_parallel_size > 1 and args.distributed_executor_backend != "mp":
         raise ValueError("--distributed-executor-backend ray is not supported inside a Ray Serve replica: a "
                          "replica's ranks are processes of its own (mp, the default), on the GPUs Ray gives it "

@@ -347,7 +347,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "bench_cpu_serving",
         "config": {"num_prompts": args.num_prompts, "input_tokens_mean": float(np.mean([len(p) for p in prompts])),
                    "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True, "client": args.client,
-                   "client_priority": args.client_priority, "api_cpu_priority": server.priority,
+                   "client_priority": args.client_priority, "api_cpu_priority": args.api_cpu_priority,
                    "engine": engine_kwargs or "defaults", "engine_process": args.engine_process,
                    "stream_interval": args.stream_interval, "seed": args.seed, "trials": args.trials},
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
