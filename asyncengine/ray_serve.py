@@ -223,7 +223,7 @@ def build_app(cli_args: dict[str, Any]):
     the deployment options in DEPLOYMENT_OPTIONS go to Ray Serve, every other key is a `serve` flag."""
     options = {k: _json_option(k, v) for k, v in cli_args.items() if k in DEPLOYMENT_OPTIONS}
     args = parse_serve_args({k: v for k, v in cli_args.items() if k not in DEPLOYMENT_OPTIONS})
-    check_replica_parallelism(args)
+    check_replica_args(args)
     return deployment(args, **options).bind(args)
 
 
@@ -234,7 +234,7 @@ class _Stop(BaseException):
 
 def deployment_options(args: argparse.Namespace) -> dict[str, Any]:
     """Ray Serve's deployment options that `serve --ray-*` flags name (ValueError naming a flag)."""
-    check_replica_parallelism(args)
+    check_replica_args(args)
     options: dict[str, Any] = {}
     replicas = args.ray_replicas
     if args.ray_autoscaling_config is not None:
@@ -261,7 +261,7 @@ def _default_actor_options(device: str, tensor_parallel_size: int) -> dict[str, 
     return {"num_gpus": tensor_parallel_size} if device != "cpu" and torch.cuda.is_available() else {}
 
 
-def check_replica_parallelism(args: argparse.Namespace) -> None:
+def check_replica_args(args: argparse.Namespace) -> None:
     """ValueError naming the flag for what a replica cannot run: tensor parallelism other than the `mp`
     backend's processes (Ray actors of a placement group of their own would not hold the replica's GPUs), and an
     idle CPU priority."""
