@@ -31,16 +31,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from asyncengine.kernels.cache_dir import ENV_DIR, cache_dir  # noqa: F401  (re-exported: tests set ENV_DIR)
+
 logger = logging.getLogger(__name__)
-ENV_DIR = "ASYNCENGINE_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    """Where measured choices are kept (see the module docstring); not created here."""
-    if os.environ.get(ENV_DIR):
-        return Path(os.environ[ENV_DIR])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "asyncengine"
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import torch
 from asyncengine.config import EngineConfig, ModelConfig
 from asyncengine.distributed.executor import StepChannel, WorkerGroup
 from asyncengine.distributed.parallel_state import all_reduce_min
-from asyncengine.kernels.cpu import DecodeKVMirror, allocate_kv_cache, plan_attention
+from asyncengine.kernels.cpu import allocate_kv_cache, make_decode_mirror, plan_attention
 from asyncengine.models.layers import AttentionMetadata, PagedAttention
 from asyncengine.models.loader import load_model
 from asyncengine.outputs import Logprob
@@ -101,7 +101,7 @@ class ModelRunner:
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)
                 self.workers.start()
-            self.channel = StepChannel(self.device, self.block_size)
+            self.channel = StepChannel(self.device, self.block_size, self.kv_cache_dtype)
         try:
             self._build(config, model_config, max_model_len)
         except BaseException:
@@ -125,8 +125,9 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, model_config.kv_heads_per_rank, model_config.head_dim)
         self.kv_caches = [(self._allocate_cache(shape), self._allocate_cache(shape))
                           for _ in range(model_config.num_layers)]
-        # CPU: the decode rows' K/V kept contiguous across steps (kernels/cpu.py); plans are made in forward order
-        self.cpu_mirror = DecodeKVMirror() if self.device.type == "cpu" else None
+        # CPU without the native decode attention: the decode rows' K/V kept contiguous across steps
+        # (kernels/cpu.py); plans are made in forward order
+        self.cpu_mirror = make_decode_mirror(self.kv_cache_dtype) if self.device.type == "cpu" else None
         self._num_prepared = 0
         self._last_launched = -1  # step_index of the last launched step
         self._last_sampled: Optional[torch.Tensor] = None  # [S] its sampled tokens, on the device

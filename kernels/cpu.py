@@ -10,6 +10,9 @@ attention, one gather per prefill sequence). Here the work that does not depend 
   - prefill rows, one sequence at a time: a prompt with no cached prefix attends to this step's own keys (no
     gather, `is_causal`); a chunk after a cached prefix gathers its blocks once; both use SDPA with the kv heads
     broadcast over their query heads by a stride-0 view.
+Decode rows in a float32 cache go to `cpu_native.decode_attention` when the native kernels are built (a C loop that
+reads each row's blocks in place: no gather, no copy; see cpu_native.py), and the rest of this paragraph describes
+the torch path that runs otherwise (other dtypes, no C compiler, ASYNCENGINE_CPU_NATIVE=0).
 Across steps, `DecodeKVMirror` keeps the decode rows' K/V contiguous: while the decode rows stay the same
 sequences, each growing by one token a step, a layer appends each row's new key instead of gathering every block
 again (session 9's profile of the default model, 64 x 64 greedy: the gathers were 22% of the model thread's time).
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncengine.kernels import reference
+from asyncengine.kernels import cpu_native, reference
 
 
 @dataclass
@@ -57,6 +60,8 @@ class AttentionPlan:
     decode_rows: [Bd] int64 q rows of the decode sequences (None when every row decodes: rows 0..T-1 in order);
     decode_blocks: [Bd * nb] int64 the blocks each decode sequence reads, row-major, padded with block 0;
     decode_mask: [Bd, 1, 1, nb * block_size] bool, True for a key the row sees; None when none is padding.
+    decode_tables: [Bd, W] int32 the decode rows' block tables; decode_lens: [Bd] int32 their lengths (the native
+    kernel's inputs; None without decode rows).
     Layers with a sliding window use `for_window(W)`, the same step's plan under that window (built once).
     """
 
@@ -65,6 +70,9 @@ class AttentionPlan:
     decode_blocks: Optional[torch.Tensor]
     decode_mask: Optional[torch.Tensor]
     prefills: list[PrefillPlan]
+    decode_tables: Optional[torch.Tensor] = None
+    decode_lens: Optional[torch.Tensor] = None
+    sliding_window: Optional[int] = None
     # the step's host layout (query_start_loc, seq_lens, block_tables, block_size), for the windowed variants
     layout: Optional[tuple] = None
     # the decode rows' place in the engine's DecodeKVMirror (None: gather every layer, e.g. under a window)
@@ -141,12 +149,14 @@ def plan_attention(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tabl
     q_lens = np.diff(query_start_loc)
     decode = np.flatnonzero(q_lens == 1)
     num_decode = len(decode)
-    rows = blocks = mask = None
+    rows = blocks = mask = tables = lens = None
     if num_decode:
         blocks, mask = _plan_decode(seq_lens[decode].astype(np.int64), block_tables[decode], block_size,
                                     sliding_window)
         if num_decode != len(q_lens):
             rows = torch.from_numpy(query_start_loc[decode].astype(np.int64))
+        tables = torch.from_numpy(np.ascontiguousarray(block_tables[decode], dtype=np.int32))
+        lens = torch.from_numpy(np.ascontiguousarray(seq_lens[decode], dtype=np.int32))
     prefills = []
     for b in np.flatnonzero(q_lens > 1).tolist():
         start, end, seq_len = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
@@ -158,7 +168,8 @@ def plan_attention(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tabl
         mirror_step = mirror.begin_step(seq_lens[decode], block_tables[decode], block_size, keys_len)
     elif mirror is not None:
         mirror.begin_step_without_decode_rows()
-    return AttentionPlan(num_decode, rows, blocks, mask, prefills, layout, mirror_step)
+    return AttentionPlan(num_decode, rows, blocks, mask, prefills, decode_tables=tables, decode_lens=lens,
+                         sliding_window=sliding_window, layout=layout, mirror=mirror_step)
 
 
 def _plan_decode(lens: np.ndarray, tables: np.ndarray, block_size: int, sliding_window: Optional[int]):
@@ -260,6 +271,9 @@ def decode_attention(q, k_cache, v_cache, plan: AttentionPlan, scale: float,
                      new_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """q: [Bd, H, D], one query per sequence at its last position -> [Bd, H, D]. new_kv: the decode rows' keys
     and values of this step ([Bd, KVH, D] each, already in the cache), which let the plan's mirror append them."""
+    if not reference.is_fp8(k_cache) and cpu_native.decode_attention_supported(q, heads_major(k_cache)):
+        return cpu_native.decode_attention(q, heads_major(k_cache), heads_major(v_cache), plan.decode_tables,
+                                           plan.decode_lens, scale, plan.sliding_window, softcap)
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
 
@@ -315,6 +329,14 @@ def prefill_attention(q, key, value, k_cache, v_cache, p: PrefillPlan, scale: fl
 
 # -- the decode rows' K/V across steps ------------------------------------------------------------------------------
 MIRROR_MAX_BYTES = 512 << 20  # all layers' mirrors together; past it a layer gathers as before (host memory)
+
+
+def make_decode_mirror(kv_cache_dtype: torch.dtype) -> Optional["DecodeKVMirror"]:
+    """The engine's mirror for a CPU cache of this dtype, or None where the native decode attention reads the
+    cache in place (float32 caches with the native kernels built): the mirror would only cost copies there."""
+    if kv_cache_dtype == torch.float32 and cpu_native.available():
+        return None
+    return DecodeKVMirror()
 
 
 @dataclass(frozen=True)

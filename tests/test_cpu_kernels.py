@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.kernels import cpu, reference
+from asyncengine.kernels import cpu, cpu_native, reference
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -21,6 +21,22 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(ato
 @pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(1234)
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    """Float32 decode rows in a heads-major cache run through the native kernel (cpu_native) or, with it switched
+    off, through the torch path (gather or mirror, then SDPA): both must match the references."""
+    if request.param == "native":
+        assert cpu_native.available(), "the native CPU kernels did not build on this machine (see the warning)"
+    else:
+        monkeypatch.setattr(cpu_native, "ENABLED", False)
+    return request.param
+
+
+@pytest.fixture
+def torch_decode_path(monkeypatch):
+    monkeypatch.setattr(cpu_native, "ENABLED", False)
 
 
 def shuffled_block_tables(seq_lens, block_size: int, spare_blocks: int, spare_columns: int):
@@ -84,7 +100,8 @@ CACHE_STORAGE = pytest.mark.parametrize("heads_major", [False, True], ids=["plai
 @LAYOUTS
 @CACHE_STORAGE
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_fresh_prefill_chunked_prefill_and_unequal_decodes(heads, kv_heads, dtype, heads_major):
+def test_mixed_batch_fresh_prefill_chunked_prefill_and_unequal_decodes(heads, kv_heads, dtype, heads_major,
+                                                                       decode_path):
     # decodes at 33, 16 (a full block) and 70 tokens; a fresh 13-token prompt; a 21-token chunk behind 49 cached
     plan = check_cache_and_attend([1, 13, 1, 21, 1], [33, 13, 16, 70, 70], heads=heads, kv_heads=kv_heads,
                                   dtype=dtype, heads_major=heads_major)
@@ -93,7 +110,7 @@ def test_mixed_batch_fresh_prefill_chunked_prefill_and_unequal_decodes(heads, kv
 
 @LAYOUTS
 @CACHE_STORAGE
-def test_decode_only_batch_with_random_lengths(heads, kv_heads, heads_major):
+def test_decode_only_batch_with_random_lengths(heads, kv_heads, heads_major, decode_path):
     lens = torch.randint(1, 90, (24,)).tolist()
     plan = check_cache_and_attend([1] * 24, lens, heads=heads, kv_heads=kv_heads, block_size=8,
                                   heads_major=heads_major)
@@ -111,7 +128,7 @@ def test_prefill_only_batch_of_prompts_and_a_chunk_of_one_long_prompt(heads_majo
                            heads_major=heads_major)
 
 
-def test_gather_buffers_are_reused_by_every_layer_of_a_step():
+def test_gather_buffers_are_reused_by_every_layer_of_a_step(torch_decode_path):
     q, key, value, k_cache, v_cache, slots, qsl, lens, tables = paged_batch([1, 1, 1], [5, 40, 17], heads=4,
                                                                             kv_heads=2)
     plan = cpu.plan_attention(qsl, lens, tables, k_cache.shape[1])
@@ -138,11 +155,14 @@ def poison_freed_blocks(k_cache, v_cache, tables, q_lens, seq_lens, window):
 @pytest.mark.parametrize("window, softcap", [(8, None), (None, 2.0), (20, 3.0)],
                          ids=["window8", "softcap2", "window20-softcap3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sliding_window_and_softcap_match_reference_without_reading_freed_blocks(window, softcap, dtype):
+@CACHE_STORAGE
+def test_sliding_window_and_softcap_match_reference_without_reading_freed_blocks(window, softcap, dtype,
+                                                                                 heads_major, decode_path):
     # decodes past and within the window, a fresh prompt longer than it, chunks behind a cached prefix
     q_lens, seq_lens = [1, 40, 1, 9, 1, 30], [90, 40, 6, 75, 33, 140]
     q, key, value, k_cache, v_cache, slots, qsl, lens, tables = paged_batch(q_lens, seq_lens, heads=4, kv_heads=2,
-                                                                            block_size=8, dtype=dtype)
+                                                                            block_size=8, dtype=dtype,
+                                                                            heads_major=heads_major)
     if window is not None:
         poison_freed_blocks(k_cache, v_cache, tables, q_lens, seq_lens, window)  # (own blocks, so slots, kept)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -241,7 +261,8 @@ def test_default_model_greedy_tokens_identical_on_fast_and_reference_paths(defau
 
 class MirroredSteps:
     """Steps of a model with `layers` layers, each run twice: through an engine-like DecodeKVMirror and through the
-    gather path, on two copies of the heads-major caches; every layer's outputs must be bit-identical."""
+    gather path, on two copies of the heads-major caches; every layer's outputs must be bit-identical. (The torch
+    decode path: the tests using it take the torch_decode_path fixture.)"""
 
     def __init__(self, layers=2, heads=4, kv_heads=2, head_dim=16, block_size=8, num_blocks=96, **mirror_kwargs):
         self.heads, self.kv_heads, self.head_dim, self.block_size = heads, kv_heads, head_dim, block_size
@@ -275,7 +296,7 @@ class MirroredSteps:
         return plans[0].mirror
 
 
-def test_decode_mirror_appends_while_the_rows_stay_and_gives_the_gather_paths_bits():
+def test_decode_mirror_appends_while_the_rows_stay_and_gives_the_gather_paths_bits(torch_decode_path):
     steps = MirroredSteps()
     a, b, c = [0, 1, 2, 3], [10, 11, 12, 13, 14], [20, 21, 22]
     first = steps.step([(a, 9, 9), (b, 16, 16)])  # prefills only: no decode rows, no mirror step
@@ -298,7 +319,7 @@ def test_decode_mirror_appends_while_the_rows_stay_and_gives_the_gather_paths_bi
     steps.step([(a, lens["a"] + 4, 1), (c, 10, 1), (b, lens["b"] + 4, 1)])
 
 
-def test_decode_mirror_does_not_take_two_sequences_sharing_a_prefix_for_each_other():
+def test_decode_mirror_does_not_take_two_sequences_sharing_a_prefix_for_each_other(torch_decode_path):
     steps = MirroredSteps()
     shared = [0, 1]  # two full blocks of a common prompt, then each sequence's own blocks
     x, y = shared + [5], shared + [6, 7]
@@ -310,14 +331,14 @@ def test_decode_mirror_does_not_take_two_sequences_sharing_a_prefix_for_each_oth
     assert swapped.appends_to is None
 
 
-def test_decode_mirror_past_its_memory_bound_gathers():
+def test_decode_mirror_past_its_memory_bound_gathers(torch_decode_path):
     steps = MirroredSteps(max_bytes=4096)  # less than one layer's [2, 2, 16, 16] float32 keys and values
     steps.step([([0, 1], 10, 1), ([2, 3], 12, 1)])
     steps.step([([0, 1], 11, 1), ([2, 3], 13, 1)])
     assert not steps.mirror._layers
 
 
-def test_decode_mirror_does_not_extend_a_step_before_a_prefill_only_step():
+def test_decode_mirror_does_not_extend_a_step_before_a_prefill_only_step(torch_decode_path):
     # (the failure a 200-stream server test found: the mirror took a new prompt's first decode for the extension
     # of the finished sequence whose freed block it had been given, across the prefill-only step between them)
     steps = MirroredSteps()
@@ -327,7 +348,7 @@ def test_decode_mirror_does_not_extend_a_step_before_a_prefill_only_step():
     assert y.appends_to is None
 
 
-def test_decode_mirror_gives_back_a_bursts_memory_once_fewer_rows_decode():
+def test_decode_mirror_gives_back_a_bursts_memory_once_fewer_rows_decode(torch_decode_path):
     steps = MirroredSteps(num_blocks=200)
     burst = [([3 * i, 3 * i + 1, 3 * i + 2], 20, 1) for i in range(40)]  # 40 rows of 20 keys
     steps.step(burst)

@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from asyncengine.distributed import parallel_state
-from asyncengine.kernels.cpu import DecodeKVMirror, plan_attention
+from asyncengine.kernels.cpu import make_decode_mirror, plan_attention
 from asyncengine.models.layers import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -73,9 +73,10 @@ class FollowerStep:
 class StepChannel:
     """Rank 0 sends each step's forward inputs; the other ranks receive them (both over the process group)."""
 
-    def __init__(self, device: torch.device, block_size: int):
+    def __init__(self, device: torch.device, block_size: int, kv_cache_dtype: torch.dtype = torch.float32):
         self.device, self.block_size = device, block_size
-        self.cpu_mirror = DecodeKVMirror() if device.type == "cpu" else None  # a worker's (kernels/cpu.py)
+        # a worker's decode mirror (kernels/cpu.py), where its CPU attention needs one
+        self.cpu_mirror = make_decode_mirror(kv_cache_dtype) if device.type == "cpu" else None
         self._header_in_flight: Optional[tuple[Any, torch.Tensor]] = None  # rank 0: (its pending send, header)
 
     def send(self, input_ids, positions, metadata: AttentionMetadata, logits_indices, graph_size) -> None:

@@ -1,0 +1,180 @@
+"""The native CPU kernels (`asyncengine.kernels.cpu_native`): built here, against the torch reference, and how they
+are built, cached and refused.
+
+The decode attention reads a paged, heads-major float32 cache in place; it must agree with
+`reference.paged_attention` to 2e-5 (float32, summed in another order) on fresh random inputs, for head sizes and
+groups with and without a compiled specialisation, sliding windows and soft-capping, and give each row the same
+bits whatever batch it runs in. A machine with a C compiler (CI's, a user's with gcc) must build them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from asyncengine.kernels import cpu, cpu_native, reference
+
+from test_cpu_kernels import shuffled_block_tables  # noqa: E402
+
+TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(4321)
+
+
+def decode_inputs(seq_lens, *, heads, kv_heads, head_dim, block_size, strided_q=False):
+    """q [B, H, D], heads-major caches from cpu.allocate_kv_cache (random), tables [B, W] int32, lens [B] int32."""
+    tables, num_blocks = shuffled_block_tables(seq_lens, block_size, spare_blocks=7, spare_columns=3)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (cpu.allocate_kv_cache(shape, torch.float32).normal_() for _ in "kv")
+    batch = len(seq_lens)
+    if strided_q:  # rows of a wider projection output, as the model hands q over
+        q = torch.randn(batch, heads * head_dim + 40)[:, : heads * head_dim].view(batch, heads, head_dim)
+    else:
+        q = torch.randn(batch, heads, head_dim)
+    return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def expected_decode(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None):
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return reference.paged_attention(q, k_cache, v_cache, qsl, lens, tables, scale, window, softcap)
+
+
+def native_decode(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None):
+    return cpu_native.decode_attention(q, cpu.heads_major(k_cache), cpu.heads_major(v_cache), tables, lens, scale,
+                                       window, softcap)
+
+
+def test_the_native_kernels_build_on_this_machine():
+    assert cpu_native.available(), "no native CPU kernels: is there a C compiler (cc, gcc or $CC)?"
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (8, 2, 64), (16, 4, 128), (32, 4, 128),
+                                                       (6, 2, 32), (4, 4, 80), (8, 1, 16), (24, 2, 64)],
+                         ids=["d64-g2", "d64-g4", "d128-g4", "d128-g8", "d32-g3", "d80-mha", "d16-mqa8",
+                              "d64-g12"])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_attention_matches_the_reference(heads, kv_heads, head_dim, block_size):
+    lens = torch.randint(1, 150, (13,)).tolist() + [block_size, 1]  # a full block, a single key
+    q, k_cache, v_cache, tables, lens_t = decode_inputs(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                                        block_size=block_size, strided_q=True)
+    out = native_decode(q, k_cache, v_cache, tables, lens_t, 0.2)
+    torch.testing.assert_close(out, expected_decode(q, k_cache, v_cache, tables, lens_t, 0.2), **TOL)
+
+
+@pytest.mark.parametrize("window, softcap", [(7, None), (None, 1.5), (33, 4.0), (200, None)])
+def test_decode_attention_window_and_softcap_never_read_blocks_before_the_window(window, softcap):
+    lens = [90, 6, 33, 140, 71, 7]
+    q, k_cache, v_cache, tables, lens_t = decode_inputs(lens, heads=4, kv_heads=2, head_dim=64, block_size=8)
+    expected = expected_decode(q, k_cache, v_cache, tables, lens_t, 0.3, window, softcap)
+    if window is not None:  # the blocks wholly before each row's first visible key may have been freed: NaN
+        for b, n in enumerate(lens):
+            for i in range(max(0, n - window) // 8):
+                k_cache[tables[b, i]] = float("nan")
+                v_cache[tables[b, i]] = float("nan")
+    out = native_decode(q, k_cache, v_cache, tables, lens_t, 0.3, window, softcap)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+def test_decode_attention_gives_a_row_the_same_bits_in_any_batch():
+    lens = torch.randint(20, 120, (9,)).tolist()
+    q, k_cache, v_cache, tables, lens_t = decode_inputs(lens, heads=4, kv_heads=2, head_dim=64, block_size=16)
+    together = native_decode(q, k_cache, v_cache, tables, lens_t, 0.125)
+    for b in (0, 4, 8):
+        alone = native_decode(q[b:b + 1], k_cache, v_cache, tables[b:b + 1].contiguous(), lens_t[b:b + 1], 0.125)
+        assert torch.equal(alone[0], together[b])
+
+
+def test_cache_and_attend_runs_float32_decode_rows_natively_and_others_on_torch(monkeypatch):
+    calls = []
+    real = cpu_native.decode_attention
+    monkeypatch.setattr(cpu_native, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, k_cache, v_cache, tables, lens = decode_inputs([5, 40], heads=4, kv_heads=2, head_dim=32, block_size=8)
+    key, value = torch.randn(2, 2, 32), torch.randn(2, 2, 32)
+    slots = torch.tensor([int(tables[0, 0]) * 8 + 4, int(tables[1, 4]) * 8 + 7])
+    plan = cpu.plan_attention(np.arange(3, dtype=np.int32), lens.numpy(), tables.numpy(), 8)
+    cpu.cache_and_attend(q, key, value, k_cache, v_cache, slots, plan, 0.3)
+    assert calls == [1]
+    cpu.cache_and_attend(q.bfloat16(), key.bfloat16(), value.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(),
+                         slots, plan, 0.3)
+    assert calls == [1], "a bfloat16 cache is not the native kernel's"
+
+
+def test_the_engine_keeps_no_decode_mirror_where_the_native_kernel_reads_the_cache():
+    assert cpu.make_decode_mirror(torch.float32) is None
+    assert isinstance(cpu.make_decode_mirror(torch.bfloat16), cpu.DecodeKVMirror)
+
+
+def test_one_openmp_runtime_in_the_process():
+    """The library links the libgomp torch loaded (one thread pool), not a second runtime."""
+    assert cpu_native.available()
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_wrong_inputs_are_refused_naming_the_tensor():
+    q, k_cache, v_cache, tables, lens = decode_inputs([9, 17], heads=4, kv_heads=2, head_dim=32, block_size=8)
+    with pytest.raises(ValueError, match="tables"):
+        native_decode(q, k_cache, v_cache, tables.long(), lens, 0.3)
+    with pytest.raises(ValueError, match="lens"):
+        native_decode(q, k_cache, v_cache, tables, lens.long(), 0.3)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        native_decode(q, k_cache, v_cache, tables[:1].contiguous(), lens, 0.3)
+    assert not cpu_native.decode_attention_supported(q.double(), cpu.heads_major(k_cache))
+    assert not cpu_native.decode_attention_supported(q, None)  # a cache in the plain layout
+
+
+# -- the build -------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty cache directory and no loaded library; the real one is restored afterwards."""
+    monkeypatch.setenv("ASYNCENGINE_CACHE_DIR", str(tmp_path))
+    cpu_native.library.cache_clear()
+    yield tmp_path
+    cpu_native.library.cache_clear()
+
+
+def test_a_build_is_cached_on_disk_and_reused(fresh_build, monkeypatch):
+    assert cpu_native.available()
+    built = list((fresh_build / "cpu_native").glob("cpu_native-*.so"))
+    assert len(built) == 1
+    cpu_native.library.cache_clear()
+
+    def no_compiling(*args, **kwargs):
+        if "--version" not in args[0]:
+            raise AssertionError(f"compiled again: {args[0]}")
+        return real_run(*args, **kwargs)
+
+    real_run = cpu_native.subprocess.run
+    monkeypatch.setattr(cpu_native.subprocess, "run", no_compiling)
+    assert cpu_native.available()
+
+
+def test_without_a_compiler_a_warning_says_what_runs_instead_and_the_torch_path_works(fresh_build, monkeypatch,
+                                                                                       caplog):
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert not cpu_native.available()
+        assert not cpu_native.available()  # warned once
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "SDPA" in warnings[0] and "compiler" in warnings[0]
+    assert isinstance(cpu.make_decode_mirror(torch.float32), cpu.DecodeKVMirror)
+    q, k_cache, v_cache, tables, lens = decode_inputs([12, 30], heads=4, kv_heads=2, head_dim=32, block_size=8)
+    assert not cpu_native.decode_attention_supported(q, cpu.heads_major(k_cache))
+
+
+def test_a_failing_compile_is_reported_with_the_compilers_message(fresh_build, monkeypatch, caplog):
+    broken = fresh_build / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_native, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert cpu_native.library() is None
+    assert any("failed" in r.getMessage() and "error" in r.getMessage() for r in caplog.records)
+    assert not list((fresh_build / "cpu_native").glob("*.so")), "no partial library left behind"
