@@ -15,7 +15,7 @@ from typing import Callable, Optional, Protocol, Union
 from asyncengine.config import EngineConfig
 from asyncengine.engine import EngineStats, LLMEngine, StepPipeline, StepStats
 from asyncengine.outputs import RequestOutput
-from asyncengine.pooling_engine import PoolingEngine, PoolingLimits, build_engine
+from asyncengine.pooling_engine import PoolingEngine, PoolingLimits, build_engine_on_its_thread
 from asyncengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -72,13 +72,14 @@ class InProcessClient:
     for that step."""
 
     def __init__(self, config: EngineConfig):
-        self.engine: Union[LLMEngine, PoolingEngine] = build_engine(config)  # pooling: the same stepping
+        # pooling: the same stepping; built on the thread that steps it (pooling_engine.build_engine_on_its_thread)
+        self.engine: Union[LLMEngine, PoolingEngine]
+        self.engine, self._device_thread = build_engine_on_its_thread(config, "asyncengine-step")
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
         self.pooling = self.engine.limits  # also a generating engine's, which embeds alongside (generates=True)
         self.stats_listeners = self.engine.stats_listeners
-        self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-step")
         self._pending_aborts: set[str] = set()
         self._task: Optional[asyncio.Task] = None
         self._wakeup: Optional[asyncio.Event] = None

@@ -53,7 +53,7 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.engine import EngineStats, LLMEngine, StepPipeline, StepStats
 from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from asyncengine.pooling_engine import PoolingLimits, build_engine
+from asyncengine.pooling_engine import PoolingLimits, build_engine_on_its_thread
 from asyncengine.pooling_params import (EmbeddingOutput, EmbeddingRequestOutput, PoolingRequestOutput, ScoringOutput,
                                         ScoringRequestOutput)
 from asyncengine.sampling_params import SamplingParams
@@ -191,8 +191,9 @@ def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     try:
-        # torch's threads: every core (see leave_a_core_for_the_event_loop)
-        engine = build_engine(config)  # an LLMEngine, or a PoolingEngine for a pooling model
+        # torch's threads: every core (see leave_a_core_for_the_event_loop). An LLMEngine, or a PoolingEngine for a
+        # pooling model, built on the thread that will step it (pooling_engine.build_engine_on_its_thread says why)
+        engine, device = build_engine_on_its_thread(config, "asyncengine-step")
         gc.collect()  # as AsyncLLMEngine does: keep the model's long-lived objects out of the collector's sight
         gc.freeze()
     except BaseException as exc:  # noqa: BLE001 - the parent must hear why the engine could not start
@@ -203,7 +204,7 @@ def core_main(config: EngineConfig, inbox_conn, outbox_conn, log_level: int) -> 
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_pump_inbox, args=(inbox_conn, inbox), name="asyncengine-core-inbox", daemon=True).start()
     try:
-        _step_until_shutdown(engine, inbox, outbox_conn)
+        _step_until_shutdown(engine, device, inbox, outbox_conn)
     except BrokenPipeError:  # the server is gone mid-send: nobody is left to report to
         logger.warning("the server went away; the engine core exits")
     except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
@@ -236,8 +237,9 @@ class _StuckStep(RuntimeError):
     """The engine broke and its step in flight did not end within STUCK_STEP_GRACE_S."""
 
 
-def _step_until_shutdown(engine: LLMEngine, inbox: queue.Queue, outbox_conn) -> None:
-    """The core's step loop: StepPipeline turns, with the pipe in place of request streams."""
+def _step_until_shutdown(engine: LLMEngine, device: ThreadPoolExecutor, inbox: queue.Queue, outbox_conn) -> None:
+    """The core's step loop: StepPipeline turns on `device` (the thread the engine was built on), with the pipe in
+    place of request streams."""
     pipeline = StepPipeline(engine)
     stats: list[StepStats] = []
     engine.stats_listeners.append(stats.append)
@@ -251,7 +253,6 @@ def _step_until_shutdown(engine: LLMEngine, inbox: queue.Queue, outbox_conn) -> 
         return _apply_messages(engine, messages)
 
     done = None
-    device = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-step")
     try:
         while True:
             try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -11,7 +10,7 @@ from tqdm.auto import tqdm
 from asyncengine.config import EngineConfig
 from asyncengine.engine import LLMEngine, PromptType
 from asyncengine.outputs import RequestOutput
-from asyncengine.pooling_engine import PoolingEngine, build_engine, pair_texts
+from asyncengine.pooling_engine import PoolingEngine, build_engine_on_its_thread, pair_texts
 from asyncengine.pooling_params import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, ScoringRequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.tokenizer import apply_chat_template
@@ -26,10 +25,12 @@ class LLM:
     through `score`."""
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
-        self.engine: Union[LLMEngine, PoolingEngine] = build_engine(EngineConfig(model=model, **kwargs))
+        # Device work runs on its own thread so that detokenizing one step overlaps the next step on the GPU; the
+        # engine is built there too (pooling_engine.build_engine_on_its_thread says why).
+        self.engine: Union[LLMEngine, PoolingEngine]
+        self.engine, self._device_thread = build_engine_on_its_thread(EngineConfig(model=model, **kwargs),
+                                                                      "asyncengine-llm")
         self._counter = 0
-        # Device work runs here so that detokenizing one step overlaps the next step on the GPU.
-        self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-llm")
 
     def close(self) -> None:
         """Stop what the engine started (tensor-parallel workers); the LLM cannot generate afterwards.

@@ -484,21 +484,34 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 # -- element-wise --------------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """reference.rms_norm for float32 (torch's rms_norm: the same arithmetic, bit-identical, fewer ops); the
-    other dtypes take the reference."""
+    """reference.rms_norm for float32: one native pass over each row where cpu_native takes it (the sum of squares
+    summed in another order: within 1e-6), else torch's rms_norm (the reference's arithmetic, bit-identical, fewer
+    ops); the other dtypes take the reference."""
     if x.dtype != torch.float32:
         return reference.rms_norm(x, weight, eps)
+    if cpu_native.takes_rows(x) and _native_weight(weight):
+        return cpu_native.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """reference.fused_add_rms_norm, adding x into `residual` in place (as the Triton kernel does)."""
+    if (x.dtype == torch.float32 and cpu_native.takes_rows(x) and residual.is_contiguous()
+            and residual.dtype == torch.float32 and residual.shape == x.shape and _native_weight(weight)):
+        return cpu_native.rms_norm(x, weight, eps, residual=residual), residual
     residual.add_(x)
     return rms_norm(residual, weight, eps), residual
 
 
+def _native_weight(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.dim() == 1 and weight.is_contiguous()
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2I] = [gate | up] -> silu(gate) * up [T, I]; the silu is done in place on x's gate half."""
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up [T, I]: one native pass where cpu_native takes x (float32),
+    else torch with the silu done in place on x's gate half."""
+    if cpu_native.takes_rows(x) and x.shape[1] % 2 == 0:
+        return cpu_native.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return torch.mul(F.silu(gate, inplace=True), up)
 

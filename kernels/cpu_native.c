@@ -26,6 +26,31 @@
 #define MAX_GROUP 16  /* query heads per kv head (cpu_native.py checks it) */
 #define MAX_HEAD_DIM 256
 
+/* exp(x) in float32 within 2 ulp (tests/test_cpu_native.py checks it against torch.exp), written so that the
+ * compiler vectorizes the loops that call it: libm's expf is a scalar call (no vector variant without
+ * -ffast-math, which would also drop NaN and infinity semantics). Cephes' method: x = n ln2 + r with n rounded
+ * to nearest and |r| <= ln2/2, exp(r) by a degree-6 polynomial, times 2^n built from its exponent bits. Inputs
+ * are clamped to [-87.3, 88], where 2^n stays a normal float (so below it the result is ~1e-38 rather than a
+ * denormal or 0, and above it 1.65e38 rather than up to 3.4e38 or infinity: what softmax and silu read is the
+ * same); NaN stays NaN (the comparisons are false for it). */
+static inline float exp_f32(float x)
+{
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.0f ? 88.0f : x;
+    const float shifter = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer (no floorf call) */
+    const float n = (x * 1.44269504088896341f + shifter) - shifter;
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  /* ln 2 in two parts: exact n * hi */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
+    return p * scale.f;
+}
+
 /* One (sequence, kv head): scores over keys [first, last) into `scores` [G, last - first], softmax, then the
  * weighted sum of values into o [G, D]. DD and GG fix the head size and group at compile time (0: read the run
  * time values), which lets the compiler keep the G x D accumulators in registers for the common shapes. */
@@ -54,7 +79,7 @@
             float *sg = scores + g * n, sum = 0.f;                                                                \
             const float m = mx[g];                                                                                \
             _Pragma("omp simd reduction(+:sum)") for (int64_t t = 0; t < n; t++) {                               \
-                const float e = expf(sg[t] - m);                                                                  \
+                const float e = exp_f32(sg[t] - m);                                                                  \
                 sg[t] = e;                                                                                        \
                 sum += e;                                                                                         \
             }                                                                                                     \
@@ -124,4 +149,44 @@ int ae_decode_attention_f32(const float *q, int64_t q_row, const float *k_cache,
         free(scores);
     }
     return out_of_memory ? -2 : 0;
+}
+
+/* -- element-wise work of a decoder layer, one pass over each row instead of torch's five to seven ops --------- */
+
+/* RMSNorm of each row of x [T, H] (row stride x_row), times weight [H], into out [T, H] contiguous; with
+ * residual [T, H] contiguous (non-NULL), first residual += x and the norm is taken of the new residual. The sum of
+ * squares is float32, as torch's float32 rms_norm. */
+void ae_rms_norm_f32(const float *x, int64_t x_row, float *residual, const float *weight, float *out, int64_t T,
+                     int H, float eps, int num_threads)
+{
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * x_row;
+        const float *src = xr;
+        if (residual != NULL) {
+            float *r = residual + t * H;
+#pragma omp simd
+            for (int i = 0; i < H; i++) r[i] += xr[i];
+            src = r;
+        }
+        float sum = 0.f;
+#pragma omp simd reduction(+:sum)
+        for (int i = 0; i < H; i++) sum += src[i] * src[i];
+        const float inv = 1.f / sqrtf(sum / (float)H + eps);
+        float *o = out + t * H;
+#pragma omp simd
+        for (int i = 0; i < H; i++) o[i] = src[i] * inv * weight[i];
+    }
+}
+
+/* x [T, 2I] = [gate | up] (row stride x_row) -> out [T, I] contiguous = silu(gate) * up. */
+void ae_silu_and_mul_f32(const float *x, int64_t x_row, float *out, int64_t T, int I, int num_threads)
+{
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        const float *gate = x + t * x_row, *up = gate + I;
+        float *o = out + t * I;
+#pragma omp simd
+        for (int i = 0; i < I; i++) o[i] = gate[i] / (1.f + exp_f32(-gate[i])) * up[i];
+    }
 }

@@ -67,6 +67,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ae_decode_attention_f32.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i64, f32, i32,
                                             f32, i32]
     lib.ae_decode_attention_f32.restype = i32
+    lib.ae_rms_norm_f32.argtypes = [p, i64, p, p, p, i64, i32, f32, i32]
+    lib.ae_rms_norm_f32.restype = None
+    lib.ae_silu_and_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
+    lib.ae_silu_and_mul_f32.restype = None
 
 
 def _compiler() -> str:
@@ -164,4 +168,39 @@ def decode_attention(q: torch.Tensor, k_storage: torch.Tensor, v_storage: torch.
     if status != 0:
         raise ValueError(f"the native decode attention refused the shapes: q {tuple(q.shape)}, caches "
                          f"{tuple(k_storage.shape)}")
+    return out
+
+
+# -- element-wise ----------------------------------------------------------------------------------------------------
+def takes_rows(x: torch.Tensor) -> bool:
+    """Whether the element-wise kernels take x: float32 [T, N] with contiguous rows (any row stride), and the
+    library available."""
+    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x: [T, H] float32 (takes_rows); weight: [H] float32 contiguous. Returns rms_norm(x) * weight as a new [T, H];
+    with residual ([T, H] contiguous float32), first adds x into it in place and normalizes the sum."""
+    tokens, hidden = x.shape
+    if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape != (hidden,):
+        raise ValueError(f"weight must be a contiguous float32 [{hidden}], got {weight.dtype} {tuple(weight.shape)}")
+    if residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
+                                 or residual.shape != x.shape):
+        raise ValueError(f"residual must be a contiguous float32 {tuple(x.shape)}, got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    out = torch.empty(tokens, hidden)
+    library().ae_rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                              weight.data_ptr(), out.data_ptr(), tokens, hidden, eps, torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = [gate | up] float32 (takes_rows) -> silu(gate) * up, a new [T, I]."""
+    tokens, width = x.shape
+    if width % 2:
+        raise ValueError(f"silu_and_mul needs an even width, got {width}")
+    out = torch.empty(tokens, width // 2)
+    library().ae_silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), tokens, width // 2,
+                                  torch.get_num_threads())
     return out

@@ -178,3 +178,71 @@ def test_a_failing_compile_is_reported_with_the_compilers_message(fresh_build, m
         assert cpu_native.library() is None
     assert any("failed" in r.getMessage() and "error" in r.getMessage() for r in caplog.records)
     assert not list((fresh_build / "cpu_native").glob("*.so")), "no partial library left behind"
+
+
+# -- element-wise ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens, hidden", [(1, 256), (64, 256), (7, 100), (33, 2048)])
+def test_rms_norm_and_the_residual_add_match_the_reference(tokens, hidden):
+    wide = torch.randn(tokens, hidden + 24)
+    x = wide[:, :hidden]  # rows with a stride, as a projection's slice
+    weight, residual = torch.randn(hidden), torch.randn(tokens, hidden)
+    torch.testing.assert_close(cpu_native.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5),
+                               atol=1e-6, rtol=1e-5)
+    expected, expected_residual = reference.fused_add_rms_norm(x, residual.clone(), weight, 1e-5)
+    out = cpu_native.rms_norm(x, weight, 1e-5, residual=residual)
+    assert torch.equal(residual, expected_residual), "the residual add is one float32 add: exact"
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_silu_and_mul_matches_the_reference_across_the_exponents_range():
+    gate = torch.cat([torch.linspace(-100, 100, 4001), torch.randn(3999) * 4]).view(8, 1000)
+    x = torch.cat([gate, torch.randn(8, 1000)], dim=1)
+    torch.testing.assert_close(cpu_native.silu_and_mul(x), reference.silu_and_mul(x.clone()), atol=1e-6, rtol=2e-6)
+
+
+def test_the_native_exp_keeps_nan_and_saturates_past_the_float_range():
+    x = torch.tensor([[float("nan"), 200.0, -200.0, 89.0, -89.0, 0.0, 1.0, -3.0]])
+    out = cpu_native.silu_and_mul(torch.cat([x, torch.ones_like(x)], dim=1))[0]
+    assert out[0].isnan(), "NaN must propagate, not be clamped into a number"
+    torch.testing.assert_close(out[1:], torch.nn.functional.silu(x[0, 1:]), atol=1e-6, rtol=1e-6)
+
+
+def test_cpu_kernels_take_the_native_element_wise_path_for_float32_rows(monkeypatch):
+    calls = []
+    for name in ("rms_norm", "silu_and_mul"):
+        real = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda *a, _real=real, _n=name, **k: calls.append(_n) or _real(*a, **k))
+    x, residual, weight = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
+    cpu.rms_norm(x, weight, 1e-6)
+    cpu.fused_add_rms_norm(x, residual, weight, 1e-6)
+    cpu.silu_and_mul(torch.randn(5, 128))
+    assert calls == ["rms_norm", "rms_norm", "silu_and_mul"]
+    cpu.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6)
+    cpu.silu_and_mul(torch.randn(5, 128, dtype=torch.bfloat16))
+    assert len(calls) == 3, "bfloat16 stays on torch"
+
+
+# -- where the engine's torch work runs --------------------------------------------------------------------------
+def test_llm_and_the_in_process_client_build_their_engine_on_the_thread_that_steps_it(monkeypatch):
+    """(pooling_engine.build_engine_on_its_thread: with a second OpenMP thread pool in the process, every parallel
+    region of a step paid a futex wake-up, 1.35x of the default model's offline decode on 2 cores)."""
+    import threading
+
+    from asyncengine import LLM, SamplingParams, pooling_engine
+    from asyncengine.config import EngineConfig
+    from asyncengine.engine_client import InProcessClient
+
+    built_on = []
+    real = pooling_engine.build_engine
+    monkeypatch.setattr(pooling_engine, "build_engine",
+                        lambda config: built_on.append(threading.current_thread().name) or real(config))
+    llm = LLM(num_kv_blocks=160, max_num_seqs=4)
+    stepped_on = llm._device_thread.submit(lambda: threading.current_thread().name).result()
+    assert built_on == [stepped_on] and stepped_on.startswith("asyncengine-llm")
+    assert llm.generate(["To be"], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+    llm.close()
+    client = InProcessClient(EngineConfig(num_kv_blocks=160, max_num_seqs=4))
+    try:
+        assert built_on[1] == client._device_thread.submit(lambda: threading.current_thread().name).result()
+    finally:
+        client.close()
