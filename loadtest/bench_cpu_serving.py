@@ -15,7 +15,9 @@ Prints one table; writes JSON.
 `--compare` (issue 17) adds, timed back to back in every trial on the same prompts: transformers' `generate` with
 a static batch of all the prompts (left-padded, greedy, min_new_tokens = max_new_tokens so that every row makes
 M tokens, float32), and, with `--baseline-site DIR`, the offline engine of another revision (a non-editable
-install of it in DIR: `pip install --no-deps --target DIR <source tree>`) in a worker process of its own. The
+install of it in DIR: `pip install --no-deps --target DIR <source tree>`), each in a worker process of its own
+(PeerWorker says why; until session 21 transformers ran in this process, beside the engine's device thread, and
+both sides paid for it). The
 table then gives engine / transformers, engine / baseline and served / offline, each the median of the trials'
 ratios. Use `--engine-process --client subprocess` for the served side as `asyncengine serve` runs it.
 `--quantization int8` quantizes this run's engine (offline and served; the baseline keeps its own defaults).
@@ -122,25 +124,24 @@ class TransformersStaticBatch:
         return {"output_tokens": tokens, "seconds": elapsed, "output_tok_s": tokens / elapsed}
 
 
-class BaselineWorker:
-    """The offline engine of another revision, installed in `site`, in a process of its own: one trial per
-    request on its stdin (so that its trials interleave with this run's), results as JSON lines on its stdout."""
+class PeerWorker:
+    """A peer of this run's offline engine in a process of its own: one trial per line written to its stdin (so
+    that its trials interleave with this run's), results as JSON lines on its stdout; its first line describes
+    what it loaded. A process of its own so that each side is the only thread of its process running torch: two
+    threads of one process that run torch's OpenMP regions make every region of both pay a futex wake-up
+    (asyncengine.pooling_engine.build_engine_on_its_thread), which would slow whichever side shared the process.
+    worker_args: this module's hidden worker flags (--offline-worker or --transformers-worker and their inputs)."""
 
-    def __init__(self, site: str, prompts_path: str, max_tokens: int):
-        repo = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, repo])}  # the baseline's asyncengine first
+    def __init__(self, worker_args: list[str], env: Optional[dict] = None):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loadtest.bench_cpu_serving", "--offline-worker", prompts_path,
-             "--max-tokens", str(max_tokens)],
+            [sys.executable, "-m", "loadtest.bench_cpu_serving", *worker_args],
             cwd=tempfile.gettempdir(), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = self._read()  # the engine it loaded (its asyncengine path), once warmed up
-        if not self.info["asyncengine"].startswith(str(Path(site).resolve())):
-            raise RuntimeError(f"the baseline worker imported {self.info['asyncengine']}, not the one in {site}")
+        self.info = self._read()
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the baseline worker exited ({self.proc.wait()})")
+            raise RuntimeError(f"the worker {self.proc.args[3:]} exited ({self.proc.wait()})")
         return json.loads(line)
 
     def trial(self) -> dict:
@@ -153,15 +154,43 @@ class BaselineWorker:
         self.proc.wait(60)
 
 
-def offline_worker(prompts_path: str, max_tokens: int) -> int:
-    """The BaselineWorker's side: load, warm up, report, then one offline trial per line read."""
-    import asyncengine
+def baseline_worker(site: str, prompts_path: str, max_tokens: int, torch_threads: Optional[int]) -> PeerWorker:
+    """The offline engine of another revision, installed in `site`."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, repo])}  # the baseline's asyncengine first
+    worker = PeerWorker(["--offline-worker", prompts_path, *_worker_flags(max_tokens, torch_threads)], env)
+    if not worker.info["asyncengine"].startswith(str(Path(site).resolve())):
+        worker.close()
+        raise RuntimeError(f"the baseline worker imported {worker.info['asyncengine']}, not the one in {site}")
+    return worker
 
+
+def transformers_worker(prompts_path: str, max_tokens: int, torch_threads: Optional[int]) -> PeerWorker:
+    """transformers' static batch (TransformersStaticBatch)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    return PeerWorker(["--transformers-worker", prompts_path, *_worker_flags(max_tokens, torch_threads)], env)
+
+
+def _worker_flags(max_tokens: int, torch_threads: Optional[int]) -> list[str]:
+    return ["--max-tokens", str(max_tokens)] + (["--torch-threads", str(torch_threads)] if torch_threads else [])
+
+
+def serve_worker_trials(prompts_path: str, max_tokens: int, kind: str) -> int:
+    """A PeerWorker's side: load and warm up (`kind` offline: the asyncengine on the path; transformers), report,
+    then one trial per line read."""
     prompts = [json.loads(line)["prompt"] for line in open(prompts_path)]
-    offline = Offline(prompts, max_tokens, {})
-    print(json.dumps({"asyncengine": str(Path(asyncengine.__file__).resolve())}), flush=True)
+    if kind == "offline":
+        import asyncengine
+
+        peer, info = Offline(prompts, max_tokens, {}), {"asyncengine": str(Path(asyncengine.__file__).resolve())}
+    else:
+        import transformers
+
+        peer, info = TransformersStaticBatch(prompts, max_tokens), {"transformers": transformers.__version__}
+    print(json.dumps(info), flush=True)
     for _ in sys.stdin:
-        print(json.dumps(offline.trial()), flush=True)
+        print(json.dumps(peer.trial()), flush=True)
     return 0
 
 
@@ -314,8 +343,9 @@ def run(args: argparse.Namespace) -> dict:
                 f.write(json.dumps({"prompt": ids, "max_tokens": args.max_tokens}) + "\n")
         offline = Offline(prompts, args.max_tokens, engine_kwargs)
         startup_s = offline.startup_s
-        hf = TransformersStaticBatch(prompts, args.max_tokens) if args.compare else None
-        baseline = BaselineWorker(args.baseline_site, dataset, args.max_tokens) if args.baseline_site else None
+        hf = transformers_worker(dataset, args.max_tokens, args.torch_threads) if args.compare else None
+        baseline = (baseline_worker(args.baseline_site, dataset, args.max_tokens, args.torch_threads)
+                    if args.baseline_site else None)
         with InProcessServer({**engine_kwargs, "engine_process": args.engine_process,
                               "stream_interval": args.stream_interval}, args.api_cpu_priority) as server:
             engine_pid = server.engine.client.process.pid if args.engine_process else None
@@ -339,8 +369,9 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"  trial {trial}: " + ", ".join(f"{k} {row[k]['output_tok_s']:.0f} tok/s" for k in
                       ("transformers", "baseline", "offline", "served") if k in row)
                       + f", served/offline {row['ratio']:.3f}", flush=True)
-        if baseline is not None:
-            baseline.close()
+        for worker in (hf, baseline):
+            if worker is not None:
+                worker.close()
     import torch
 
     return {
@@ -445,7 +476,8 @@ def main(argv=None) -> int:
                         help="also time the offline engine installed in this folder (another revision)")
     parser.add_argument("--quantization", default=None,
                         help="this run's engine (offline and served) quantized so, e.g. int8 (not the baseline)")
-    parser.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)  # BaselineWorker's side
+    parser.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)  # PeerWorker sides
+    parser.add_argument("--transformers-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_cpu_serving.json")
     args = parser.parse_args(argv)
@@ -453,12 +485,13 @@ def main(argv=None) -> int:
         parser.error("--client-priority idle needs --client subprocess (the in-process client shares this "
                      "process, whose offline side must keep normal priority)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.offline_worker:
-        return offline_worker(args.offline_worker, args.max_tokens)
     if args.torch_threads:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+    if args.offline_worker or args.transformers_worker:
+        kind = "offline" if args.offline_worker else "transformers"
+        return serve_worker_trials(args.offline_worker or args.transformers_worker, args.max_tokens, kind)
     report = run(args)
     print(format_table(report))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
