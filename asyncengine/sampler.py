@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from asyncengine.kernels import cpu_native
 from asyncengine.request import Request
 from asyncengine.stops import banned_ids
 from asyncengine.structured_output import GrammarBatch
@@ -255,8 +256,11 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     hidden^T` runs faster there), and argmax along a row then strides through memory (0.6-0.9 ms for 64 x 8192 on
     this 2-core machine). Here it is found in three passes over contiguous memory (~0.1 ms): each block of
     ARGMAX_BLOCK vocabulary entries' maximum per row, the first block holding the row's maximum, the first index of
-    it within that block; the same first index as argmax, NaN included (max and argmax both take NaN as largest)."""
+    it within that block; the same first index as argmax, NaN included (max and argmax both take NaN as largest).
+    Contiguous float32 rows (oneDNN's head) take the native kernel (kernels/cpu_native.argmax_rows, the same rule)."""
     rows, vocab = logits.shape
+    if logits.device.type == "cpu" and cpu_native.takes_rows(logits) and vocab:  # contiguous rows (oneDNN's head)
+        return cpu_native.argmax_rows(logits)
     if logits.device.type != "cpu" or logits.stride(0) != 1 or vocab % ARGMAX_BLOCK or rows < 2:
         return logits.argmax(dim=-1)
     blocks = logits.t().view(vocab // ARGMAX_BLOCK, ARGMAX_BLOCK, rows)  # [V / B, B, S], contiguous

@@ -231,9 +231,15 @@ def cache_and_attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_
 
 
 def write_cache(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """key/value [T, KVH, D] into the caches at slot_mapping [T] (every slot valid): one index_copy_ each, along
-    the slot axis of the cache's storage ([KVH, num_slots, D] heads-major, [num_slots, KVH, D] plain); an FP8
+    """key/value [T, KVH, D] into the caches at slot_mapping [T] (every slot valid): float32 into heads-major caches
+    in one native pass (cpu_native.write_kv), else one index_copy_ each, along the slot axis of the cache's storage ([KVH, num_slots, D] heads-major, [num_slots, KVH, D] plain); an FP8
     cache stores `reference.quantize_kv(x, scale)`."""
+    k_storage, v_storage = heads_major(k_cache), heads_major(v_cache)
+    if (k_storage is not None and v_storage is not None and key.dtype == torch.float32
+            and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and cpu_native.available()):
+        shape = (k_storage.shape[0], -1, k_storage.shape[-1])  # [KVH, num_slots, D]
+        cpu_native.write_kv(key, value, k_storage.view(shape), v_storage.view(shape), slot_mapping)
+        return
     for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         stored = reference.quantize_kv(new, scale, cache.dtype)
         if reference.is_fp8(cache):  # no e4m3 index_copy_ on CPU: copy the bytes

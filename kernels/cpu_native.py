@@ -71,6 +71,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ae_rms_norm_f32.restype = None
     lib.ae_silu_and_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
     lib.ae_silu_and_mul_f32.restype = None
+    lib.ae_write_kv_f32.argtypes = [p, i64, p, i64, p, p, p, i64, i32, i32, i64]
+    lib.ae_write_kv_f32.restype = i32
+    lib.ae_argmax_rows_f32.argtypes = [p, i64, i64, i64, p, i32]
+    lib.ae_argmax_rows_f32.restype = None
 
 
 def _compiler() -> str:
@@ -203,4 +207,39 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(tokens, width // 2)
     library().ae_silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), tokens, width // 2,
                                   torch.get_num_threads())
+    return out
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_storage: torch.Tensor, v_storage: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """key, value: [T, KVH, D] float32 (rows may be strided, each row's heads contiguous) into k_storage,
+    v_storage ([KVH, num_slots, D] contiguous float32: a heads-major cache's storage seen by slot) at slots [T]
+    (int64; one outside [0, num_slots) raises ValueError before anything is written)."""
+    tokens, kv_heads, head_dim = key.shape
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != torch.float32 or t.shape != (tokens, kv_heads, head_dim) or t.stride(2) != 1 \
+                or t.stride(1) != head_dim:
+            raise ValueError(f"{name} must be float32 [{tokens}, {kv_heads}, {head_dim}] with contiguous heads")
+    num_slots = k_storage.shape[1]
+    if (k_storage.shape != (kv_heads, num_slots, head_dim) or v_storage.shape != k_storage.shape
+            or not (k_storage.is_contiguous() and v_storage.is_contiguous())):
+        raise ValueError(f"the caches' storage must be contiguous [{kv_heads}, slots, {head_dim}], got "
+                         f"{tuple(k_storage.shape)} / {tuple(v_storage.shape)}")
+    if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (tokens,):
+        raise ValueError(f"slots must be a contiguous int64 [{tokens}]")
+    status = library().ae_write_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                       k_storage.data_ptr(), v_storage.data_ptr(), slots.data_ptr(), tokens, kv_heads,
+                                       head_dim, num_slots)
+    if status != 0:
+        raise ValueError(f"slots must lie in [0, {num_slots}) (nothing was written)")
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of float32 [S, V] rows (takes_rows), the same index (the first maximum; NaN counts as
+    largest): two passes over each row instead of torch's one strided-index pass (308 us at 64 x 8192 here)."""
+    rows, vocab = x.shape
+    if vocab == 0:
+        raise ValueError("argmax of an empty row")
+    out = torch.empty(rows, dtype=torch.int64)
+    library().ae_argmax_rows_f32(x.data_ptr(), x.stride(0), rows, vocab, out.data_ptr(), torch.get_num_threads())
     return out

@@ -246,3 +246,39 @@ def test_llm_and_the_in_process_client_build_their_engine_on_the_thread_that_ste
         assert built_on[1] == client._device_thread.submit(lambda: threading.current_thread().name).result()
     finally:
         client.close()
+
+
+def test_write_kv_writes_exactly_what_index_copy_writes_and_refuses_a_slot_out_of_range():
+    tokens, kv_heads, head_dim, num_blocks, block_size = 11, 2, 64, 9, 8
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (cpu.allocate_kv_cache(shape, torch.float32).normal_() for _ in "kv")
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    kv = torch.randn(tokens, 2 * kv_heads * head_dim + 5)  # strided views of one projection output
+    key = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = kv[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    reference.reshape_and_cache(key, value, ref_k, ref_v, slots)
+    cpu.write_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    storage = (kv_heads, -1, head_dim)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="slots must lie"):
+        cpu_native.write_kv(key, value, cpu.heads_major(k_cache).view(storage), cpu.heads_major(v_cache).view(storage),
+                            torch.tensor([0] * (tokens - 1) + [num_blocks * block_size]))
+    assert torch.equal(k_cache, before), "nothing written"
+
+
+def test_argmax_rows_matches_torch_first_maximum_and_nan():
+    x = torch.randn(9, 1000)
+    x[1, 10] = x[1, 700] = 50.0  # a tie: the first
+    x[2, 333] = float("nan")
+    x[2, 900] = float("nan")
+    x[3] = float("-inf")
+    x[4, :] = 7.0
+    x[5, 999] = float("inf")
+    wide = torch.cat([x, torch.randn(9, 24)], dim=1)[:, :1000]  # strided rows
+    for logits in (x, wide):
+        assert torch.equal(cpu_native.argmax_rows(logits), logits.argmax(dim=-1))
+    from asyncengine.sampler import greedy_tokens
+
+    assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
