@@ -525,8 +525,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def rotary_embedding(positions, q, k, cos_sin_cache, head_dim: int):
     """reference.rotary_embedding (neox), in place on q and k (strided views allowed); returns (q, k).
     When k directly follows q in each row (both views of one qkv projection output) both rotate in one pass."""
+    rows = _rows_of_q_and_k(q, k)
+    if all(cpu_native.rotary_supported(x, cos_sin_cache, positions, head_dim) for x in rows):
+        for x in rows:  # one native pass over each row (the same arithmetic as below, within float32 rounding)
+            cpu_native.rotary_neox(x, positions, cos_sin_cache, head_dim)
+        return q, k
     cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-    for x in _rows_of_q_and_k(q, k):
+    for x in rows:
         xs = x.view(x.shape[0], -1, head_dim) if x.is_contiguous() else x.unflatten(-1, (-1, head_dim))
         x1, x2 = xs.chunk(2, dim=-1)
         x2_sin = x2 * sin  # the old x2's share of the new x1, taken before x2 changes

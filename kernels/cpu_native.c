@@ -238,3 +238,28 @@ void ae_argmax_rows_f32(const float *x, int64_t x_row, int64_t S, int64_t V, int
         out[s] = at;
     }
 }
+
+/* Rotary embedding, neox style, in place: x [T, heads, D] (row stride x_row, heads contiguous); cos_sin [P, D] =
+ * [cos | sin] of each position (D/2 each, contiguous); positions [T] int64. Per head, with x1 the first half and
+ * x2 the second: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. Returns -1, having changed nothing, when a position
+ * is outside [0, P); else 0. */
+int ae_rotary_neox_f32(float *x, int64_t x_row, int64_t T, int heads, int D, const int64_t *positions,
+                       const float *cos_sin, int64_t P)
+{
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= P) return -1;
+    const int half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *cos = cos_sin + positions[t] * D, *sin = cos + half;
+        for (int h = 0; h < heads; h++) {
+            float *x1 = x + t * x_row + (int64_t)h * D, *x2 = x1 + half;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * cos[i] - b * sin[i];
+                x2[i] = b * cos[i] + a * sin[i];
+            }
+        }
+    }
+    return 0;
+}

@@ -75,6 +75,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ae_write_kv_f32.restype = i32
     lib.ae_argmax_rows_f32.argtypes = [p, i64, i64, i64, p, i32]
     lib.ae_argmax_rows_f32.restype = None
+    lib.ae_rotary_neox_f32.argtypes = [p, i64, i64, i32, i32, p, p, i64]
+    lib.ae_rotary_neox_f32.restype = i32
 
 
 def _compiler() -> str:
@@ -243,3 +245,22 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64)
     library().ae_argmax_rows_f32(x.data_ptr(), x.stride(0), rows, vocab, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def rotary_supported(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor, head_dim: int) -> bool:
+    """Whether `rotary_neox` takes x: float32 [T, heads * head_dim] rows (takes_rows), a contiguous float32
+    [P, head_dim] cache, int64 positions, an even head_dim."""
+    return (takes_rows(x) and x.shape[1] % head_dim == 0 and head_dim % 2 == 0
+            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
+            and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim
+            and positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (x.shape[0],))
+
+
+def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int) -> None:
+    """Neox-style rotary embedding in place on x [T, heads * head_dim] (rotary_supported): each head's halves
+    rotated by the [cos | sin] row of its token's position. A position outside the cache raises ValueError with x
+    unchanged."""
+    status = library().ae_rotary_neox_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1] // head_dim, head_dim,
+                                          positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0])
+    if status != 0:
+        raise ValueError(f"rotary positions must lie in [0, {cos_sin_cache.shape[0]})")

@@ -282,3 +282,37 @@ def test_argmax_rows_matches_torch_first_maximum_and_nan():
     from asyncengine.sampler import greedy_tokens
 
     assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
+
+
+def test_rotary_matches_the_reference_in_place_on_one_qkv_row_and_on_separate_tensors():
+    tokens, heads, kv_heads, head_dim = 13, 4, 2, 64
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(256).float()[:, None] * inv_freq
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [256, D]
+    positions = torch.randint(0, 256, (tokens,))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    exp_q, exp_k = reference.rotary_embedding(positions, q.clone(), k.clone(), cache, head_dim)
+    calls = []
+    real = cpu_native.rotary_neox
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    try:
+        cpu_native.rotary_neox = counted
+        cpu.rotary_embedding(positions, q, k, cache, head_dim)
+        assert calls == [(tokens, (heads + kv_heads) * head_dim)], "q and k of one qkv row: one pass"
+        q2, k2 = torch.randn(tokens, heads * head_dim), torch.randn(tokens, kv_heads * head_dim)
+        exp_q2, exp_k2 = reference.rotary_embedding(positions, q2.clone(), k2.clone(), cache, head_dim)
+        cpu.rotary_embedding(positions, q2, k2, cache, head_dim)
+        assert len(calls) == 3
+    finally:
+        cpu_native.rotary_neox = real
+    for got, expected in ((q, exp_q), (k, exp_k), (q2, exp_q2), (k2, exp_k2)):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    before = q2.clone()
+    with pytest.raises(ValueError, match="positions"):
+        cpu_native.rotary_neox(q2, torch.full((tokens,), 256), cache, head_dim)
+    assert torch.equal(q2, before)
