@@ -134,8 +134,20 @@ def test_slow_reader_merges_into_one_bounded_slot(engine):
     run(main())
 
 
-def test_loop_stays_free_for_other_tasks(engine):
-    """A 10 ms ticker keeps its timing while the engine serves 32 concurrent generations."""
+def test_loop_stays_free_for_other_tasks(engine, monkeypatch):
+    """A 10 ms ticker keeps running while the engine serves 32 concurrent generations whose device calls each
+    take at least 80 ms (a sleep that releases the GIL, as a CUDA synchronize does): the loop is never held for a
+    device call. Ran inline on the loop, every tick would wait for one (gaps >= 80 ms); off the loop the gaps
+    are the ticker's 10 ms plus the loop's own booking and the GIL's switch interval (measured: max 17 ms on a
+    busy 2-core host)."""
+    device_wait_s = 0.08
+    real_run = engine.client.engine.run
+
+    def slow_run(step):
+        time.sleep(device_wait_s)
+        return real_run(step)
+
+    monkeypatch.setattr(engine.client.engine, "run", slow_run)
 
     async def main():
         ticks: list[float] = []
@@ -147,19 +159,18 @@ def test_loop_stays_free_for_other_tasks(engine):
                 await asyncio.sleep(0.01)
 
         tick_task = asyncio.create_task(ticker())
-        params = SamplingParams(max_tokens=48, **GREEDY)
+        params = SamplingParams(max_tokens=12, **GREEDY)
         await asyncio.gather(*(collect(engine, f"tick {i}", params, f"t{i}") for i in range(32)))
         stop.set()
         await tick_task
         return ticks
 
     ticks = run(main())
-    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    gaps = sorted(b - a for a, b in zip(ticks, ticks[1:]))
     duration = ticks[-1] - ticks[0]
-    missed = sum(max(0, round(g / 0.01) - 1) for g in gaps)
-    assert len(ticks) > 5
-    # Under a busy 2-core machine a tick may slip; the loop must never be held for a whole step of 32 sequences.
-    assert missed <= max(3, 0.1 * duration / 0.01), f"missed {missed} ticks in {duration:.2f}s, max gap {max(gaps):.3f}s"
+    assert duration >= 12 * device_wait_s, "the slowed device call did not run"
+    assert gaps[-1] < device_wait_s, f"the loop was held {gaps[-1]:.3f} s, as long as a device call"
+    assert gaps[len(gaps) // 2] < device_wait_s / 2, f"median tick gap {gaps[len(gaps) // 2]:.3f} s"
 
 
 def test_works_under_uvloop_and_anyio(engine):
