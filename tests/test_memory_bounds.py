@@ -126,8 +126,8 @@ PROJECT_FILES = [tracemalloc.Filter(True, directory + "/*") for directory in PRO
 
 
 def project_tasks() -> list[str]:
-    """The loop's tasks running the project's own coroutines (hypercorn keeps a closed connection's tasks until
-    its keep-alive timeout: those are hypercorn's, bounded by that timeout, and not counted)."""
+    """The loop's tasks running the project's own coroutines (hypercorn's per-connection tasks end when their
+    connection does; tests/test_server_connections.py checks those)."""
     return sorted(task.get_coro().__qualname__ for task in asyncio.all_tasks()
                   if task.get_coro().cr_code.co_filename.startswith(tuple(PROJECT_DIRS)))
 
