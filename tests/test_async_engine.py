@@ -135,19 +135,19 @@ def test_slow_reader_merges_into_one_bounded_slot(engine):
 
 
 def test_loop_stays_free_for_other_tasks(engine, monkeypatch):
-    """A 10 ms ticker keeps running while the engine serves 32 concurrent generations whose device calls each
-    take at least 80 ms (a sleep that releases the GIL, as a CUDA synchronize does): the loop is never held for a
-    device call. Ran inline on the loop, every tick would wait for one (gaps >= 80 ms); off the loop the gaps
-    are the ticker's 10 ms plus the loop's own booking and the GIL's switch interval (measured: max 17 ms on a
-    busy 2-core host)."""
+    """A 10 ms ticker keeps running while the engine serves 32 concurrent generations whose steps each take at
+    least 80 ms on the device thread (a sleep in `launch`, which every driver mode calls there; it releases the GIL,
+    as a CUDA synchronize does): the loop is never held for a device call. Were the calls run inline on the loop,
+    every tick would wait for one (gaps >= 80 ms); off the loop the gaps are the ticker's 10 ms plus the loop's own
+    booking and the GIL's switch interval (measured: max 17 ms on a busy 2-core host)."""
     device_wait_s = 0.08
-    real_run = engine.client.engine.run
+    real_launch = engine.client.engine.launch
 
-    def slow_run(step):
+    def slow_launch(step):
         time.sleep(device_wait_s)
-        return real_run(step)
+        return real_launch(step)
 
-    monkeypatch.setattr(engine.client.engine, "run", slow_run)
+    monkeypatch.setattr(engine.client.engine, "launch", slow_launch)
 
     async def main():
         ticks: list[float] = []
