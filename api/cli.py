@@ -361,7 +361,7 @@ def close_connections_at_peer_eof() -> None:
 
     if getattr(TCPServer, "_closes_at_peer_eof", False):
         return
-    if not hasattr(TCPServer, "_read_data"):  # another hypercorn: the test above fails; serving still works
+    if not hasattr(TCPServer, "_read_data"):  # another hypercorn: tests/test_server_connections.py fails
         logger.warning("this hypercorn has no TCPServer._read_data: connections its clients closed stay open until "
                        "--timeout-keep-alive ends them")
         return

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import httpx
-from test_server_harness import ServerThread
+from test_server_harness import ServerThread, host_port
 
 from asyncengine.config import default_model_path
 
@@ -153,11 +153,11 @@ async def stream_sse(client: httpx.AsyncClient, url: str, body: dict, *, leave_a
 async def send_and_close(url: str, path: str, body: dict, linger: float = 0.0) -> None:
     """Send a whole HTTP request on a raw connection and close it `linger` seconds later, reading nothing:
     a client that leaves before (or while) its prompt is prefilled."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
+    host, port = host_port(url)
     data = json.dumps(body).encode()
     head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\n\r\n").encode()
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 10)
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
     try:
         writer.write(head + data)
         await writer.drain()

@@ -14,7 +14,7 @@ import time
 import tracemalloc
 
 from test_reliability_common import MiB, default_model_server, http_pool, rss_bytes, settled_rss, stream_sse
-from test_server_harness import wait_until
+from test_server_harness import host_port, wait_until
 
 NUM_SLOW, NUM_FAST = 20, 16
 READ_SECONDS = 3  # each slow reader reads one chunk per second for this long, then leaves
@@ -24,7 +24,7 @@ FAST_BODY = {"prompt": "And the LORD spake unto Moses", "max_tokens": 40, "ignor
 
 async def slow_reader(url: str, body: dict, seconds: int, rcvbuf: int = 4096) -> int:
     """A raw-socket SSE client with a small receive buffer reading 512 bytes per second; returns bytes read."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
+    host, port = host_port(url)
     data = json.dumps(body)
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(data)}\r\n\r\n{data}").encode()
@@ -34,7 +34,7 @@ async def slow_reader(url: str, body: dict, seconds: int, rcvbuf: int = 4096) ->
     sock.setblocking(False)
     received = 0
     try:
-        await asyncio.wait_for(loop.sock_connect(sock, (host, int(port))), 10)
+        await asyncio.wait_for(loop.sock_connect(sock, (host, port)), 10)
         await loop.sock_sendall(sock, request)
         for _ in range(seconds):
             received += len(await asyncio.wait_for(loop.sock_recv(sock, 512), 10))

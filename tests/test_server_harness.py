@@ -101,6 +101,12 @@ class ServerThread:
         self.stop()
 
 
+def host_port(url: str) -> tuple[str, int]:
+    """(host, port) of an http://HOST:PORT url, for tests that talk raw sockets to the server."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     last_error: Optional[BaseException] = None
