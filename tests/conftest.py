@@ -33,6 +33,30 @@ if not torch.cuda.is_available():
 from checkpoints import ARCHITECTURES, build_checkpoint  # noqa: E402
 
 
+pytest_plugins = ["machine_share"]  # the `alone` marker: tests that run while no other test runs
+
+# The README's test command runs the suite on two pytest-xdist workers, one test file at a time each
+# (`-n 2 --dist loadfile`: a file's module fixtures, such as its server, start once), handed out in collection
+# order (`--no-loadscope-reorder`; xdist would otherwise start the files with the most tests first and leave the
+# long one-test files for the end, one worker busy and the other core idle). So the longest files (measured: 1-4
+# minutes each on 2 cores) are collected first, and the `alone` tests (machine_share.py) last: an `alone` test
+# holds its worker idle until the other worker's current test ends, and then the other's next test waits for it.
+LONGEST_FILES = ("test_tensor_parallel.py", "test_server_engine_process.py",
+                 "test_server_cli.py", "test_reliability_concurrency.py", "test_fused_kernels.py",
+                 "test_reliability_fault.py", "test_webui_browser.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FILES first (in that order), then every other file in its collected order, and the `alone` tests
+    last. The sort is stable and deterministic, so every xdist worker collects the same order, as xdist requires."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+
+    def order(item) -> tuple[bool, int]:
+        return item.get_closest_marker("alone") is not None, rank.get(item.path.name, len(LONGEST_FILES))
+
+    items.sort(key=order)
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """checkpoint_dir(arch) -> folder of a tiny random checkpoint of that architecture (built once)."""

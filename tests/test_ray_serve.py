@@ -42,6 +42,10 @@ from asyncengine.ray_serve import (  # noqa: E402
     parse_serve_args,
 )
 
+# Alone (tests/machine_share.py): a Ray of its own with four engine ranks loads both cores; beside the other
+# xdist worker's tests, a helper that kills a replica timed out after 120 s.
+pytestmark = pytest.mark.alone
+
 API_KEY = "ray-serve-test-key"
 MODEL = "asyncengine-default"
 STARTUP_TIMEOUT = 240  # seconds for Ray, Serve's proxy and two replicas to come up on a loaded machine

@@ -17,6 +17,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run_soak(out) -> tuple[subprocess.CompletedProcess, dict]:
     cmd = [sys.executable, "-m", "loadtest.soak", "--minutes", "1.5", "--warmup-s", "45", "--max-slope", "1.5",
@@ -26,6 +28,9 @@ def run_soak(out) -> tuple[subprocess.CompletedProcess, dict]:
     return result, json.loads((out / "soak.json").read_text())
 
 
+# Alone (tests/machine_share.py): beside the Ray Serve tests on the other xdist worker its load ran slowly enough
+# to read as a slope, 3.3 MiB/min in both runs; it passes alone.
+@pytest.mark.alone
 def test_short_soak_passes(tmp_path):
     out = tmp_path / "soak"
     result, report = run_soak(out)
