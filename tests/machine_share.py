@@ -45,7 +45,7 @@ def machine_share(alone: bool) -> Iterator[None]:
     # closing the files released both locks
 
 
-@pytest.hookimpl(hookwrapper=True)  # the old-style wrapper: the GPU machine's pytest may predate wrapper=True
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     with machine_share(alone=item.get_closest_marker("alone") is not None):
         yield
