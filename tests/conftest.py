@@ -14,15 +14,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Choices measured on this machine (asyncengine/measured_choices.py) go to a directory of this run's own, shared by
-# every process it starts, not to the user's ~/.cache.
-# The process that makes the directory removes it at exit (every test run left one behind in /tmp before).
-if "ASYNCENGINE_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
+# every process it starts, not to the user's ~/.cache; the process that makes the run's directory removes it at
+# exit (every test run left one behind in /tmp before).
+from machine_share import pytest_runtest_protocol, run_dir  # noqa: E402, F401 (the `alone` marker's hook, used from here)
 
-    os.environ["ASYNCENGINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="asyncengine-test-choices-")
-    atexit.register(shutil.rmtree, os.environ["ASYNCENGINE_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("ASYNCENGINE_CACHE_DIR", str(run_dir() / "choices"))
 # Without CUDA, Triton kernels run in its interpreter, which must be chosen before any module defines a kernel:
 # set here, first, not in the kernel tests, so collection order (another module importing Triton) cannot matter.
 import torch  # noqa: E402
@@ -32,8 +28,6 @@ if not torch.cuda.is_available():
 
 from checkpoints import ARCHITECTURES, build_checkpoint  # noqa: E402
 
-
-pytest_plugins = ["machine_share"]  # the `alone` marker: tests that run while no other test runs
 
 # The README's test command runs the suite on two pytest-xdist workers, one test file at a time each
 # (`-n 2 --dist loadfile`: a file's module fixtures, such as its server, start once), handed out in collection

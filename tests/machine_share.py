@@ -4,9 +4,9 @@ Some tests measure the machine (the soak's RSS slope over 90 s): a test on the o
 slows them enough to read as a trend. Under xdist each test, from its setup to its teardown, holds one lock shared
 by the run's workers: shared, or exclusively when it is marked `alone`. A turnstile keeps a waiting `alone` test
 from being overtaken by the other worker's next tests: every test passes through it before it takes the lock, and
-an `alone` test holds it from before its wait to its end. The lock files live in a directory of the run's own,
-made by the first process that loads this plugin (the xdist controller) and inherited by its workers through the
-environment; without xdist (one process runs every test) nothing is locked.
+an `alone` test holds it from before its wait to its end. The lock files live in the run's own directory
+(`run_dir`, which tests/conftest.py also gives the engine's cache); without xdist (one process runs every test)
+nothing is locked.
 """
 
 from __future__ import annotations
@@ -24,9 +24,17 @@ import pytest
 
 RUN_DIR_ENV = "ASYNCENGINE_TEST_RUN_DIR"
 
-if RUN_DIR_ENV not in os.environ:
-    os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="asyncengine-test-run-")
-    atexit.register(shutil.rmtree, os.environ[RUN_DIR_ENV], ignore_errors=True)
+
+def run_dir() -> Path:
+    """The test run's own directory, shared by every process it starts (they inherit the variable); the process
+    that makes it (the first to ask: the xdist controller, or the only process) removes it at exit."""
+    if RUN_DIR_ENV not in os.environ:
+        os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="asyncengine-test-run-")
+        atexit.register(shutil.rmtree, os.environ[RUN_DIR_ENV], ignore_errors=True)
+    return Path(os.environ[RUN_DIR_ENV])
+
+
+run_dir()  # made now, at import, so that the xdist controller makes it before it starts its workers
 
 
 @contextlib.contextmanager
@@ -35,8 +43,8 @@ def machine_share(alone: bool) -> Iterator[None]:
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
-    run_dir = Path(os.environ[RUN_DIR_ENV])
-    with open(run_dir / "turnstile.lock", "a") as turnstile, open(run_dir / "machine.lock", "a") as machine:
+    locks = run_dir()
+    with open(locks / "turnstile.lock", "a") as turnstile, open(locks / "machine.lock", "a") as machine:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
