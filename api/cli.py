@@ -37,7 +37,7 @@ from asyncengine.api.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_PING_INTERVAL, c
 from asyncengine.api.reasoning import REASONING_PARSERS
 from asyncengine.api.tool_calls import TOOL_PARSERS
 from asyncengine.engine_core import (API_CPU_PRIORITIES, check_api_cpu_priority, leave_a_core_for_the_event_loop,
-                                     run_threads_at_idle_priority)
+                                     let_a_cpu_engine_process_wait_passively, run_threads_at_idle_priority)
 from asyncengine.quantization import QUANTIZATION_METHODS
 
 logger = logging.getLogger("asyncengine.api")
@@ -180,10 +180,11 @@ def _engine_args(engine) -> None:
                              "1.1x the tokens/s on 2 CPU cores; loadtest/RESULTS.md). Default: on")
     engine.add_argument("--api-cpu-priority", default="normal", choices=API_CPU_PRIORITIES,
                         help="the server's CPU priority beside its engine process. idle (Linux SCHED_IDLE): HTTP "
-                             "and SSE work runs only on CPU time no other thread wants; on a machine that only "
-                             "serves on CPU, 64 streams from clients elsewhere kept 0.97 of the offline tokens/s "
-                             "against 0.86 (2 cores), but any other busy process in the same session or container "
-                             "starves the server. Default: normal")
+                             "and SSE work runs only on CPU time no other thread wants, and an engine on CPU "
+                             "waits passively (OMP_WAIT_POLICY=PASSIVE unless set); on a machine that only serves "
+                             "on CPU, 64 streams from clients elsewhere kept 0.71 of the offline tokens/s against "
+                             "0.65 (2 cores), but any other busy process in the same session or container starves "
+                             "the server. Default: normal")
     _parallel_args(engine)
     engine.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                         help="generate text, or pool (/v1/embeddings; /score and /rerank for cross-encoders); "
@@ -494,6 +495,7 @@ def serve(args: argparse.Namespace) -> int:
         if not config.engine_process:  # an engine process keeps every core: its event loop is elsewhere
             leave_a_core_for_the_event_loop(config)
         check_api_cpu_priority(config, args.api_cpu_priority)
+        let_a_cpu_engine_process_wait_passively(config, args.api_cpu_priority)
         engine = AsyncLLMEngine(config)
         sock = bind_socket(args.host, args.port)
         if args.api_cpu_priority == "idle":  # after the engine process started: it must not inherit the policy

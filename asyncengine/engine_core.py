@@ -159,7 +159,9 @@ def check_api_cpu_priority(config: EngineConfig, choice: str) -> None:
     machines, whose CPU the engine does not share). But any other busy process of the same session or container
     takes the cores first: with two spinning processes beside it the server fell to 1/3 of normal priority's tokens/s
     and /health took up to 27 s (another session's: level tokens/s, /health up to 0.7 s against 0.05 s). Hence
-    opt-in, for a machine that does nothing but serve; and an unprivileged process cannot return to normal."""
+    opt-in, for a machine that does nothing but serve; and an unprivileged process cannot return to normal. (Since
+    session 21 the engine's own OpenMP threads spin between operations, so an engine on CPU must be told to wait
+    passively beside an idle server: `let_a_cpu_engine_process_wait_passively`; the figures above predate that.)"""
     if choice not in API_CPU_PRIORITIES:
         raise ValueError(f"api_cpu_priority must be one of {', '.join(API_CPU_PRIORITIES)}, got {choice!r}")
     if choice == "idle" and not hasattr(os, "SCHED_IDLE"):
@@ -167,6 +169,29 @@ def check_api_cpu_priority(config: EngineConfig, choice: str) -> None:
     if choice == "idle" and not config.engine_process:
         raise ValueError("api_cpu_priority 'idle' needs the engine in a process of its own (engine_process): in "
                          "the server's process the model's threads would run idle too")
+
+
+# libgomp's settings for how a waiting OpenMP thread waits: a user who set either keeps it
+OPENMP_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def let_a_cpu_engine_process_wait_passively(config: EngineConfig, choice: str) -> bool:
+    """Under api_cpu_priority "idle" with the engine on CPU, have the engine process that starts next wait
+    passively: OMP_WAIT_POLICY=PASSIVE in this process's environment, which the spawned engine process (and its
+    tensor-parallel ranks) inherits. True if it was set; a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
+
+    Why: torch's OpenMP threads spin between operations (libgomp's default, ~300,000 pauses) while waiting for
+    each other, so an engine process on CPU never leaves a core idle, and a server under SCHED_IDLE then gets
+    none: once the pipe of outputs it does not read is full, the engine stalls too. Measured on 2 cores, 64
+    streams (loadtest/RESULTS.md, session 25): served / offline 0.10 with the engine spinning, 0.71 (clients at
+    idle priority) and 0.66 (at normal) with it passive, against 0.65 for the default normal priority. This
+    process's own libgomp read its environment when torch loaded, so the server is unaffected."""
+    if choice != "idle" or config.torch_device().type != "cpu":
+        return False
+    if any(name in os.environ for name in OPENMP_WAIT_SETTINGS):
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
 
 
 def run_threads_at_idle_priority(thread_ids: Optional[list[int]] = None) -> None:

@@ -203,10 +203,11 @@ class InProcessServer:
         from asyncengine.api.cli import bind_socket, url_of
         from asyncengine.async_engine import AsyncLLMEngine
         from asyncengine.config import EngineConfig
-        from asyncengine.engine_core import check_api_cpu_priority
+        from asyncengine.engine_core import check_api_cpu_priority, let_a_cpu_engine_process_wait_passively
 
         config = EngineConfig(**engine_kwargs)
         check_api_cpu_priority(config, api_cpu_priority)  # as `asyncengine serve --api-cpu-priority`
+        let_a_cpu_engine_process_wait_passively(config, api_cpu_priority)  # this process's libgomp is loaded
         self.priority = api_cpu_priority
         self.engine = AsyncLLMEngine(config)
         self.app = create_app(self.engine, served_model_name="default")

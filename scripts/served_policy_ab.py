@@ -6,15 +6,21 @@ generator's CPU priorities, alternating in one process (session 25; loadtest/RES
 One offline LLM and one `InProcessServer` per configuration (each with its engine process), all alive at once; each
 round times offline, then every configuration's served run (`bench_cpu_serving.served_trial`, 64 x 64, the load
 generator in its own process), rotating their order. A configuration's engine environment (OMP_WAIT_POLICY,
-GOMP_SPINCOUNT) is set only while its engine process starts: libgomp reads it once, when torch loads, and this
-process loaded torch first, with the default policy, for its offline side.
+GOMP_SPINCOUNT; with neither, an idle server's engine waits passively since session 25) is set only while its
+engine process starts: libgomp reads it once, when torch loads, and this process loaded torch first, with the
+default policy, for its offline side.
 """
-import json, os, statistics, sys, tempfile
+import json
+import os
+import statistics
+import sys
+import tempfile
 from pathlib import Path
 
 import torch  # noqa: F401  this process's libgomp: default policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from asyncengine.engine_core import OPENMP_WAIT_SETTINGS
 from loadtest.bench_cpu_serving import InProcessServer, Offline, make_prompts, served_trial
 
 CONFIGS = {  # name: (engine env, server priority, client priority)
@@ -26,13 +32,16 @@ CONFIGS = {  # name: (engine env, server priority, client priority)
     "F_spin30k_idle_idle": ({"GOMP_SPINCOUNT": "30000"}, "idle", "idle"),
     "G_spin3k_idle_idle": ({"GOMP_SPINCOUNT": "3000"}, "idle", "idle"),
     "H_spin10k_normal": ({"GOMP_SPINCOUNT": "10000"}, "normal", "normal"),
+    # libgomp's default spin count, named so that --api-cpu-priority idle keeps it (as before session 25)
+    "I_spin_idle_idle": ({"GOMP_SPINCOUNT": "300000"}, "idle", "idle"),
+    "J_spin_idle_normal": ({"GOMP_SPINCOUNT": "300000"}, "idle", "normal"),
 }
 
 
-
 def start(env: dict, priority: str) -> InProcessServer:
-    """A started server whose engine process was spawned with `env` added to this process's environment."""
-    saved = {k: os.environ.get(k) for k in env}
+    """A started server whose engine process was spawned with `env` added to this process's environment (and
+    whatever `let_a_cpu_engine_process_wait_passively` adds for an idle server); both undone afterwards."""
+    saved = {k: os.environ.get(k) for k in (*env, *OPENMP_WAIT_SETTINGS)}
     os.environ.update(env)
     try:
         server = InProcessServer({"engine_process": True}, priority).__enter__()

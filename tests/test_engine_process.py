@@ -14,7 +14,8 @@ import uvloop
 
 from asyncengine import EngineConfig, RequestOutputKind, SamplingParams
 from asyncengine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
-from asyncengine.engine_core import EngineCoreClient, check_api_cpu_priority, run_threads_at_idle_priority
+from asyncengine.engine_core import (OPENMP_WAIT_SETTINGS, EngineCoreClient, check_api_cpu_priority,
+                                     let_a_cpu_engine_process_wait_passively, run_threads_at_idle_priority)
 from conftest import assert_same_completions
 
 ENGINE_ARGS = dict(max_model_len=128, max_num_seqs=16)
@@ -219,6 +220,23 @@ def test_idle_priority_needs_an_engine_process_and_a_known_name(llama_dir):
         check("idle", engine_process=False)  # the model's threads would be idle too
     with pytest.raises(ValueError, match="api_cpu_priority must be one of normal, idle"):
         check("auto", engine_process=True)
+
+
+def test_beside_an_idle_server_a_cpu_engine_process_waits_passively_unless_the_user_chose(llama_dir, monkeypatch):
+    config = EngineConfig(model=str(llama_dir), device="cpu", engine_process=True)
+    for name in OPENMP_WAIT_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    assert not let_a_cpu_engine_process_wait_passively(config, "normal")
+    assert not any(name in os.environ for name in OPENMP_WAIT_SETTINGS)  # the default: libgomp's spinning
+    assert let_a_cpu_engine_process_wait_passively(config, "idle")
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    for name, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "1000")):
+        for other in OPENMP_WAIT_SETTINGS:
+            monkeypatch.delenv(other, raising=False)
+        monkeypatch.setenv(name, value)
+        assert not let_a_cpu_engine_process_wait_passively(config, "idle")
+        assert {k: os.environ.get(k) for k in OPENMP_WAIT_SETTINGS} == {
+            k: value if k == name else None for k in OPENMP_WAIT_SETTINGS}
 
 
 def test_idle_priority_covers_the_thread_and_those_it_starts_not_the_others():

@@ -12,10 +12,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import openai
 
+from asyncengine.engine_core import OPENMP_WAIT_SETTINGS
 from test_server_cli import CLIServer
 
 PROMPTS = [f"Now is the winter of our discontent, part {i}" for i in range(8)]
@@ -30,6 +32,14 @@ def engine_process_of(pid: int) -> int:
     cores = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(cores) == 1, children
     return cores[0]
+
+
+def openmp_wait_policy(pid: int) -> Optional[str]:
+    """OMP_WAIT_POLICY in a process's environment as it started (None: not set)."""
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"OMP_WAIT_POLICY="):
+            return entry.split(b"=", 1)[1].decode()
+    return None
 
 
 def policies(pid: int) -> set[int]:
@@ -81,6 +91,10 @@ def test_streams_metrics_and_sigterm_stop_both_processes(tmp_path):
         # keeps normal priority
         assert policies(server.proc.pid) == {os.SCHED_IDLE}
         assert policies(core_pid) == {os.SCHED_OTHER}
+        # and its OpenMP threads sleep when they wait instead of spinning, which would starve the idle server
+        # (unless whoever runs the tests chose a wait policy for it)
+        chosen = any(name in os.environ for name in OPENMP_WAIT_SETTINGS)
+        assert openmp_wait_policy(core_pid) == (os.environ.get("OMP_WAIT_POLICY") if chosen else "PASSIVE")
 
         # a Ctrl-C or a group-wide SIGTERM reaches the engine process too: it waits for the server's word
         os.kill(core_pid, signal.SIGINT)
@@ -105,6 +119,7 @@ def test_a_killed_server_takes_its_engine_process_with_it(tmp_path):
     try:
         core_pid = engine_process_of(server.proc.pid)
         assert policies(server.proc.pid) == policies(core_pid) == {os.SCHED_OTHER}  # the default priority
+        assert openmp_wait_policy(core_pid) == os.environ.get("OMP_WAIT_POLICY")  # and libgomp's own waiting
         server.proc.kill()
         server.proc.wait(10)
         assert wait_gone(core_pid, 10), "the engine process outlived its killed server"
