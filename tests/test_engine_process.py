@@ -19,6 +19,7 @@ from asyncengine.engine_core import (OPENMP_WAIT_SETTINGS, EngineCoreClient, che
 from conftest import assert_same_completions
 
 ENGINE_ARGS = dict(max_model_len=128, max_num_seqs=16)
+ENVIRONMENT_AT_IMPORT = {k: os.environ.get(k) for k in OPENMP_WAIT_SETTINGS}
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +225,9 @@ def test_idle_priority_needs_an_engine_process_and_a_known_name(llama_dir):
 
 def test_beside_an_idle_server_a_cpu_engine_process_waits_passively_unless_the_user_chose(llama_dir, monkeypatch):
     config = EngineConfig(model=str(llama_dir), device="cpu", engine_process=True)
-    for name in OPENMP_WAIT_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
+    for name in OPENMP_WAIT_SETTINGS:  # recorded by monkeypatch, so that what the helper sets is undone too
+        monkeypatch.setenv(name, "recorded")
+        monkeypatch.delenv(name)
     assert not let_a_cpu_engine_process_wait_passively(config, "normal")
     assert not any(name in os.environ for name in OPENMP_WAIT_SETTINGS)  # the default: libgomp's spinning
     assert let_a_cpu_engine_process_wait_passively(config, "idle")
@@ -237,6 +239,10 @@ def test_beside_an_idle_server_a_cpu_engine_process_waits_passively_unless_the_u
         assert not let_a_cpu_engine_process_wait_passively(config, "idle")
         assert {k: os.environ.get(k) for k in OPENMP_WAIT_SETTINGS} == {
             k: value if k == name else None for k in OPENMP_WAIT_SETTINGS}
+
+
+def test_the_previous_test_left_no_wait_policy_behind():
+    assert {k: os.environ.get(k) for k in OPENMP_WAIT_SETTINGS} == ENVIRONMENT_AT_IMPORT
 
 
 def test_idle_priority_covers_the_thread_and_those_it_starts_not_the_others():
