@@ -19,7 +19,6 @@ from asyncengine.engine_core import (OPENMP_WAIT_SETTINGS, EngineCoreClient, che
 from conftest import assert_same_completions
 
 ENGINE_ARGS = dict(max_model_len=128, max_num_seqs=16)
-ENVIRONMENT_AT_IMPORT = {k: os.environ.get(k) for k in OPENMP_WAIT_SETTINGS}
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +222,17 @@ def test_idle_priority_needs_an_engine_process_and_a_known_name(llama_dir):
         check("auto", engine_process=True)
 
 
-def test_beside_an_idle_server_a_cpu_engine_process_waits_passively_unless_the_user_chose(llama_dir, monkeypatch):
+@pytest.fixture
+def wait_settings_left_as_found():
+    """Fails the test if it leaves the OpenMP wait settings of this worker's environment changed (checked after
+    monkeypatch's undo, since this fixture is requested first)."""
+    before = {k: os.environ.get(k) for k in OPENMP_WAIT_SETTINGS}
+    yield
+    assert {k: os.environ.get(k) for k in OPENMP_WAIT_SETTINGS} == before
+
+
+def test_beside_an_idle_server_a_cpu_engine_process_waits_passively_unless_the_user_chose(
+        wait_settings_left_as_found, llama_dir, monkeypatch):
     config = EngineConfig(model=str(llama_dir), device="cpu", engine_process=True)
     for name in OPENMP_WAIT_SETTINGS:  # recorded by monkeypatch, so that what the helper sets is undone too
         monkeypatch.setenv(name, "recorded")
@@ -239,10 +248,6 @@ def test_beside_an_idle_server_a_cpu_engine_process_waits_passively_unless_the_u
         assert not let_a_cpu_engine_process_wait_passively(config, "idle")
         assert {k: os.environ.get(k) for k in OPENMP_WAIT_SETTINGS} == {
             k: value if k == name else None for k in OPENMP_WAIT_SETTINGS}
-
-
-def test_the_previous_test_left_no_wait_policy_behind():
-    assert {k: os.environ.get(k) for k in OPENMP_WAIT_SETTINGS} == ENVIRONMENT_AT_IMPORT
 
 
 def test_idle_priority_covers_the_thread_and_those_it_starts_not_the_others():
