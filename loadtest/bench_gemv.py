@@ -41,6 +41,7 @@ SHAPE_SETS = {
     "qwen3-30b-a3b": {"qkv": (2048, 5120), "o": (4096, 2048), "lm_head": (2048, 151936)},  # the dense linears
 }
 GROUP_SIZE = 128
+LOOP_STAGES = (2, 3, 4)  # GemvConfig.loop_stages tried on int4's FMA path
 L2_DEFEAT_BYTES = 256 << 20  # weights cycled per graph: several times any current L2
 
 
@@ -115,9 +116,16 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
                 variants += [(False, False, True, False), (False, False, True, True)]
             if group.fmt == "bf16" and not dot:
                 variants.append((False, False, False, True))
+            # int4's FMA path also with its K loop software-pipelined by Triton (loop_stages). Not tried for the
+            # dense formats: with the tuned tiles, scripts/gemv_pipeline_probe.py measured bf16 0.37-0.48x and
+            # FP8 0.94-0.98x of the plain loop on an H200 (int4 0.90-1.17x).
+            variants = [v + (0,) for v in variants]
+            if group.fmt == "int4" and not dot:
+                variants += [v[:4] + (stages,) for v in variants for stages in ((2,) if tiny else LOOP_STAGES)]
             for split in _splits(group.n, group.k, bn, bk, num_sms):
-                out += [GemvConfig(bn, bk, split, warps, stages, dot, slot_dot, half_fma, fp8_words, load_ahead)
-                        for slot_dot, half_fma, fp8_words, load_ahead in variants]
+                out += [GemvConfig(bn, bk, split, warps, stages, dot, slot_dot, half_fma, fp8_words, load_ahead,
+                                   loop_stages)
+                        for slot_dot, half_fma, fp8_words, load_ahead, loop_stages in variants]
     return out
 
 
@@ -225,7 +233,7 @@ def compile_key(group: Group, config) -> tuple:
     fit = _fit(config, group.k, GROUP_SIZE if group.fmt == "int4" else None)
     return (group.fmt, m_bucket(group.m, group.fmt), config.block_n, fit.block_k, config.num_warps,
             config.num_stages, config.dot, config.slot_dot and fit.block_k >= 128, config.half_fma,
-            config.fp8_words, config.load_ahead, fit.split_k > 1, fit.split_k % 16 == 0)
+            config.fp8_words, config.load_ahead, config.loop_stages, fit.split_k > 1, fit.split_k % 16 == 0)
 
 
 def _compile_tasks(tasks: list[tuple[Group, object]]) -> list[tuple]:
@@ -375,14 +383,16 @@ def _best_per_path(best: list) -> dict[str, float]:
     paths: dict[str, float] = {}
     for us, c in best:
         flags = _int4_variant(c) + _fp8_variant(c)  # ", half_fma=True, ..."
-        name = ("dot" if c.dot else "fma") + flags.replace(", ", " ").replace("=True", "")
+        name = ("dot" if c.dot else "fma") + flags.replace(", ", " ").replace("=True", "").replace("loop_stages=", "stages")
         paths.setdefault(name, us)
     return paths
 
 
 def _fp8_variant(config) -> str:
-    """A winner's FP8 word path as GemvConfig's keyword arguments (none: the default path)."""
-    return (", fp8_words=True" if config.fp8_words else "") + (", load_ahead=True" if config.load_ahead else "")
+    """A winner's FP8 word path, load-ahead and pipelined K loop as GemvConfig's keyword arguments (none: the
+    default path)."""
+    return ((", fp8_words=True" if config.fp8_words else "") + (", load_ahead=True" if config.load_ahead else "")
+            + (f", loop_stages={config.loop_stages}" if config.loop_stages else ""))
 
 
 def _int4_variant(config) -> str:
