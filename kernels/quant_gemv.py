@@ -62,12 +62,7 @@ class GemvConfig:
     (`_fp8_words_step`); exact like the default path. Needs K % 4 == 0 and a weight row stride and base address
     that are multiples of 4 bytes (checked per call: a ValueError). load_ahead: dense weights at M == 1 on the FMA
     path (fp8_words or not): each step issues the next tile's loads before its own math (two tiles in flight per
-    thread).
-    loop_stages: at M == 1 on the FMA path (not with load_ahead), the K loop as `tl.range(..., num_stages=S)`: a
-    loop that carries its own stage count has Triton software-pipeline its loads even with no tl.dot in it (each
-    weight tile copied by cp.async into one of S shared-memory buffers, S - 1 tiles ahead of the math), so a
-    program's next tiles stream in while it converts and sums this one, without holding them in registers as
-    load_ahead does. 0: the plain loop (no pipelining of the FMA path, as before)."""
+    thread)."""
 
     block_n: int
     block_k: int
@@ -79,7 +74,6 @@ class GemvConfig:
     half_fma: bool = False
     fp8_words: bool = False
     load_ahead: bool = False
-    loop_stages: int = 0
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -88,11 +82,6 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
         if self.split_k < 1:
             raise ValueError(f"GemvConfig.split_k must be >= 1, got {self.split_k}")
-        if self.loop_stages < 0 or self.loop_stages == 1:
-            raise ValueError(f"GemvConfig.loop_stages must be 0 (off) or at least 2, got {self.loop_stages}")
-        if self.loop_stages and (self.dot or self.load_ahead):
-            raise ValueError("GemvConfig.loop_stages applies to the FMA path without load_ahead (dot=False, "
-                             "load_ahead=False) only")
 
 
 # -- the kernel ---------------------------------------------------------------------------------------------
@@ -526,37 +515,6 @@ def _sum_partials(partial_ptr, offsets, mask, M, N, split_k, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _k_step(acc, tile, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, k_end, rows, row_mask, cols, col_mask, N, K,
-            stride_xm, stride_wn, group_size, INT4: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-            X_HALF: tl.constexpr, ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr, SLOT_DOT: tl.constexpr,
-            HALF_FMA: tl.constexpr, X_FP16: tl.constexpr, FP8_WORDS: tl.constexpr, LOAD_AHEAD: tl.constexpr,
-            E4M3_PTX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
-    """One K tile of the kernel's loop on the path its flags choose: (acc plus x times W's tile at input k0, the
-    tile loaded ahead for the next step where the path loads ahead, else `tile` unchanged)."""
-    if USE_DOT and INT4 and X_HALF and SLOT_DOT:
-        acc = _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N,
-                                  K, stride_xm, group_size, DOT_FP32, BLOCK_K, ASM)
-    elif USE_DOT:
-        acc = _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
-                        stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N)
-    elif INT4 and HALF_FMA:
-        acc = _int4_half_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
-                                  BLOCK_K)
-    elif INT4:
-        acc = _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
-                             BLOCK_K, ASM, X_BF16_PAIRS)
-    elif FP8_WORDS:
-        acc, tile = _fp8_words_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K,
-                                    E4M3_PTX, LOAD_AHEAD)
-    elif LOAD_AHEAD:
-        acc, tile = _dense_load_ahead_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn,
-                                         BLOCK_K, VEC)
-    else:
-        acc = _fma_step(acc, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, BLOCK_K, VEC)
-    return acc, tile
-
-
-@triton.jit
 def _gemv_kernel(
     out_ptr,  # [M, N] in x's dtype
     partial_ptr,  # [SPLIT_K, M, N] float32 (PARTIAL)
@@ -591,7 +549,6 @@ def _gemv_kernel(
     FP8_WORDS: tl.constexpr,  # FP8 W on the FMA path read as words of 4 (`_fp8_words_step`)
     LOAD_AHEAD: tl.constexpr,  # dense FMA path: each step loads the next tile before its math
     E4M3_PTX: tl.constexpr,  # FP8_WORDS: e4m3 converted by inline PTX (`e4m3_ptx_ok`)
-    LOOP_STAGES: tl.constexpr,  # > 1: the K loop software-pipelined by Triton (GemvConfig.loop_stages)
     BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -624,20 +581,27 @@ def _gemv_kernel(
         tile = tl.zeros((BLOCK_K // 4, BLOCK_N), dtype=tl.int32)
     elif LOAD_AHEAD:
         tile = _dense_tile(w_ptr, k_start, k_end, cols, col_mask, stride_wn, BLOCK_K, VEC)
-    else:  # unused: the other paths load each tile in their own step
-        tile = tl.zeros((1,), dtype=tl.int32)
-    if LOOP_STAGES > 1:  # Triton pipelines this loop's loads (GemvConfig.loop_stages)
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=LOOP_STAGES):
-            acc, tile = _k_step(acc, tile, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, k_end, rows, row_mask, cols,
-                                col_mask, N, K, stride_xm, stride_wn, group_size, INT4, USE_DOT, DOT_FP32, X_HALF,
-                                ASM, X_BF16_PAIRS, SLOT_DOT, HALF_FMA, X_FP16, FP8_WORDS, LOAD_AHEAD, E4M3_PTX,
-                                BLOCK_K, BLOCK_N, VEC)
-    else:
-        for k0 in range(k_start, k_end, BLOCK_K):
-            acc, tile = _k_step(acc, tile, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, k_end, rows, row_mask, cols,
-                                col_mask, N, K, stride_xm, stride_wn, group_size, INT4, USE_DOT, DOT_FP32, X_HALF,
-                                ASM, X_BF16_PAIRS, SLOT_DOT, HALF_FMA, X_FP16, FP8_WORDS, LOAD_AHEAD, E4M3_PTX,
-                                BLOCK_K, BLOCK_N, VEC)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if USE_DOT and INT4 and X_HALF and SLOT_DOT:
+            acc = _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N,
+                                      K, stride_xm, group_size, DOT_FP32, BLOCK_K, ASM)
+        elif USE_DOT:
+            acc = _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
+                            stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N)
+        elif INT4 and HALF_FMA:
+            acc = _int4_half_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
+                                      BLOCK_K)
+        elif INT4:
+            acc = _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
+                                 BLOCK_K, ASM, X_BF16_PAIRS)
+        elif FP8_WORDS:
+            acc, tile = _fp8_words_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K,
+                                        E4M3_PTX, LOAD_AHEAD)
+        elif LOAD_AHEAD:
+            acc, tile = _dense_load_ahead_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn,
+                                             BLOCK_K, VEC)
+        else:
+            acc = _fma_step(acc, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, BLOCK_K, VEC)
     if not USE_DOT:
         acc = tl.sum(acc, axis=0)[None, :]  # [1, BN]
     scaled = HAS_SCALE and not INT4  # int4 applied its group scales per tile
@@ -779,8 +743,6 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         _check_fp8_words(weight, use_dot)
     if config.load_ahead and (group_size is not None or use_dot):
         raise ValueError("GemvConfig.load_ahead applies to dense weights at M == 1 on the FMA path (dot=False) only")
-    if config.loop_stages and use_dot:
-        raise ValueError(f"GemvConfig.loop_stages applies at M == 1 on the FMA path only, got M={m}")
     partial = fit.split_k > 1
     out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
@@ -802,7 +764,6 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         HALF_FMA=int4 and config.half_fma and not use_dot and half_fma_ok(x2),
         REDUCE_CHUNK=_reduce_chunk(block_m, config), BLOCK_M=block_m,
         FP8_WORDS=config.fp8_words, LOAD_AHEAD=config.load_ahead, E4M3_PTX=config.fp8_words and e4m3_ptx_ok(x2),
-        LOOP_STAGES=config.loop_stages,
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=_vec(config, int4, weight, fit.block_k),
         USE_PDL=pdl, PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl)

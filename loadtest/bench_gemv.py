@@ -16,6 +16,11 @@ so the whole sweep fits one GPU call; past `--budget-s` seconds the remaining gr
 Each group prints its best candidates and the library's time as it finishes; the end prints the winners as lines
 of kernels/quant_gemv_configs.py's TUNED table, each winner checked against the torch reference first.
 `--tiny` runs the same on CPU in Triton's interpreter at toy sizes (a smoke run: its times mean nothing).
+
+A winner here is fastest alone, not necessarily inside the decode step: run 155 (loadtest/RESULTS.md, session 26)
+measured int4 rows 0.5-3.2 us faster alone and 3.5-23 us a layer slower in the step, where they had a quarter to
+a half of the old rows' programs. Confirm a changed row in the step (`scripts/decode_ablation.py`,
+`scripts/decode_before_after.sh`) before committing it.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ SHAPE_SETS = {
     "qwen3-30b-a3b": {"qkv": (2048, 5120), "o": (4096, 2048), "lm_head": (2048, 151936)},  # the dense linears
 }
 GROUP_SIZE = 128
-LOOP_STAGES = (2, 3, 4)  # GemvConfig.loop_stages tried on int4's FMA path
 L2_DEFEAT_BYTES = 256 << 20  # weights cycled per graph: several times any current L2
 
 
@@ -116,16 +120,9 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
                 variants += [(False, False, True, False), (False, False, True, True)]
             if group.fmt == "bf16" and not dot:
                 variants.append((False, False, False, True))
-            # int4's FMA path also with its K loop software-pipelined by Triton (loop_stages). Not tried for the
-            # dense formats: with the tuned tiles, scripts/gemv_pipeline_probe.py measured bf16 0.37-0.48x and
-            # FP8 0.94-0.98x of the plain loop on an H200 (int4 0.90-1.17x).
-            variants = [v + (0,) for v in variants]
-            if group.fmt == "int4" and not dot:
-                variants += [v[:4] + (stages,) for v in variants for stages in ((2,) if tiny else LOOP_STAGES)]
             for split in _splits(group.n, group.k, bn, bk, num_sms):
-                out += [GemvConfig(bn, bk, split, warps, stages, dot, slot_dot, half_fma, fp8_words, load_ahead,
-                                   loop_stages)
-                        for slot_dot, half_fma, fp8_words, load_ahead, loop_stages in variants]
+                out += [GemvConfig(bn, bk, split, warps, stages, dot, slot_dot, half_fma, fp8_words, load_ahead)
+                        for slot_dot, half_fma, fp8_words, load_ahead in variants]
     return out
 
 
@@ -233,7 +230,7 @@ def compile_key(group: Group, config) -> tuple:
     fit = _fit(config, group.k, GROUP_SIZE if group.fmt == "int4" else None)
     return (group.fmt, m_bucket(group.m, group.fmt), config.block_n, fit.block_k, config.num_warps,
             config.num_stages, config.dot, config.slot_dot and fit.block_k >= 128, config.half_fma,
-            config.fp8_words, config.load_ahead, config.loop_stages, fit.split_k > 1, fit.split_k % 16 == 0)
+            config.fp8_words, config.load_ahead, fit.split_k > 1, fit.split_k % 16 == 0)
 
 
 def _compile_tasks(tasks: list[tuple[Group, object]]) -> list[tuple]:
@@ -383,16 +380,14 @@ def _best_per_path(best: list) -> dict[str, float]:
     paths: dict[str, float] = {}
     for us, c in best:
         flags = _int4_variant(c) + _fp8_variant(c)  # ", half_fma=True, ..."
-        name = ("dot" if c.dot else "fma") + flags.replace(", ", " ").replace("=True", "").replace("loop_stages=", "stages")
+        name = ("dot" if c.dot else "fma") + flags.replace(", ", " ").replace("=True", "")
         paths.setdefault(name, us)
     return paths
 
 
 def _fp8_variant(config) -> str:
-    """A winner's FP8 word path, load-ahead and pipelined K loop as GemvConfig's keyword arguments (none: the
-    default path)."""
-    return ((", fp8_words=True" if config.fp8_words else "") + (", load_ahead=True" if config.load_ahead else "")
-            + (f", loop_stages={config.loop_stages}" if config.loop_stages else ""))
+    """A winner's FP8 word path as GemvConfig's keyword arguments (none: the default path)."""
+    return (", fp8_words=True" if config.fp8_words else "") + (", load_ahead=True" if config.load_ahead else "")
 
 
 def _int4_variant(config) -> str:

@@ -27,6 +27,8 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
     attn_splits_S (not an ablation) the split-KV decode attention's split count capped at S (fewer programs,
                   longer segments, a smaller merge); attn_bn_B_S: its key tiles and shortest segment B keys, at
                   most S splits
+    carveout_P    (not an ablation) every Triton kernel prefers P% of the unified L1 / shared memory as shared
+                  memory (`set_triton_carveout`), so that neighbouring kernels share one carveout
     l2_o          (not an ablation) a kernel that asks L2 for the whole o projection's weight (one
                   `prefetch.global.L2` per 128-byte line) between the qkv GEMV and the rotary + cache write, so
                   that the weight streams in while the latency-bound rotary and decode attention run; l2_o_first:
@@ -71,6 +73,29 @@ def model_folder(args) -> Path:
 VARIANTS = ("base", "attention", "rotary_cache", "norms", "route", "experts", "silu", "gemv_all", "cublas_all")
 
 
+def set_triton_carveout(percent: int) -> None:
+    """Every Triton kernel loaded from now on prefers `percent` of the SM's unified L1 / shared memory as shared
+    memory (cuFuncSetAttribute's PREFERRED_SHARED_MEMORY_CARVEOUT). Triton sets PREFER_SHARED only for kernels of
+    more than 48 KB; an SM runs kernels of different carveouts side by side only after draining, which would cost
+    programmatic dependent launch its overlap wherever a kernel of the one kind follows one of the other."""
+    import ctypes
+
+    from triton.compiler import compiler
+
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    load = compiler.CompiledKernel._init_handles
+
+    def load_with_carveout(self):
+        fresh = self.module is None
+        load(self)
+        if fresh:
+            rc = libcuda.cuFuncSetAttribute(ctypes.c_void_p(self.function), 9, ctypes.c_int(percent))
+            if rc:
+                raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, {percent}) failed: {rc}")
+
+    compiler.CompiledKernel._init_handles = load_with_carveout
+
+
 def ablate(variant: str) -> None:
     """Replace one kind of kernel by no kernel (see the module docstring). Patched before the engine is built,
     so that the CUDA graphs are captured without it."""
@@ -105,6 +130,8 @@ def ablate(variant: str) -> None:
     elif variant in ("gemv_all", "cublas_all"):
         rows = 64 if variant == "gemv_all" else 0
         ops.decode_gemv_max_m = lambda *args, **kwargs: rows
+    elif variant.startswith("carveout_"):
+        set_triton_carveout(int(variant.rsplit("_", 1)[1]))
     elif variant.startswith(("split_div_", "split_mul_")):
         import dataclasses
 

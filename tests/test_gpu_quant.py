@@ -24,15 +24,11 @@ def test_gpu_int4_at_llama_8b_sizes(m, k, n):
 
 
 # int4 GEMV tiles beyond the table's: wide N tiles of the M = 1 FMA path (several columns a thread, K cut below a
-# group), in float32 and with bf16x2 word sums (half_fma), each also with its K loop software-pipelined (loop
-# stages 2-4: cp.async copies into shared memory, M = 1 only), and the one-dot-per-nibble-slot tl.dot path (block_k
-# 128)
-INT4_TILES = [(512, 32, 4, 4, False, False, False, 0), (1024, 32, 2, 8, False, False, False, 0),
-              (512, 32, 4, 4, False, False, True, 0), (128, 128, 17, 4, False, False, True, 0),
-              (64, 128, 4, 4, True, True, False, 0), (128, 128, 1, 4, True, True, False, 0),
-              (512, 64, 44, 4, False, False, False, 3), (1024, 64, 33, 8, False, False, True, 3),
-              (256, 64, 33, 2, False, False, True, 2), (1024, 64, 10, 8, False, False, True, 4)]
-# (block_n, block_k, split_k, num_warps, dot, slot_dot, half_fma, loop_stages)
+# group), in float32 and with bf16x2 word sums (half_fma), and the one-dot-per-nibble-slot tl.dot path (block_k 128)
+INT4_TILES = [(512, 32, 4, 4, False, False, False), (1024, 32, 2, 8, False, False, False),
+              (512, 32, 4, 4, False, False, True), (128, 128, 17, 4, False, False, True),
+              (64, 128, 4, 4, True, True, False), (128, 128, 1, 4, True, True, False)]
+# (block_n, block_k, split_k, num_warps, dot, slot_dot, half_fma)
 
 
 @pytest.mark.gpu
@@ -46,11 +42,8 @@ def test_gpu_int4_gemv_tiles_at_llama_8b_sizes(m, tiles, k, n):
     from asyncengine.kernels import quant_gemv, quant_reference
     from test_quant_kernels import int4_case
 
-    block_n, block_k, split_k, warps, dot, slot_dot, half_fma, loop_stages = tiles
-    if loop_stages and m > 1:
-        pytest.skip("loop_stages applies at M == 1 only")
-    config = quant_gemv.GemvConfig(block_n, block_k, split_k, warps, 3, dot, slot_dot, half_fma,
-                                   loop_stages=loop_stages)
+    block_n, block_k, split_k, warps, dot, slot_dot, half_fma = tiles
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, warps, 3, dot, slot_dot, half_fma)
     x, qweight, scales, zeros = int4_case(m, k, n, 128, torch.bfloat16)
     out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 128, config=config)
     ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 128, 4)

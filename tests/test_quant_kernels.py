@@ -171,32 +171,6 @@ def test_int4_fma_gemv_reads_bf16_x_in_pairs_or_one_by_one_alike(block_n, block_
         assert not out.isnan().any() and rel_error(out, ref) < INT4_REL_ERROR[torch.bfloat16], rel_error(out, ref)
 
 
-@pytest.mark.parametrize("loop_stages", [2, 3])
-@pytest.mark.parametrize("half_fma", [False, True])
-@pytest.mark.parametrize("block_n, block_k, split_k", [(64, 16, 3), (32, 64, 1)])
-def test_int4_gemv_with_pipelined_k_loop_matches_reference(block_n, block_k, split_k, half_fma, loop_stages):
-    """GemvConfig.loop_stages (the K loop as tl.range(num_stages=S), which Triton software-pipelines on a GPU):
-    the same sums as the plain loop, under tiles that split K and leave a ragged N tile; refused above M == 1 and
-    beside the tl.dot path or load_ahead, each with an error naming the field."""
-    from asyncengine.kernels import quant_gemv, quant_reference
-
-    x, qweight, scales, zeros = int4_case(1, 256, 72, 64, torch.bfloat16)
-    config = quant_gemv.GemvConfig(block_n, block_k, split_k, half_fma=half_fma, loop_stages=loop_stages)
-    out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, config=config)
-    plain = quant_gemv.int4_gemv(x, qweight, scales, zeros, 64,
-                                 config=quant_gemv.GemvConfig(block_n, block_k, split_k, half_fma=half_fma))
-    ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 64, 4)
-    assert not out.isnan().any() and rel_error(out, ref) < INT4_REL_ERROR[torch.bfloat16], rel_error(out, ref)
-    assert torch.equal(out, plain), "pipelining must not change the sums' order"
-    with pytest.raises(ValueError, match="loop_stages applies at M == 1"):
-        quant_gemv.int4_gemv(torch.cat([x, x]), qweight, scales, zeros, 64, config=config)
-    for bad in (dict(dot=True), dict(load_ahead=True)):
-        with pytest.raises(ValueError, match="loop_stages applies to the FMA path"):
-            quant_gemv.GemvConfig(block_n, block_k, split_k, loop_stages=loop_stages, **bad)
-    with pytest.raises(ValueError, match="loop_stages must be 0"):
-        quant_gemv.GemvConfig(block_n, block_k, split_k, loop_stages=1)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_int4_gemv_one_dot_per_nibble_slot_matches_reference(dtype, m):
