@@ -70,6 +70,7 @@ def model_folder(args) -> Path:
     return Path(args.checkpoint + "-awq-g128" if args.quantization == "awq" else args.checkpoint)
 
 
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9  # cuda.h's CUfunction_attribute
 VARIANTS = ("base", "attention", "rotary_cache", "norms", "route", "experts", "silu", "gemv_all", "cublas_all")
 
 
@@ -89,7 +90,8 @@ def set_triton_carveout(percent: int) -> None:
         fresh = self.module is None
         load(self)
         if fresh:
-            rc = libcuda.cuFuncSetAttribute(ctypes.c_void_p(self.function), 9, ctypes.c_int(percent))
+            rc = libcuda.cuFuncSetAttribute(ctypes.c_void_p(self.function),
+                                            CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, ctypes.c_int(percent))
             if rc:
                 raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, {percent}) failed: {rc}")
 
