@@ -92,6 +92,11 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return self.linear_method.apply(self, x, bias)
 
+    @property
+    def matmul_takes_bias(self) -> bool:
+        """Whether forward hands `matmul` this layer's bias (a CPU product's oneDNN primitive differs by it)."""
+        return self.bias is not None
+
     def takes_fp8_input(self, m: int) -> bool:
         """May the kernel making this layer's M-row input hand it over with its per-token e4m3 copy (an
         Fp8Activation)? See LinearMethod.takes_fp8_input."""
@@ -177,6 +182,10 @@ class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  linear_method: Optional[LinearMethod] = None):
         super().__init__(in_features // tp_size(), out_features, out_features if bias else None, dtype, linear_method)
+
+    @property
+    def matmul_takes_bias(self) -> bool:
+        return self.bias is not None and tp_size() == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:

@@ -66,7 +66,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
         use_cpu_gemm_layout(layer.weight)
         weight = layer.weight
-        layer.onednn_weight = cpu_onednn_weight(weight)
+        layer.onednn_weight = cpu_onednn_weight(weight, layer.matmul_takes_bias)
         layer.gemv_max_m = ops.decode_gemv_max_m(
             ("dense", *weight.shape, weight.dtype), lambda x, w: ops.dense_gemv(x, w[0]),
             lambda x, w: F.linear(x, w[0]), (weight,), weight.shape[1], weight.dtype, weight.device)

@@ -115,10 +115,32 @@ def _time_onednn(n: int, k: int) -> bool:
     return faster
 
 
-def cpu_onednn_weight(weight: torch.Tensor):
-    """The packed copy a CPU float32 layer should multiply with (None: F.linear on `weight`)."""
+def cpu_onednn_weight(weight: torch.Tensor, with_bias: bool = False):
+    """The packed copy a CPU float32 layer should multiply with (None: F.linear on `weight`). `with_bias`: whether
+    the layer's products carry a bias; the primitives of its every row count are built now (build_primitives)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     if not onednn_is_faster(*weight.shape, torch.get_num_threads()):
         return None
-    return onednn_pack(weight)
+    packed = onednn_pack(weight)
+    build_primitives(packed, *weight.shape, with_bias)
+    return packed
+
+
+_BUILT: set[tuple[int, int, bool]] = set()  # (n, k, with_bias) whose primitives this process has built
+
+
+def build_primitives(packed: torch.Tensor, n: int, k: int, with_bias: bool) -> None:
+    """Have oneDNN build, now, its primitive for every row count `onednn_rows` gives (ROW_STEP to MAX_ROWS) for a
+    packed weight [n, k], with or without a bias (another primitive); once per process and shape.
+
+    oneDNN builds a primitive the first time it sees an input shape and keeps it, about 0.55 MiB each (16 row counts
+    of the default model's five shapes: +45 MiB, then flat; a bias doubles it). Built lazily, they raised a server's
+    RSS for minutes, as rarer batch sizes came, and the CI soak read that as a slope of 3-6 MiB/min (stop 41); built
+    here, at load, the memory is there before the first request, which pays no build."""
+    if (n, k, with_bias) in _BUILT:
+        return
+    bias = torch.zeros(n) if with_bias else None
+    for rows in range(ROW_STEP, MAX_ROWS + 1, ROW_STEP):
+        onednn_linear(torch.zeros(rows, k), packed, bias)
+    _BUILT.add((n, k, with_bias))
