@@ -7,8 +7,9 @@ port, then runs a mixed load at a bounded concurrency until the time is up: comp
 not, short and long prompts, greedy and sampled, and clients that leave at random points (right after the
 headers, after a few chunks, or a non-streamed request given up midway). Every second it samples the RSS of the
 server and the processes below it, its engine process included (/proc/PID/statm, summed, read every
-RSS_READ_INTERVAL within the second: the lowest and highest reading) and /metrics (vllm:kv_cache_usage_perc,
-running, waiting).
+RSS_READ_INTERVAL within the second: the lowest and highest reading; and the lowest of each part: the API server's,
+the engine process's and other processes' anonymous memory, and the file-backed pages, whose slopes the report
+gives to say where a slope comes from) and /metrics (vllm:kv_cache_usage_perc, running, waiting).
 
 It fails (exit 1) when
   - the least-squares slope of RSS over the samples after the warm-up exceeds --max-slope (MiB/min) by more than
@@ -97,6 +98,8 @@ class Sample:
     kv_usage: Optional[float]
     running: Optional[float]
     waiting: Optional[float]
+    # the second's lowest reading of each part (ServerProcess.memory_parts): where a slope comes from
+    parts_mib: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -142,9 +145,17 @@ class ServerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def rss_mib(self) -> float:
-        """RSS of the server and every process below it (its engine process, multiprocessing's tracker)."""
-        return sum(_rss_pages(pid) for pid in _process_tree(self.pid)) * PAGE / MiB
+    def memory_parts(self) -> tuple[float, dict[str, float]]:
+        """(RSS of the server and every process below it (its engine process, multiprocessing's tracker), {part:
+        MiB}): the anonymous memory of the API server, of its engine process and of any
+        other process below it, and the file-backed pages of them all (libraries, mapped weights), which sum to
+        the RSS. A slope of the total is looked for in these to say where it is."""
+        parts = dict.fromkeys(("api server anon", "engine process anon", "other processes anon", "file-backed"), 0)
+        for pid in _process_tree(self.pid):
+            resident, shared = _statm_pages(pid)
+            parts[_part_of(pid, self.pid)] += resident - shared
+            parts["file-backed"] += shared
+        return sum(parts.values()) * PAGE / MiB, {name: pages * PAGE / MiB for name, pages in parts.items()}
 
     def stop(self, timeout: float = 30.0) -> Optional[int]:
         """SIGTERM, then the exit status (None if it had to be killed)."""
@@ -181,12 +192,26 @@ def _process_tree(pid: int) -> list[int]:
     return tree
 
 
-def _rss_pages(pid: int) -> int:
+def _statm_pages(pid: int) -> tuple[int, int]:
+    """(resident, resident and file-backed or shared) pages of a process; (0, 0) once it has exited."""
     try:
         with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1])
+            fields = f.read().split()
+        return int(fields[1]), int(fields[2])
     except FileNotFoundError:  # exited between the listing and the read
-        return 0
+        return 0, 0
+
+
+def _part_of(pid: int, server_pid: int) -> str:
+    """Which part of the server's memory a process's anonymous pages count in (ServerProcess.memory_parts)."""
+    if pid == server_pid:
+        return "api server anon"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read()
+    except FileNotFoundError:
+        return "other processes anon"
+    return "engine process anon" if b"spawn_main" in command else "other processes anon"
 
 
 # -- load -----------------------------------------------------------------------------------------------------------
@@ -310,12 +335,14 @@ async def drive(config: SoakConfig, server: ServerProcess) -> tuple[list[Sample]
             while time.monotonic() < deadline:
                 await one_request(client, server.url, rng, tally, config.request_timeout)
 
-        async def sample_once(readings: list[float]) -> None:
+        async def sample_once(readings: list[tuple[float, dict]]) -> None:
             metrics = await read_metrics(client, server.url)
-            readings.append(server.rss_mib())
-            samples.append(Sample(round(time.monotonic() - t0, 2), min(readings), max(readings),
+            readings.append(server.memory_parts())
+            totals = [total for total, _ in readings]
+            parts = {name: min(p[name] for _, p in readings) for name in readings[0][1]}
+            samples.append(Sample(round(time.monotonic() - t0, 2), min(totals), max(totals),
                                   metrics.get("vllm:kv_cache_usage_perc"), metrics.get("vllm:num_requests_running"),
-                                  metrics.get("vllm:num_requests_waiting")))
+                                  metrics.get("vllm:num_requests_waiting"), parts))
 
         async def sampler() -> None:
             next_at = t0
@@ -323,7 +350,7 @@ async def drive(config: SoakConfig, server: ServerProcess) -> tuple[list[Sample]
                 next_at += 1.0
                 readings = []
                 while time.monotonic() < next_at - RSS_READ_INTERVAL:
-                    readings.append(server.rss_mib())
+                    readings.append(server.memory_parts())
                     await asyncio.sleep(RSS_READ_INTERVAL)
                 await sample_once(readings)
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
@@ -363,7 +390,11 @@ def rss_slope(samples: list[Sample], warmup_s: float) -> SlopeFit:
     assumes they are) is too small, turning a transient bump near the end of a short run into a "slope". The
     error is widened by the AR(1) factor sqrt((1 + r) / (1 - r)), r being the lag-1 autocorrelation of the
     residuals (when positive); a steady leak still shows, since it moves the line and not only the residuals."""
-    points = [(s.t / 60.0, s.rss_mib) for s in samples if s.t >= warmup_s]
+    return fit_slope([(s.t / 60.0, s.rss_mib) for s in samples if s.t >= warmup_s], warmup_s)
+
+
+def fit_slope(points: list[tuple[float, float]], warmup_s: float) -> SlopeFit:
+    """rss_slope's line and error through (minutes, MiB) points."""
     if len(points) < 3:
         raise ValueError(f"only {len(points)} samples after the warm-up of {warmup_s:g} s")
     t, rss = np.array(points).T
@@ -433,6 +464,9 @@ def run_soak(config: SoakConfig) -> dict:
     load_samples = [s for s in samples if s.t <= config.minutes * 60 + 1e-9]
     fit = rss_slope(load_samples, config.warmup_s)
     fitted = [s.rss_mib for s in load_samples if s.t >= config.warmup_s]
+    part_slopes = {name: fit_slope([(s.t / 60.0, s.parts_mib[name]) for s in load_samples
+                                    if s.t >= config.warmup_s], config.warmup_s).slope
+                   for name in load_samples[0].parts_mib}
     problems = []
     if fit.exceeds(config.max_slope):
         problems.append(f"RSS grows by {fit.slope:.2f} ± {fit.stderr:.2f} MiB/min after the warm-up "
@@ -455,7 +489,8 @@ def run_soak(config: SoakConfig) -> dict:
                 "intercept_mib": fit.intercept, "residual_std_mib": fit.residual_std,
                 "first_mib": load_samples[0].rss_mib, "last_mib": load_samples[-1].rss_mib,
                 "peak_mib": max(s.rss_max_mib for s in load_samples),
-                "fit_min_mib": min(fitted), "fit_max_mib": max(fitted), "fit_samples": len(fitted)},
+                "fit_min_mib": min(fitted), "fit_max_mib": max(fitted), "fit_samples": len(fitted),
+                "part_slopes_mib_per_min": part_slopes},
         "kv_drained_after_s": drained,
         "server_exit_code": exit_code,
         "requests": {"ok": tally.ok, "cancelled": tally.cancelled, "failed": tally.failed,
@@ -480,6 +515,8 @@ def format_report(report: dict) -> str:
         f"RSS slope      {rss['slope_mib_per_min']:+.3f} ± {rss['slope_stderr_mib_per_min']:.3f} MiB/min "
         f"(limit {cfg['max_slope']:g}; this run detects > {rss['detectable_slope_mib_per_min']:.2f}), "
         f"residual std {rss['residual_std_mib']:.2f} MiB",
+        "by part        " + ", ".join(f"{name} {slope:+.2f}" for name, slope in rss["part_slopes_mib_per_min"].items())
+        + " MiB/min",
         f"KV usage       {'back to 0 after %.1f s' % drained if drained is not None else 'NOT back to 0'}",
         f"server exit    {report['server_exit_code']}",
         f"verdict        {'PASS' if report['passed'] else 'FAIL'}",

@@ -45,5 +45,9 @@ def test_short_soak_passes(tmp_path):
     assert report["requests"]["cancelled"] > 0  # the load did leave at random points
     assert report["kv_drained_after_s"] is not None and report["server_exit_code"] == 0
     assert report["rss"]["fit_samples"] >= 30
+    # the slope by part names the process a failure comes from; the engine runs in a process of its own
+    assert set(report["rss"]["part_slopes_mib_per_min"]) == {"api server anon", "engine process anon",
+                                                             "other processes anon", "file-backed"}
+    assert min(s["parts_mib"]["engine process anon"] for s in report["samples"]) > 50
     kinds = {k.split(":")[0] for k in report["requests"]["by_kind"]}
     assert {"chat-stream-short", "cmpl-stream-short", "chat-json-short", "cmpl-json-short"} <= kinds, kinds
