@@ -146,10 +146,10 @@ class ServerProcess:
         return self.proc.pid
 
     def memory_parts(self) -> tuple[float, dict[str, float]]:
-        """(RSS of the server and every process below it (its engine process, multiprocessing's tracker), {part:
-        MiB}): the anonymous memory of the API server, of its engine process and of any
-        other process below it, and the file-backed pages of them all (libraries, mapped weights), which sum to
-        the RSS. A slope of the total is looked for in these to say where it is."""
+        """The RSS of the server and every process below it (its engine process, multiprocessing's tracker), in MiB,
+        and its parts {name: MiB}: the anonymous memory of the API server, of the engine process and of the other
+        processes, and the file-backed pages of them all (libraries, mapped weights). The parts sum to the RSS; the
+        report gives each one's slope, to say where a slope of the RSS comes from."""
         parts = dict.fromkeys(("api server anon", "engine process anon", "other processes anon", "file-backed"), 0)
         for pid in _process_tree(self.pid):
             resident, shared = _statm_pages(pid)
