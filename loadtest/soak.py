@@ -140,6 +140,7 @@ class ServerProcess:
             self.kill()
             raise RuntimeError(f"unexpected first line {line!r}:\n" + self.tail())
         self.url = line.split()[-1]
+        self.part_of: dict[int, str] = {}  # pid -> its part (memory_parts)
 
     @property
     def pid(self) -> int:
@@ -153,7 +154,9 @@ class ServerProcess:
         parts = dict.fromkeys(("api server anon", "engine process anon", "other processes anon", "file-backed"), 0)
         for pid in _process_tree(self.pid):
             resident, shared = _statm_pages(pid)
-            parts[_part_of(pid, self.pid)] += resident - shared
+            if pid not in self.part_of:  # read each process's command line once, not ten times a second
+                self.part_of[pid] = _part_of(pid, self.pid)
+            parts[self.part_of[pid]] += resident - shared
             parts["file-backed"] += shared
         return sum(parts.values()) * PAGE / MiB, {name: pages * PAGE / MiB for name, pages in parts.items()}
 

@@ -168,13 +168,16 @@ def test_onednn_primitives_for_every_batch_size_are_built_at_load_so_serving_doe
     import pytest
 
     from asyncengine.quantization import cpu_prepacked
+    from loadtest.soak import PINNED_MALLOC
 
     if not cpu_prepacked.onednn_available():
         pytest.skip("torch was built without oneDNN")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "MALLOC_TRIM_THRESHOLD_": str(2**20)}
+    env = {**os.environ, **PINNED_MALLOC}
     done = subprocess.run([sys.executable, "-c", _PRIMITIVE_GROWTH], capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     growth = json.loads(done.stdout.strip().splitlines()[-1])
-    assert growth["lazy"] > 12, growth  # three shapes built lazily: the test can see the growth it guards against
-    assert growth["built"] < 3, growth
+    # Three shapes built lazily: the test sees the growth it guards against (26.9 MiB here; a primitive's size depends
+    # on the CPU's instruction set, so the bounds are loose and the built run is also held to a quarter of the lazy).
+    assert growth["lazy"] > 6, growth
+    assert growth["built"] < min(3, growth["lazy"] / 4), growth
