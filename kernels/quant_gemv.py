@@ -21,6 +21,8 @@ scales and zeros once ([BLOCK_N] each) and each packed word once.
       (`_dense_load_ahead_step`).
   M > 1 (or config.dot): tl.dot on one tile of x of 16, 32 or 64 rows (the M bucket); int4 with config.slot_dot:
       one dot per nibble slot on exact q - z codes (`_int4_slot_dot_step`).
+Under PDL (kernels/pdl.py) each program asks L2 for the start of its weight slice and, on the M == 1 FMA paths,
+loads its first tile into registers before it waits for the previous kernel (FIRST_TILE_BEFORE_WAIT).
 Split-K without an extra launch: each slice stores its float32 partial sums, then bumps a per-N-tile counter; the
 slice that arrives last sums the partials, applies the scale and bias, writes y and resets the counter to zero
 (so the next call, or a CUDA-graph replay, finds it zeroed). Calls must not overlap on two streams.
@@ -47,6 +49,11 @@ MAX_M = 64
 # on an H100, what its bandwidth moves in the few microseconds of a previous kernel's tail, well inside its L2.
 PREFETCH_BYTES = 32 * 1024
 _COUNTER_SLOTS = 1 << 16  # one int32 counter per N tile: N / BLOCK_N <= 65536
+# The FMA paths (M == 1: int4, FP8 words, dense weights with load_ahead) load their first weight tile into
+# registers before the PDL wait, not after it (bf16 W3 on an H100, 8B shape: 4.5 us a layer faster, session 28).
+# A switch so that scripts/decode_ablation.py can measure both in one tree (variant first_tile_after_wait); read
+# at each launch (a CUDA graph keeps the value it was captured with).
+FIRST_TILE_BEFORE_WAIT = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,13 +244,11 @@ _HALF_FMA_WORD_ASM = tl.constexpr("""{
 
 
 @triton.jit
-def _int4_half_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
-                        BLOCK_K: tl.constexpr):
+def _int4_half_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero):
     """`_int4_fma_step` for bf16 x at a 4-byte aligned address on CUDA, each word's 8 products summed in bf16x2
     (`_HALF_FMA_WORD_ASM`) instead of float32; the words' sums still scaled and accumulated in float32. Each
-    product and each lane's 4-term sum rounds to bf16 (8 significant bits): ~3e-3 relative error in y (GemvConfig)."""
-    words_k, row_mask, words = _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)  # words [BK / 8, BN]
-    scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)  # [BN] float32 each
+    product and each lane's 4-term sum rounds to bf16 (8 significant bits): ~3e-3 relative error in y (GemvConfig).
+    The tile (`_int4_tile`): words [BK / 8, BN], scale and zero [BN] float32."""
     bits = (-128.0 - zero).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # -(128 + z), exact
     neg_zero_pair = (bits | (bits << 16))[None, :]  # [1, BN] bf16x2
     pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -273,32 +278,37 @@ def _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K: tl.constexpr,
-                   ASM: tl.constexpr):
-    """W's int4 tile at input k0 as q - z, exactly, in float32: returns (words_k [BK / 8], the words' row mask,
-    a tuple of 8 tensors [BK / 8, BN], element j for input 8 * words_k + j, and the group's scales [BN]).
+def _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K: tl.constexpr):
+    """W's int4 tile at input k0 as loaded: (words_k [BK / 8], their row mask, the packed words [BK / 8, BN] int32,
+    the group's scales and zero points [BN] float32). Weights only: a program may load it before its PDL wait."""
+    words_k, row_mask, words = _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)
+    scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)
+    return words_k, row_mask, words, scale, zero
+
+
+@triton.jit
+def _int4_centered(words, zero, ASM: tl.constexpr):
+    """A loaded int4 tile's words [BK / 8, BN] as q - z, exactly, in float32: a tuple of 8 tensors [BK / 8, BN],
+    element j for input 8 * words_k + j.
 
     Two instructions per weight: one LOP3 makes the float 2**(23 - p) + q of a nibble (`_nibble_floats`), one
     subtraction of 2**(23 - p) + z (per column and tile; exact, z being an integer below 16) leaves q - z."""
-    words_k, row_mask, words = _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)
-    scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)  # [BN] float32 each
     zeros = (zero[None, :] + 8388608.0, zero[None, :] + 524288.0, zero[None, :] + 32768.0, zero[None, :] + 2048.0,
              zero[None, :] + 128.0)  # z + 2**(23 - p) per bit offset p = 0, 4, 8, 12, 16
     nibbles = _nibble_floats(words, ASM)
     centered = ()
     for j in tl.static_range(8):
         centered = centered + (nibbles[j] - zeros[j % 5],)
-    return words_k, row_mask, centered, scale
+    return centered
 
 
 @triton.jit
-def _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
-                   BLOCK_K: tl.constexpr, ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
-    """acc [BK / 8, BN] plus x's row 0 times W's int4 tile at input k0: about three instructions per weight (two in
-    `_int4_centered`, one FMA into the word's 8-input sum), the group's scale multiplying each word's sum once (a
-    tile never crosses a group)."""
-    words_k, row_mask, centered, scale = _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
-                                                        group_size, BLOCK_K, ASM)
+def _int4_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero, ASM: tl.constexpr,
+                   X_BF16_PAIRS: tl.constexpr):
+    """acc [BK / 8, BN] plus x's row 0 times a loaded int4 tile (`_int4_tile`): about three instructions per
+    weight (two in `_int4_centered`, one FMA into the word's 8-input sum), the group's scale multiplying each word's
+    sum once (a tile never crosses a group)."""
+    centered = _int4_centered(words, zero, ASM)
     xs = _x_words(x_ptr, words_k, row_mask, X_BF16_PAIRS)
     word_sums = xs[0][:, None] * centered[0]
     for j in tl.static_range(1, 8):
@@ -314,8 +324,9 @@ def _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_ma
     to x's half type (exact: |q - z| < 16). No 3D reshuffle of the nibbles, no x-sum correction; the group's scale
     multiplies the tile's sum once. (Making the codes in bf16 by PTX instead cut instructions but measured slower
     at M = 16 in run 51, together with 2-slice reduction rounds; both reverted.)"""
-    words_k, word_mask, codes, scale = _int4_centered(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
-                                                      group_size, BLOCK_K, ASM)
+    words_k, word_mask, words, scale, zero = _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
+                                                        group_size, BLOCK_K)
+    codes = _int4_centered(words, zero, ASM)
     part = tl.zeros(acc.shape, dtype=tl.float32)
     for j in tl.static_range(8):
         x_j = tl.load(x_ptr + rows[:, None] * stride_xm + (8 * words_k + j)[None, :],
@@ -423,6 +434,12 @@ def _fp8_words_step(acc, words, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stri
     else:
         words = _fp8_tile_words(w_ptr, k0, k_end, cols, col_mask, stride_wn, BLOCK_K)
         next_words = words
+    return _fp8_words_math(acc, words, x_ptr, k0, K, BLOCK_K, PTX), next_words
+
+
+@triton.jit
+def _fp8_words_math(acc, words, x_ptr, k0, K, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+    """acc [BK / 4, BN] plus x's row 0 times an FP8 W's loaded tile of words (`_fp8_tile_words`) at input k0."""
     weights = _e4m3_floats(words, PTX)
     kv = k0 + tl.arange(0, BLOCK_K // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BK / 4, 4]: a word's inputs
     x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)  # one 4-input vector per word
@@ -433,7 +450,7 @@ def _fp8_words_step(acc, words, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stri
     acc += x1[:, None] * weights[1]
     acc += x2[:, None] * weights[2]
     acc += x3[:, None] * weights[3]
-    return acc, next_words
+    return acc
 
 
 @triton.jit
@@ -515,6 +532,36 @@ def _sum_partials(partial_ptr, offsets, mask, M, N, split_k, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _int4_fma_math(acc, x_ptr, int4_tile, HALF_FMA: tl.constexpr, ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
+    """acc plus x's row 0 times a loaded int4 tile (`_int4_tile`), on the bf16x2 or the float32 FMA path."""
+    words_k, row_mask, words, scale, zero = int4_tile
+    if HALF_FMA:
+        return _int4_half_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero)
+    return _int4_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero, ASM, X_BF16_PAIRS)
+
+
+@triton.jit
+def _first_tile(w_ptr, scale_ptr, zero_ptr, k_start, k_end, cols, col_mask, N, K, stride_wn, group_size,
+                INT4_FMA: tl.constexpr, FP8_WORDS: tl.constexpr, LOAD_AHEAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, VEC: tl.constexpr):
+    """(the dense load-ahead and FP8 word paths' first tile, the int4 FMA path's first tile): the paths that do not
+    take one get a placeholder of the same kind that loads nothing. Weights only (no kernel writes them)."""
+    if FP8_WORDS:  # loaded ahead, or the peeled first step's
+        tile = _fp8_tile_words(w_ptr, k_start, k_end, cols, col_mask, stride_wn, BLOCK_K)
+    elif LOAD_AHEAD:
+        tile = _dense_tile(w_ptr, k_start, k_end, cols, col_mask, stride_wn, BLOCK_K, VEC)
+    else:  # unread
+        tile = tl.zeros((BLOCK_K // VEC, VEC, BLOCK_N), dtype=tl.float32)
+    if INT4_FMA:
+        int4_tile = _int4_tile(w_ptr, scale_ptr, zero_ptr, k_start, cols, col_mask, N, K, group_size, BLOCK_K)
+    else:  # unread
+        words_k = tl.arange(0, BLOCK_K // 8)
+        int4_tile = (words_k, words_k < 0, tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.int32),
+                     tl.zeros((BLOCK_N,), dtype=tl.float32), tl.zeros((BLOCK_N,), dtype=tl.float32))
+    return tile, int4_tile
+
+
+@triton.jit
 def _gemv_kernel(
     out_ptr,  # [M, N] in x's dtype
     partial_ptr,  # [SPLIT_K, M, N] float32 (PARTIAL)
@@ -555,45 +602,54 @@ def _gemv_kernel(
     VEC: tl.constexpr,  # FMA path: inputs summed in-thread per step (8 bf16 / 16 fp8 / 4 fp32: 16 bytes; int4: 8;
     # FP8_WORDS: 4)
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): weights are prefetched into L2 before the wait
+    INT4_FMA: tl.constexpr,  # INT4 and not USE_DOT
+    EARLY_TILE: tl.constexpr,  # the FMA paths' first tile loaded before the PDL wait (FIRST_TILE_BEFORE_WAIT)
     PF_ROWS: tl.constexpr,  # the prefetch's shape (_prefetch_weights)
     PF_LINES: tl.constexpr,
     PF_STEP: tl.constexpr,
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    if USE_PDL:
-        _prefetch_weights(w_ptr, pid_n, pid_k * k_per_split, (pid_k + 1) * k_per_split, N, K, stride_wn, INT4,
-                          BLOCK_N, PF_ROWS, PF_LINES, PF_STEP)
-    # The loop loads x (the previous kernel's output) with each weight tile, and the split-K counters may only be
-    # touched once the previous GEMV has finished with them: wait here.
-    wait_for_prior_grids(USE_PDL)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if USE_PDL:
+        _prefetch_weights(w_ptr, pid_n, k_start, k_start + k_per_split, N, K, stride_wn, INT4, BLOCK_N, PF_ROWS,
+                          PF_LINES, PF_STEP)
+    # The FMA paths' first weight tile (k_start < k_end always), in registers before the wait when EARLY_TILE
+    # (weights only, kernels/pdl.py rule 1): at the wait its bytes are here, not one more round trip away. The
+    # load-ahead loops start from it; the int4 and the plain FP8 word paths peel their first step to use it.
+    if EARLY_TILE:
+        tile, int4_tile = _first_tile(w_ptr, scale_ptr, zero_ptr, k_start, k_end, cols, col_mask, N, K,
+                                      stride_wn, group_size, INT4_FMA, FP8_WORDS, LOAD_AHEAD, BLOCK_K, BLOCK_N, VEC)
+    # The loop loads x (the previous kernel's output) with each weight tile, and the split-K counters may only be
+    # touched once the previous GEMV has finished with them: wait here.
+    wait_for_prior_grids(USE_PDL)
+    if not EARLY_TILE:
+        tile, int4_tile = _first_tile(w_ptr, scale_ptr, zero_ptr, k_start, k_end, cols, col_mask, N, K,
+                                      stride_wn, group_size, INT4_FMA, FP8_WORDS, LOAD_AHEAD, BLOCK_K, BLOCK_N, VEC)
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    if FP8_WORDS and LOAD_AHEAD:  # the first tile, loaded ahead
-        tile = _fp8_tile_words(w_ptr, k_start, k_end, cols, col_mask, stride_wn, BLOCK_K)
-    elif FP8_WORDS:  # unread: each step loads its own
-        tile = tl.zeros((BLOCK_K // 4, BLOCK_N), dtype=tl.int32)
-    elif LOAD_AHEAD:
-        tile = _dense_tile(w_ptr, k_start, k_end, cols, col_mask, stride_wn, BLOCK_K, VEC)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    k_loop = k_start
+    if INT4_FMA:  # the first tile's math, peeled (the loop's steps load their own tiles)
+        acc = _int4_fma_math(acc, x_ptr, int4_tile, HALF_FMA, ASM, X_BF16_PAIRS)
+        k_loop = k_start + BLOCK_K
+    elif FP8_WORDS and not LOAD_AHEAD:  # likewise
+        acc = _fp8_words_math(acc, tile, x_ptr, k_start, K, BLOCK_K, E4M3_PTX)
+        k_loop = k_start + BLOCK_K
+    for k0 in range(k_loop, k_end, BLOCK_K):
         if USE_DOT and INT4 and X_HALF and SLOT_DOT:
             acc = _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N,
                                       K, stride_xm, group_size, DOT_FP32, BLOCK_K, ASM)
         elif USE_DOT:
             acc = _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
                             stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N)
-        elif INT4 and HALF_FMA:
-            acc = _int4_half_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
-                                      BLOCK_K)
         elif INT4:
-            acc = _int4_fma_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
-                                 BLOCK_K, ASM, X_BF16_PAIRS)
+            acc = _int4_fma_math(acc, x_ptr, _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
+                                                        group_size, BLOCK_K), HALF_FMA, ASM, X_BF16_PAIRS)
         elif FP8_WORDS:
             acc, tile = _fp8_words_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K,
                                         E4M3_PTX, LOAD_AHEAD)
@@ -765,7 +821,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         REDUCE_CHUNK=_reduce_chunk(block_m, config), BLOCK_M=block_m,
         FP8_WORDS=config.fp8_words, LOAD_AHEAD=config.load_ahead, E4M3_PTX=config.fp8_words and e4m3_ptx_ok(x2),
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=_vec(config, int4, weight, fit.block_k),
-        USE_PDL=pdl, PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
+        USE_PDL=pdl, INT4_FMA=int4 and not use_dot, EARLY_TILE=FIRST_TILE_BEFORE_WAIT, PF_ROWS=prefetch[0],
+        PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl)
     return out
 

@@ -29,6 +29,16 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
                   most S splits
     carveout_P    (not an ablation) every Triton kernel prefers P% of the unified L1 / shared memory as shared
                   memory (`set_triton_carveout`), so that neighbouring kernels share one carveout
+    nowait_gemv   (not an ablation, a bound) every decode GEMV launch skips its PDL wait (`griddepcontrol.wait`) and
+                  only lets its dependents launch: each GEMV overlaps its predecessor as if it did not depend on it.
+                  What per-tile dependencies (a GEMV starting on the inputs that are ready) could save at most at
+                  the GEMVs' inputs; nowait_all: every PDL kernel of ours skips its wait, so the step is the same
+                  kernels streamed back to back with no dependency at all, bounded only by what fits on the SMs
+                  (the upper bound of any overlap of these kernels, a persistent dataflow kernel's included).
+                  Outputs are garbage and the split-K arrival counters may be left inconsistent (a reduction
+                  skipped: the bound is slightly optimistic)
+    first_tile_after_wait (not an ablation) the decode GEMV's FMA paths load their first weight tile after the PDL
+                  wait instead of before it (quant_gemv.FIRST_TILE_BEFORE_WAIT off: the engine before session 28)
     l2_o          (not an ablation) a kernel that asks L2 for the whole o projection's weight (one
                   `prefetch.global.L2` per 128-byte line) between the qkv GEMV and the rotary + cache write, so
                   that the weight streams in while the latency-bound rotary and decode attention run; l2_o_first:
@@ -159,6 +169,12 @@ def ablate(variant: str) -> None:
         attention.DECODE_BLOCK_N = attention.DECODE_MIN_SEGMENT = block_n
         attention.DECODE_MAX_SPLITS = max_splits
         attention.DECODE_PROGRAMS_PER_SM = 8  # so that S, not the SM count, bounds the splits
+    elif variant == "first_tile_after_wait":
+        from asyncengine.kernels import quant_gemv
+
+        quant_gemv.FIRST_TILE_BEFORE_WAIT = False
+    elif variant in ("nowait_gemv", "nowait_all"):
+        _skip_pdl_waits(everywhere=variant == "nowait_all")
     elif variant in ("l2_o", "l2_o_first"):
         _prefetch_o_weights(before_qkv=variant == "l2_o_first")
     elif variant.startswith("maxnreg_"):
@@ -184,7 +200,38 @@ def ablate(variant: str) -> None:
         quant_gemv._prefetch_shape = shaped
     elif variant != "base":
         raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB, "
-                         "maxnreg_N, split_div_D, split_mul_M, attn_splits_S, attn_bn_B_S, l2_o, l2_o_first")
+                         "maxnreg_N, split_div_D, split_mul_M, attn_splits_S, attn_bn_B_S, l2_o, l2_o_first, nowait_gemv, "
+                         "nowait_all, first_tile_after_wait")
+
+
+def _skip_pdl_waits(everywhere: bool) -> None:
+    """Rebind the PDL wait helpers (kernels/pdl.py) that our kernels call to ones that only let their dependents
+    launch: in the decode GEMV's module, or in every kernel module (everywhere). Done before any kernel compiles
+    (Triton resolves a jit function's callees from its module's globals when it first compiles it)."""
+    import importlib
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def launch_only(USE_PDL: tl.constexpr):
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def launch_only_early(USE_PDL: tl.constexpr, EARLY: tl.constexpr):
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    names = ["quant_gemv"]
+    if everywhere:
+        names += ["activation", "attention", "cache", "fp8_gemm", "moe", "norm", "quant_fp8", "rotary", "rotary_cache"]
+    for name in names:
+        module = importlib.import_module(f"asyncengine.kernels.{name}")
+        if hasattr(module, "wait_for_prior_grids"):
+            module.wait_for_prior_grids = launch_only
+        if hasattr(module, "wait_for_prior_grids_early"):
+            module.wait_for_prior_grids_early = launch_only_early
 
 
 def _prefetch_o_weights(before_qkv: bool) -> None:

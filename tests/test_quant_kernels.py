@@ -455,6 +455,38 @@ def test_dense_gemv_load_ahead_matches_reference(fmt, n, k, config):
     assert_matches(out, ref, {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
 
 
+@pytest.mark.parametrize("fmt, config", [
+    ("int4", (64, 32, 3)), ("int4", (32, 128, 1)), ("int4", (16, 64, 2, 4, 3, False, False, True)),
+    ("bf16", (16, 64, 2, 4, 3, False, False, False, False, True)),
+    ("fp8", (32, 64, 3, 4, 3, False, False, False, True, True)), ("fp8", (32, 64, 1, 4, 3, False, False, False, True)),
+    ("fp32", (16, 32, 1))])
+def test_gemv_first_tile_before_or_after_the_wait_gives_the_same_bits(fmt, config, monkeypatch):
+    """quant_gemv.FIRST_TILE_BEFORE_WAIT moves the FMA paths' first weight tile (int4 at M == 1: peeled out of the
+    loop; dense load_ahead / fp8_words: the tile loaded ahead) ahead of the PDL wait: the same sums in the same
+    order either way, so the same bits, and the reference's values (K split in slices, a ragged N tile)."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    k, n = 256, 40
+    config = quant_gemv.GemvConfig(*config)
+    if fmt == "int4":
+        x, qweight, scales, zeros = int4_case(1, k, n, 64, torch.bfloat16)
+        run = lambda: quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, config=config)  # noqa: E731
+        ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 64, 4)
+    else:
+        dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+        w, scale = torch.randn(n, k, device=DEVICE, dtype=dtype), None
+        if fmt == "fp8":
+            w, scale = quant_reference.quantize_fp8(w.float(), dim=-1)
+        x = torch.randn(1, k, dtype=dtype, device=DEVICE)
+        run = lambda: quant_gemv.dense_gemv(x, w, None, scale, config=config)  # noqa: E731
+        ref = quant_reference.dense_gemv(x, w, None, scale)
+    early = run()
+    monkeypatch.setattr(quant_gemv, "FIRST_TILE_BEFORE_WAIT", False)
+    late = run()
+    assert torch.equal(early, late)
+    assert not early.isnan().any() and rel_error(early, ref) < 1e-2, rel_error(early, ref)
+
+
 def test_gemv_sweep_write_table_replaces_known_keys_and_adds_new_ones_to_an_importable_table(tmp_path):
     """bench_gemv.write_table (what `--gemv-sweep --write-table` runs) on a copy of the real TUNED table."""
     import importlib.util
