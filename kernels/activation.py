@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import early_with_fp8_copy, enabled as pdl_enabled, wait_for_prior_grids_early
+from .pdl import enabled as pdl_enabled, wait_for_prior_grids_early
 from .quant_fp8 import Fp8Activation, fp8_row_buffers, fp8_warps, store_fp8_row
 from .quant_reference import FP8_MAX, _MIN_SCALE
 
@@ -32,11 +32,10 @@ def _silu_and_mul_kernel(
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
     QUANT: tl.constexpr,  # also write the row in e4m3 with its scale; then BLOCK >= I (one program a row)
     FP8_MAX_VALUE: tl.constexpr,
-    EARLY: tl.constexpr,  # let the next kernel launch before the wait (rule 3): not QUANT or early_with_fp8_copy()
 ):
-    # kernels/pdl.py rule 3: the next kernel's prologue (a GEMV's prefetch) overlaps ours; with the FP8 copy only
-    # where pdl.early_with_fp8_copy() (EARLY)
-    wait_for_prior_grids_early(USE_PDL, EARLY)
+    # kernels/pdl.py rule 3: the next kernel's prologue (a GEMV's prefetch) overlaps ours; not with the FP8 copy,
+    # which feeds a W8A8 GEMM that waits first: nothing of it to overlap (run 119)
+    wait_for_prior_grids_early(USE_PDL, not QUANT)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -65,6 +64,5 @@ def silu_and_mul(x: torch.Tensor, fp8_copy: bool = False):
         pdl = pdl_enabled(x.device)
         _silu_and_mul_kernel[grid](out, x, out.stride(0), x.stride(0), inter, fp8, fp8_scale, _MIN_SCALE, BLOCK=block,
                                    USE_PDL=pdl, QUANT=fp8_copy, FP8_MAX_VALUE=FP8_MAX,
-                                   EARLY=not fp8_copy or early_with_fp8_copy(),
                                    num_warps=fp8_warps(block) if fp8_copy else 4, launch_pdl=pdl)
     return Fp8Activation(out, fp8, fp8_scale) if fp8_copy else out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import early_with_fp8_copy, enabled as pdl_enabled, wait_for_prior_grids_early
+from .pdl import enabled as pdl_enabled, wait_for_prior_grids_early
 from .quant_fp8 import Fp8Activation, fp8_row_buffers, store_fp8_row
 from .quant_reference import FP8_MAX, _MIN_SCALE
 
@@ -111,14 +111,13 @@ def _fused_add_rms_norm_kernel(
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
     QUANT: tl.constexpr,  # also write the output row in e4m3 with its scale (quant_fp8.store_fp8_row)
     FP8_MAX_VALUE: tl.constexpr,
-    EARLY: tl.constexpr,  # let the next kernel launch before the wait (rule 3): not QUANT or early_with_fp8_copy()
 ):
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
     w = _load_weight(w_ptr, cols, col_mask)
-    # kernels/pdl.py rule 3: the next kernel's prologue (a GEMV's prefetch) overlaps ours; with the FP8 copy only
-    # where pdl.early_with_fp8_copy() (EARLY)
-    wait_for_prior_grids_early(USE_PDL, EARLY)
+    # kernels/pdl.py rule 3: the next kernel's prologue (a GEMV's prefetch) overlaps ours; not with the FP8 copy,
+    # which feeds a W8A8 GEMM that waits first: nothing of it to overlap (run 119)
+    wait_for_prior_grids_early(USE_PDL, not QUANT)
     row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + row * stride_res + cols, mask=col_mask, other=0.0)
@@ -200,7 +199,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         pdl = pdl_enabled(x.device)
         _fused_add_rms_norm_kernel[(tokens,)](
             out, x, residual, weight, out.stride(0), x.stride(0), residual.stride(0), hidden, eps, fp8, fp8_scale,
-            _MIN_SCALE, BLOCK_H=block, USE_PDL=pdl, QUANT=fp8_copy, FP8_MAX_VALUE=FP8_MAX,
-            EARLY=not fp8_copy or early_with_fp8_copy(), num_warps=warps, launch_pdl=pdl,
+            _MIN_SCALE, BLOCK_H=block, USE_PDL=pdl, QUANT=fp8_copy, FP8_MAX_VALUE=FP8_MAX, num_warps=warps,
+            launch_pdl=pdl,
         )
     return (Fp8Activation(out, fp8, fp8_scale) if fp8_copy else out), residual

@@ -60,10 +60,6 @@ import triton.language as tl
 from . import interpreting
 
 ENV_SWITCH = "ASYNCENGINE_PDL"
-# Rule 3 for the norm and silu_and_mul also where they write an FP8 copy for the W8A8 GEMM (fp8_gemm.py), which
-# since session 28 asks L2 for its weights before its wait. Off unless set to 1: run 119 measured it slower while
-# that GEMM had no prologue; decode_ablation's fp8_copy_early measures it again.
-EARLY_FP8_COPY_SWITCH = "ASYNCENGINE_PDL_EARLY_FP8_COPY"
 
 
 @functools.cache
@@ -87,15 +83,8 @@ def wait_for_prior_grids(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def early_with_fp8_copy() -> bool:
-    """Do the norm and silu_and_mul launch their dependents before their wait when they write an FP8 copy too?
-    (EARLY_FP8_COPY_SWITCH, read at each launch.) Safe either way: the W8A8 GEMM after them reads only weights
-    before its own wait."""
-    return os.environ.get(EARLY_FP8_COPY_SWITCH, "0") == "1"
-
-
 # The kernels that launch their dependents before their wait (rule 3; the norm and silu_and_mul only without their
-# FP8 copy unless early_with_fp8_copy()), named for the rule's audit.
+# FP8 copy), named for the rule's audit.
 EARLY_LAUNCH_KERNELS = ("norm._rms_norm_kernel", "norm._fused_add_rms_norm_kernel",
                         "activation._silu_and_mul_kernel", "rotary_cache._rotary_cache_kernel")
 NOT_EARLY_WITH_FP8_COPY = ("norm._fused_add_rms_norm_kernel", "activation._silu_and_mul_kernel")  # QUANT=True

@@ -494,9 +494,8 @@ decode = dict(NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD
               SPLITS_PAD=4, MERGE_HEADS=4)
 kernels = [
     (norm._rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096, ROWS=1)),
-    (norm._fused_add_rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096, QUANT=False, FP8_MAX_VALUE=448.0,
-                                                               EARLY=True)),
-    (activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, QUANT=False, FP8_MAX_VALUE=448.0, EARLY=True)),
+    (norm._fused_add_rms_norm_kernel, dict(eps="fp32"), dict(BLOCK_H=4096, QUANT=False, FP8_MAX_VALUE=448.0)),
+    (activation._silu_and_mul_kernel, {}, dict(BLOCK=1024, QUANT=False, FP8_MAX_VALUE=448.0)),
     (rotary._rotary_kernel, dict(positions_ptr=i64, cache_ptr=f32),
      dict(HALF=64, Q_HEADS_PAD=32, K_HEADS_PAD=8, HALF_PAD=64)),
     (cache._reshape_and_cache_kernel, dict(slot_ptr=i64, k_inv_scale="fp32", v_inv_scale="fp32"),
@@ -534,9 +533,9 @@ kernels = [
      dict(FP8_MAX_VALUE=448.0, BLOCK_K=4096)),
     # the norm and the activation writing their output's per-token FP8 copy too
     (norm._fused_add_rms_norm_kernel, dict(eps="fp32", fp8_ptr=fp8, fp8_scale_ptr=f32, min_scale="fp32"),
-     dict(BLOCK_H=4096, QUANT=True, FP8_MAX_VALUE=448.0, EARLY=False)),
+     dict(BLOCK_H=4096, QUANT=True, FP8_MAX_VALUE=448.0)),
     (activation._silu_and_mul_kernel, dict(fp8_ptr=fp8, fp8_scale_ptr=f32, min_scale="fp32"),
-     dict(BLOCK=16384, QUANT=True, FP8_MAX_VALUE=448.0, EARLY=False)),
+     dict(BLOCK=16384, QUANT=True, FP8_MAX_VALUE=448.0)),
 ]
 ok = [compile_kernel(*k) for k in kernels]
 print("with griddepcontrol", sum(ok), "of", len(ok))
