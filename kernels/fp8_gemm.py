@@ -30,14 +30,9 @@ import triton.language as tl
 
 from . import arrival_counters, interpreting, sm_count
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
-from .quant_gemv import _prefetch_shape, _prefetch_weights
 
 MAX_M = 512  # the largest batch this kernel takes (above it cuBLASLt's GEMM is compute bound and fast)
 _COUNTER_SLOTS = 1 << 16  # one int32 counter per (M tile, N tile)
-# Under PDL each program asks L2 for the start of its weight slice (quant_gemv.PREFETCH_BYTES) before its wait, as
-# the decode GEMV does: the pipelined loop's first loads after the wait then hit L2. A switch so that
-# scripts/decode_ablation.py can measure both in one tree (variant fp8_gemm_no_prefetch).
-PREFETCH_BEFORE_WAIT = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,15 +85,8 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py)
-    PREFETCH: tl.constexpr,  # USE_PDL and PREFETCH_BEFORE_WAIT: the weight slice's start asked into L2 first
-    PF_ROWS: tl.constexpr,  # the prefetch's shape (quant_gemv._prefetch_weights)
-    PF_LINES: tl.constexpr,
-    PF_STEP: tl.constexpr,
 ):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PREFETCH:  # weights only (kernels/pdl.py rule 1)
-        _prefetch_weights(w_ptr, pid_n, pid_k * k_per_split, (pid_k + 1) * k_per_split, N, K, stride_wn, False,
-                          BLOCK_N, PF_ROWS, PF_LINES, PF_STEP)
     wait_for_prior_grids(USE_PDL)  # x is the previous kernel's output; the counters its previous user's
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels: W's rows
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # tokens: x's rows
@@ -237,12 +225,10 @@ def fp8_gemm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale:
     workspace = torch.empty((split_k, m, n), device=x8.device, dtype=torch.float32) if partial else out
     counters = arrival_counters("the FP8 GEMM", x8.device, _COUNTER_SLOTS)
     pdl = pdl_enabled(x8.device)
-    prefetch = _prefetch_shape(w8, False, config.block_n, k_per_split)
     _fp8_gemm_kernel[(n_tiles, m_tiles, split_k)](
         out, workspace, counters, x8, w8, xs, ws, bias if bias is not None else out, m, n, k, x8.stride(0),
         w8.stride(0), stride_xs, stride_ws, k_per_split, split_k,
         HAS_BIAS=bias is not None, PARTIAL=partial, EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0,
         DOT_FP32=interpreting(), BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, USE_PDL=pdl,
-        PREFETCH=pdl and PREFETCH_BEFORE_WAIT, PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2],
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out

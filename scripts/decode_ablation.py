@@ -39,8 +39,6 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
                   skipped: the bound is slightly optimistic)
     first_tile_after_wait (not an ablation) the decode GEMV's FMA paths load their first weight tile after the PDL
                   wait instead of before it (quant_gemv.FIRST_TILE_BEFORE_WAIT off: the engine before session 28)
-    fp8_gemm_no_prefetch (not an ablation) the W8A8 FP8 GEMM asks L2 for nothing before its PDL wait
-                  (fp8_gemm.PREFETCH_BEFORE_WAIT off: the engine before session 28)
     l2_o          (not an ablation) a kernel that asks L2 for the whole o projection's weight (one
                   `prefetch.global.L2` per 128-byte line) between the qkv GEMV and the rotary + cache write, so
                   that the weight streams in while the latency-bound rotary and decode attention run; l2_o_first:
@@ -171,10 +169,6 @@ def ablate(variant: str) -> None:
         attention.DECODE_BLOCK_N = attention.DECODE_MIN_SEGMENT = block_n
         attention.DECODE_MAX_SPLITS = max_splits
         attention.DECODE_PROGRAMS_PER_SM = 8  # so that S, not the SM count, bounds the splits
-    elif variant == "fp8_gemm_no_prefetch":
-        from asyncengine.kernels import fp8_gemm
-
-        fp8_gemm.PREFETCH_BEFORE_WAIT = False
     elif variant == "first_tile_after_wait":
         from asyncengine.kernels import quant_gemv
 
@@ -207,7 +201,7 @@ def ablate(variant: str) -> None:
     elif variant != "base":
         raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB, "
                          "maxnreg_N, split_div_D, split_mul_M, attn_splits_S, attn_bn_B_S, l2_o, l2_o_first, nowait_gemv, "
-                         "nowait_all, first_tile_after_wait, fp8_gemm_no_prefetch")
+                         "nowait_all, first_tile_after_wait")
 
 
 def _skip_pdl_waits(everywhere: bool) -> None:
