@@ -13,9 +13,11 @@ tiles of W once. An int4 tile never crosses a group (BLOCK_K divides group_size)
 scales and zeros once ([BLOCK_N] each) and each packed word once.
   M == 1 (config.dot false): FMA, no 16-row MMA tile of which 15 rows are padding: each step sums the products
       of each 16-byte vector of a W row (an int4 word) in-thread into a [BLOCK_K / VEC, BLOCK_N] float32 tile,
-      reduced over K once after the loop. int4 spends about three instructions per weight (`_int4_centered`: one
-      LOP3 ORs the nibble under a float32 exponent, one subtraction leaves q - z exactly; one FMA), the scale once
-      per word; config.half_fma sums each word's products in bf16x2 instead (`_int4_half_fma_step`, ~2.3).
+      reduced over K once after the loop. int4's word math is about three instructions per weight
+      (`_int4_centered`: one LOP3 ORs the nibble under a float32 exponent, one subtraction leaves q - z exactly;
+      one FMA), the scale once per word; config.half_fma sums each word's products in bf16x2 instead
+      (`_int4_half_fma_step`, ~2.3). The whole K loop on sm_90, loads, x and addresses included, issues 4.4 and
+      3.6 instructions per weight at the 8B shapes' tiles (`scripts/gemv_sass.py`, session 28).
       FP8 with config.fp8_words: W read as 32-bit words of 4 weights, converted in registers (`_e4m3_floats`).
       Dense weights with config.load_ahead: each step loads the next tile before its own math
       (`_dense_load_ahead_step`).
