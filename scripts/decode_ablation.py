@@ -36,7 +36,9 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
                   kernels streamed back to back with no dependency at all, bounded only by what fits on the SMs
                   (the upper bound of any overlap of these kernels, a persistent dataflow kernel's included).
                   Outputs are garbage and the split-K arrival counters may be left inconsistent (a reduction
-                  skipped: the bound is slightly optimistic)
+                  skipped: the bound is slightly optimistic). A mixture of experts routed on garbage reads
+                  outside its weights: measure it as route+nowait_all against route
+    A+B           both variants at once (each applied in turn)
     first_tile_after_wait (not an ablation) the decode GEMV's FMA paths load their first weight tile after the PDL
                   wait instead of before it (quant_gemv.FIRST_TILE_BEFORE_WAIT off: the engine before session 28)
     l2_o          (not an ablation) a kernel that asks L2 for the whole o projection's weight (one
@@ -294,7 +296,8 @@ def child(args) -> dict:
     from asyncengine import LLM
 
     bo = bench_offline()
-    ablate(args.child)
+    for part in args.child.split("+"):  # "route+nowait_all": both
+        ablate(part)
     config = json.loads((model_folder(args) / "config.json").read_text())
     vocab = config["vocab_size"]
     quant = {"quantization": args.quantization} if args.quantization == "fp8" else {}  # AWQ: from its config
