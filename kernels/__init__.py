@@ -19,6 +19,33 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+
+
+def _hand_over_the_top_level_name() -> None:
+    """This folder is importable as a top-level package `kernels` only from a source checkout whose root is on
+    sys.path (`python -m asyncengine` or `python -m pytest` run in the repository). That name belongs to Hugging
+    Face's `kernels`, a dependency of transformers 5.25+, which imports it at start-up: this folder must not shadow
+    it. Load the next `kernels` on sys.path in this module's place (the import system returns what sys.modules
+    holds), or fail the import as if this folder were not there."""
+    import importlib.machinery
+    import importlib.util
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parent.parent
+    others = [entry for entry in sys.path if Path(entry or ".").resolve() != checkout]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", others)
+    if spec is None or spec.loader is None:
+        del sys.modules["kernels"]
+        raise ModuleNotFoundError("No module named 'kernels' (the repository's kernels/ folder is asyncengine.kernels)",
+                                  name="kernels")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _hand_over_the_top_level_name()
 
 
 def interpreting() -> bool:
