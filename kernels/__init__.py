@@ -27,7 +27,9 @@ def _hand_over_the_top_level_name() -> None:
     sys.path (`python -m asyncengine` or `python -m pytest` run in the repository). That name belongs to Hugging
     Face's `kernels`, a dependency of transformers 5.25+, which imports it at start-up: this folder must not shadow
     it. Load the next `kernels` on sys.path in this module's place (the import system returns what sys.modules
-    holds), or fail the import as if this folder were not there."""
+    holds). Where there is none, this module stays what the bare name imports, as it always was: transformers
+    5.23 probes a `kernels` without metadata by importing it (version "N/A": not used), and an import error there
+    would break `import transformers`."""
     import importlib.machinery
     import importlib.util
     from pathlib import Path
@@ -36,9 +38,7 @@ def _hand_over_the_top_level_name() -> None:
     others = [entry for entry in sys.path if Path(entry or ".").resolve() != checkout]
     spec = importlib.machinery.PathFinder.find_spec("kernels", others)
     if spec is None or spec.loader is None:
-        del sys.modules["kernels"]
-        raise ModuleNotFoundError("No module named 'kernels' (the repository's kernels/ folder is asyncengine.kernels)",
-                                  name="kernels")
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module
     spec.loader.exec_module(module)
