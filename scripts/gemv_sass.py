@@ -38,7 +38,9 @@ KINDS = {  # SASS opcode -> what it does here
 
 
 def constexprs(fmt: str, config, k: int, n: int) -> dict:
-    """What quant_gemv._launch passes at M = 1 under PDL for this format and tuned config (bf16 x, aligned)."""
+    """What quant_gemv._launch passes at M = 1 under PDL for this format and tuned config (bf16 x, aligned).
+    Written out again here, since _launch computes them from tensors: a new constexpr of the kernel must be added
+    to both (Triton's compile fails on a missing one, so a drift shows as an error, not a wrong count)."""
     from asyncengine.kernels import quant_gemv
 
     int4 = fmt == "int4"

@@ -456,18 +456,21 @@ def test_dense_gemv_load_ahead_matches_reference(fmt, n, k, config):
 
 
 @pytest.mark.parametrize("fmt, config", [
-    ("int4", (64, 32, 3)), ("int4", (32, 128, 1)), ("int4", (16, 64, 2, 4, 3, False, False, True)),
-    ("bf16", (16, 64, 2, 4, 3, False, False, False, False, True)),
-    ("fp8", (32, 64, 3, 4, 3, False, False, False, True, True)), ("fp8", (32, 64, 1, 4, 3, False, False, False, True)),
-    ("fp32", (16, 32, 1))])
+    ("int4", dict(block_n=64, block_k=32, split_k=3)), ("int4", dict(block_n=32, block_k=128)),
+    ("int4", dict(block_n=16, block_k=64, split_k=2, half_fma=True)),
+    ("bf16", dict(block_n=16, block_k=64, split_k=2, load_ahead=True)),
+    ("fp8", dict(block_n=32, block_k=64, split_k=3, fp8_words=True, load_ahead=True)),
+    ("fp8", dict(block_n=32, block_k=64, fp8_words=True)), ("fp32", dict(block_n=16, block_k=32))])
 def test_gemv_first_tile_before_or_after_the_wait_gives_the_same_bits(fmt, config, monkeypatch):
     """quant_gemv.FIRST_TILE_BEFORE_WAIT moves the FMA paths' first weight tile (int4 at M == 1: peeled out of the
     loop; dense load_ahead / fp8_words: the tile loaded ahead) ahead of the PDL wait: the same sums in the same
-    order either way, so the same bits, and the reference's values (K split in slices, a ragged N tile)."""
+    order either way, so the same bits, and the reference's values (K split in slices, a ragged N tile). In the
+    interpreter there is no wait to move: the test holds the peeled first step to the reference and to the bits of
+    the other placement; the sm_90 compile test (test_fused_kernels.py) checks where the loads land."""
     from asyncengine.kernels import quant_gemv, quant_reference
 
     k, n = 256, 40
-    config = quant_gemv.GemvConfig(*config)
+    config = quant_gemv.GemvConfig(**config)
     if fmt == "int4":
         x, qweight, scales, zeros = int4_case(1, k, n, 64, torch.bfloat16)
         run = lambda: quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, config=config)  # noqa: E731
