@@ -48,7 +48,9 @@ async def one(client: httpx.AsyncClient, url: str, i: int) -> tuple[str, int, fl
 
 
 def test_burst_beyond_the_queue_gets_fast_429s_and_nothing_hangs():
-    with default_model_server(max_model_len=256, num_kv_blocks=512, max_num_seqs=8, max_queue_len=4) as srv:
+    running, queued = 8, 4
+    with default_model_server(max_model_len=256, num_kv_blocks=512, max_num_seqs=running,
+                              max_queue_len=queued) as srv:
         async def burst():
             async with http_pool(BURST + 8, timeout=CLIENT_TIMEOUT) as client:
                 return await asyncio.wait_for(asyncio.gather(*[one(client, srv.url, i) for i in range(BURST)]),
@@ -60,7 +62,12 @@ def test_burst_beyond_the_queue_gets_fast_429s_and_nothing_hangs():
     refused = [r for r in results if r[1] == 429]
     served = [r for r in results if r[1] == 200]
     assert len(refused) + len(served) == BURST, [r[:2] for r in results if r[1] not in (200, 429)]
-    assert len(served) >= 8 and len(refused) >= BURST // 2, (len(served), len(refused))
+    # How many of the trickling second half find room depends on how fast this host's engine finishes requests
+    # (a fast host served 61 of 120 in session 28). The first half arrives at once: beyond what runs and waits,
+    # and what one turnover of both frees while it arrives, each of those requests must be refused.
+    refused_at_once = [r for r in results[:BURST // 2] if r[1] == 429]
+    assert len(served) >= running and len(refused_at_once) >= BURST // 2 - 2 * (running + queued), (
+        len(served), len(refused), len(refused_at_once))
     for kind, _, elapsed, body in refused:
         assert_rate_limited(429, body)
         assert elapsed < 1.0, f"a 429 took {elapsed:.2f} s"
