@@ -233,9 +233,15 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(hidden, weight)
 
 
-def dense_gemv(x, weight, bias=None, w_scale=None) -> torch.Tensor:
-    """Decode GEMV (M <= 64): x [M, K] @ (weight [N, K] * w_scale)^T (+ bias), weight dense or FP8 (weight-only)."""
-    return _quant_impl(x).dense_gemv(x, weight, bias, w_scale)
+def dense_gemv(x, weight, bias=None, w_scale=None, group_size=None) -> torch.Tensor:
+    """Decode GEMV (M <= 64): x [M, K] @ (weight [N, K] * w_scale)^T (+ bias), weight dense or FP8 (weight-only);
+    group_size: FP8 with group scales w_scale [G, N] (block-wise checkpoints)."""
+    return _quant_impl(x).dense_gemv(x, weight, bias, w_scale, group_size=group_size)
+
+
+def fp8_group_linear(x, w_fp8, group_scales, group_size: int, bias=None) -> torch.Tensor:
+    """Weight-only FP8 with group scales [G, N] at any batch size: x [T, K] @ W^T (+ bias), x not quantized."""
+    return _quant_impl(x).fp8_group_linear(x, w_fp8, group_scales, group_size, bias)
 
 
 def fp8_gemm_max_m(key: tuple, ours, library, weights: tuple, k: int, dtype: torch.dtype,

@@ -123,3 +123,46 @@ def fp8_gemm_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     x8, x_scale = _quantize_input(x2, input_scale, quantized)
     out = fp8_gemm(x8, x_scale, w_fp8, w_scale, x.dtype, bias)
     return out.reshape(*x.shape[:-1], w_fp8.shape[0])
+
+
+# -- weight-only FP8 with group scales (block-wise checkpoints) above the decode GEMV's batch sizes ---------------
+
+@triton.jit
+def _dequantize_groups_kernel(out_ptr, w_ptr, scale_ptr, N, K, group_size, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+    """out[n, k] = w[n, k] * scale[k // group_size, n] for one [BLOCK_N, BLOCK_K] tile of w [N, K] (row-major,
+    as out), rounded once to out's dtype."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (ks < K)[None, :]
+    offsets = rows[:, None].to(tl.int64) * K + ks[None, :]
+    w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + (ks // group_size)[None, :] * N + rows[:, None], mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, (w * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_groups(w_fp8: torch.Tensor, group_scales: torch.Tensor, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """quant_reference.dequantize_fp8_groups on the GPU: w_fp8 [N, K] (contiguous) with group scales [G, N] float32
+    -> a new [N, K] tensor in dtype."""
+    n, k = w_fp8.shape
+    if not w_fp8.is_contiguous():
+        raise ValueError("FP8 dequantize: the weight must be contiguous")
+    if tuple(group_scales.shape) != (triton.cdiv(k, group_size), n):
+        raise ValueError(f"FP8 dequantize: group scales must be [{triton.cdiv(k, group_size)}, {n}] for a [{n}, {k}] "
+                         f"weight in groups of {group_size}, got {list(group_scales.shape)}")
+    out = torch.empty((n, k), device=w_fp8.device, dtype=dtype)
+    block_n, block_k = 32, 128
+    _dequantize_groups_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        out, w_fp8, group_scales.float().contiguous(), n, k, group_size, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def fp8_group_linear(x: torch.Tensor, w_fp8: torch.Tensor, group_scales: torch.Tensor, group_size: int,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Same contract as quant_reference.fp8_group_linear (weight-only, x not quantized): the weight dequantized to
+    x's dtype for this call (`dequantize_groups`), then the library's GEMM. The path above the decode GEMV's batch
+    sizes (prefill): it writes and reads the weight once more in x's dtype, which block-wise W8A8 (activations
+    quantized per group of inputs, FP8 tensor cores) would not."""
+    w = dequantize_groups(w_fp8, group_scales, group_size, x.dtype)
+    return torch.nn.functional.linear(x, w, bias)

@@ -108,6 +108,12 @@ def _int4_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _group_scale(scale_ptr, k0, cols, col_mask, N, group_size):
+    """The float32 scales [BLOCK_N] of the group holding inputs k0 ... of a dense W with group scales [G, N]."""
+    return tl.load(scale_ptr + (k0 // group_size) * N + cols, mask=col_mask, other=0.0)
+
+
+@triton.jit
 def _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size):
     """The scales and zero points [BLOCK_N] (float32) of the group holding inputs k0 ... (a tile never crosses a
     group)."""
@@ -145,8 +151,9 @@ def _int4_codes(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr, BLOCK_N:
 @triton.jit
 def _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K, stride_xm,
               stride_wn, group_size, INT4: tl.constexpr, DOT_FP32: tl.constexpr, X_HALF: tl.constexpr,
-              X_FP16: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc [BM, BN] plus x's rows times W's tile at input k0, through tl.dot."""
+              X_FP16: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SCALE: tl.constexpr):
+    """acc [BM, BN] plus x's rows times W's tile at input k0, through tl.dot. GROUP_SCALE: a dense (FP8) W with
+    group scales [G, N]: the tile's product (one group: a tile never crosses one) times its group's scales."""
     ks = k0 + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :],
                 other=0.0)  # [BM, BK]
@@ -172,8 +179,12 @@ def _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, 
     w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
                 mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)  # W^T's tile [BK, BN]
     if DOT_FP32:
-        return acc + tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
-    return acc + tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)
+        part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        part = tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)  # e4m3 -> bf16 / fp16: exact
+    if GROUP_SCALE:
+        part = part * _group_scale(scale_ptr, k0, cols, col_mask, N, group_size)[None, :]
+    return acc + part
 
 
 # The float32 exponent fields that make a nibble at bit offset p (0, 4, ..., 16) an integer: ORed under the exponent
@@ -425,8 +436,8 @@ def _fp8_tile_words(w_ptr, k0, k_end, cols, col_mask, stride_wn, BLOCK_K: tl.con
 
 
 @triton.jit
-def _fp8_words_step(acc, words, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K: tl.constexpr,
-                    PTX: tl.constexpr, LOAD_AHEAD: tl.constexpr):
+def _fp8_words_step(acc, words, x_ptr, w_ptr, scale_ptr, k0, k_end, cols, col_mask, N, K, stride_wn, group_size,
+                    BLOCK_K: tl.constexpr, PTX: tl.constexpr, LOAD_AHEAD: tl.constexpr, GROUP_SCALE: tl.constexpr):
     """(acc [BK / 4, BN] plus x's row 0 times an FP8 W's tile at input k0, the next words). The tile's words
     (`_fp8_tile_words`) converted by `_e4m3_floats`, each word's 4 products summed in float32 in-thread. LOAD_AHEAD:
     `words` holds this tile already (loaded one step ahead, so two tiles' loads are in flight per thread: the FMA
@@ -436,18 +447,26 @@ def _fp8_words_step(acc, words, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stri
     else:
         words = _fp8_tile_words(w_ptr, k0, k_end, cols, col_mask, stride_wn, BLOCK_K)
         next_words = words
-    return _fp8_words_math(acc, words, x_ptr, k0, K, BLOCK_K, PTX), next_words
+    return (_fp8_words_math(acc, words, x_ptr, scale_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K, PTX,
+                            GROUP_SCALE), next_words)
 
 
 @triton.jit
-def _fp8_words_math(acc, words, x_ptr, k0, K, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
-    """acc [BK / 4, BN] plus x's row 0 times an FP8 W's loaded tile of words (`_fp8_tile_words`) at input k0."""
+def _fp8_words_math(acc, words, x_ptr, scale_ptr, k0, cols, col_mask, N, K, group_size, BLOCK_K: tl.constexpr,
+                    PTX: tl.constexpr, GROUP_SCALE: tl.constexpr):
+    """acc [BK / 4, BN] plus x's row 0 times an FP8 W's loaded tile of words (`_fp8_tile_words`) at input k0.
+    GROUP_SCALE: W has group scales [G, N] (the tile lies in one group): each word's 4 products are summed first,
+    then added times the group's scale (one more instruction per word)."""
     weights = _e4m3_floats(words, PTX)
     kv = k0 + tl.arange(0, BLOCK_K // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BK / 4, 4]: a word's inputs
     x = tl.load(x_ptr + kv, mask=kv < K, other=0.0).to(tl.float32)  # one 4-input vector per word
     x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 4, 2, 2)))  # inputs 4 w + {0, 2}, 4 w + {1, 3}
     x0, x2 = tl.split(x_even)
     x1, x3 = tl.split(x_odd)
+    if GROUP_SCALE:
+        words_sum = x0[:, None] * weights[0] + x1[:, None] * weights[1] + x2[:, None] * weights[2] \
+            + x3[:, None] * weights[3]
+        return acc + words_sum * _group_scale(scale_ptr, k0, cols, col_mask, N, group_size)[None, :]
     acc += x0[:, None] * weights[0]
     acc += x1[:, None] * weights[1]
     acc += x2[:, None] * weights[2]
@@ -570,7 +589,7 @@ def _gemv_kernel(
     counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero between calls (PARTIAL)
     x_ptr,  # [M, K], unit stride along K
     w_ptr,  # dense: [N, K] (row stride stride_wn); INT4: [K // 8, N] int32
-    scale_ptr,  # dense: [N] float32 (HAS_SCALE); INT4: [G, N]
+    scale_ptr,  # dense: [N] float32 (HAS_SCALE), or [G, N] (GROUP_SCALE); INT4: [G, N]
     zero_ptr,  # INT4: [G, N]
     bias_ptr,  # [N] (HAS_BIAS)
     M,
@@ -609,6 +628,7 @@ def _gemv_kernel(
     PF_ROWS: tl.constexpr,  # the prefetch's shape (_prefetch_weights)
     PF_LINES: tl.constexpr,
     PF_STEP: tl.constexpr,
+    GROUP_SCALE: tl.constexpr,  # dense (FP8) W with group scales [G, N] (FP8_WORDS or USE_DOT), applied per tile
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -640,7 +660,8 @@ def _gemv_kernel(
         acc = _int4_fma_math(acc, x_ptr, int4_tile, HALF_FMA, ASM, X_BF16_PAIRS)
         k_loop = k_start + BLOCK_K
     elif FP8_WORDS and not LOAD_AHEAD:  # likewise
-        acc = _fp8_words_math(acc, tile, x_ptr, k_start, K, BLOCK_K, E4M3_PTX)
+        acc = _fp8_words_math(acc, tile, x_ptr, scale_ptr, k_start, cols, col_mask, N, K, group_size, BLOCK_K,
+                              E4M3_PTX, GROUP_SCALE)
         k_loop = k_start + BLOCK_K
     for k0 in range(k_loop, k_end, BLOCK_K):
         if USE_DOT and INT4 and X_HALF and SLOT_DOT:
@@ -648,13 +669,14 @@ def _gemv_kernel(
                                       K, stride_xm, group_size, DOT_FP32, BLOCK_K, ASM)
         elif USE_DOT:
             acc = _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, col_mask, N, K,
-                            stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N)
+                            stride_xm, stride_wn, group_size, INT4, DOT_FP32, X_HALF, X_FP16, BLOCK_K, BLOCK_N,
+                            GROUP_SCALE)
         elif INT4:
             acc = _int4_fma_math(acc, x_ptr, _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
                                                         group_size, BLOCK_K), HALF_FMA, ASM, X_BF16_PAIRS)
         elif FP8_WORDS:
-            acc, tile = _fp8_words_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn, BLOCK_K,
-                                        E4M3_PTX, LOAD_AHEAD)
+            acc, tile = _fp8_words_step(acc, tile, x_ptr, w_ptr, scale_ptr, k0, k_end, cols, col_mask, N, K,
+                                        stride_wn, group_size, BLOCK_K, E4M3_PTX, LOAD_AHEAD, GROUP_SCALE)
         elif LOAD_AHEAD:
             acc, tile = _dense_load_ahead_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn,
                                              BLOCK_K, VEC)
@@ -662,7 +684,7 @@ def _gemv_kernel(
             acc = _fma_step(acc, x_ptr, w_ptr, k0, cols, col_mask, K, stride_wn, BLOCK_K, VEC)
     if not USE_DOT:
         acc = tl.sum(acc, axis=0)[None, :]  # [1, BN]
-    scaled = HAS_SCALE and not INT4  # int4 applied its group scales per tile
+    scaled = HAS_SCALE and not INT4 and not GROUP_SCALE  # group scales were applied per tile
     if PARTIAL:
         offsets = rows[:, None] * N + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
@@ -758,9 +780,9 @@ def half_fma_ok(x2: torch.Tensor) -> bool:
 
 def _fit(config: GemvConfig, k: int, group_size: Optional[int]) -> _Launch:
     block_k = config.block_k
-    if group_size is not None:  # an int4 tile stays in one group
+    if group_size is not None:  # a tile stays in one group (int4, or FP8 with group scales)
         if group_size % 16:
-            raise ValueError(f"int4 GEMV: group size {group_size} is not a multiple of 16")
+            raise ValueError(f"decode GEMV: group size {group_size} is not a multiple of 16")
         while group_size % block_k:
             block_k //= 2
     block_k = max(block_k, 16)
@@ -786,27 +808,31 @@ def _check_fp8_words(weight: torch.Tensor, use_dot: bool) -> None:
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, group_size: Optional[int],
-            config: GemvConfig) -> torch.Tensor:
+            config: GemvConfig, int4: bool) -> torch.Tensor:
+    """One GEMV launch. int4: `weight` is packed int4 with group scales and zeros; else dense, with `group_size`
+    set when `scale` holds FP8 group scales [G, N] (FP8 words or tl.dot paths only)."""
     m, k = x2.shape
     if m > MAX_M:
         raise ValueError(f"the decode GEMV takes at most {MAX_M} rows, got {m}")
     fit = _fit(config, k, group_size)
     use_dot = config.dot or m > 1
-    fmt = "int4" if group_size is not None else ""
+    fmt = "int4" if int4 else ""
     block_m = max(16, m_bucket(m, fmt)) if use_dot else 1  # rows of the tl.dot tile, or the FMA path's one
     tiles = triton.cdiv(n, config.block_n)
     if tiles > _COUNTER_SLOTS:
         raise ValueError(f"decode GEMV: {tiles} N tiles exceed {_COUNTER_SLOTS} (raise block_n)")
     if config.fp8_words:
         _check_fp8_words(weight, use_dot)
-    if config.load_ahead and (group_size is not None or use_dot):
+    group_scale = group_size is not None and not int4
+    if group_scale and not (use_dot or config.fp8_words):
+        raise ValueError("decode GEMV: FP8 group scales need the FP8 word path at M == 1 (fp8_words) or tl.dot")
+    if config.load_ahead and (int4 or use_dot):
         raise ValueError("GemvConfig.load_ahead applies to dense weights at M == 1 on the FMA path (dot=False) only")
     partial = fit.split_k > 1
     out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
     counters = _counter_buffer(x2.device)  # made on the first call, split or not (see _counter_buffer)
-    int4 = group_size is not None
-    stride_scale = 1 if int4 or scale is None else scale.stride(0)
+    stride_scale = 1 if int4 or group_scale or scale is None else scale.stride(0)
     pdl = pdl_enabled(x2.device)
     prefetch = _prefetch_shape(weight, int4, config.block_n, fit.k_per_split)
     _gemv_kernel[(tiles, fit.split_k)](
@@ -824,7 +850,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         FP8_WORDS=config.fp8_words, LOAD_AHEAD=config.load_ahead, E4M3_PTX=config.fp8_words and e4m3_ptx_ok(x2),
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=_vec(config, int4, weight, fit.block_k),
         USE_PDL=pdl, INT4_FMA=int4 and not use_dot, EARLY_TILE=FIRST_TILE_BEFORE_WAIT, PF_ROWS=prefetch[0],
-        PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
+        PF_LINES=prefetch[1], PF_STEP=prefetch[2], GROUP_SCALE=group_scale, num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
@@ -881,20 +907,39 @@ def _num_sms(x: torch.Tensor, num_sms: Optional[int]) -> int:
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                w_scale: Optional[torch.Tensor] = None, num_sms: Optional[int] = None,
-               config: Optional[GemvConfig] = None) -> torch.Tensor:
+               config: Optional[GemvConfig] = None, group_size: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (M <= 64) @ (weight [N, K] * w_scale [N, 1] or [])^T (+ bias) -> [M, N] in x's dtype.
-    Same contract as quant_reference.dense_gemv. config: tiles for this call (default: `config_for`)."""
+    group_size: FP8 weight with group scales w_scale [G, N] float32 (block-wise checkpoints; a multiple of 16).
+    Same contract as quant_reference.dense_gemv. config: tiles for this call (default: `config_for`; with group
+    scales at M == 1 the FP8 word path is taken whatever the row says, the only FMA path that applies them)."""
     x2 = _rows(x)
     n, k = weight.shape
     if weight.stride(1) != 1:
         raise ValueError("dense_gemv: the weight must have unit stride along K")
     if config is None:
         config = config_for(weight_format(weight), x2.shape[0], n, k, _num_sms(x, num_sms), _gpu(x))
-    scale = None
-    if w_scale is not None:  # [N] float32, or one value read with stride 0 (no copy per call)
+    if group_size is not None:
+        _check_group_scales(weight, w_scale, group_size)
+        if x2.shape[0] == 1 and not config.dot and not config.fp8_words:
+            config = dataclasses.replace(config, fp8_words=True)
+        scale = w_scale if w_scale.dtype == torch.float32 and w_scale.is_contiguous() else w_scale.float().contiguous()
+    elif w_scale is not None:  # [N] float32, or one value read with stride 0 (no copy per call)
         scale = w_scale.float().reshape(-1) if w_scale.numel() == n else w_scale.float().reshape(1).expand(n)
-    out = _launch(x2, weight, n, scale, None, bias, None, config)
+    else:
+        scale = None
+    out = _launch(x2, weight, n, scale, None, bias, group_size, config, int4=False)
     return out.reshape(*x.shape[:-1], n)
+
+
+def _check_group_scales(weight: torch.Tensor, scales: Optional[torch.Tensor], group_size: int) -> None:
+    """dense_gemv's group-scale conditions, each a ValueError naming what is wrong."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"dense_gemv: group scales apply to FP8 e4m3 weights, got {weight.dtype}")
+    n, k = weight.shape
+    groups = triton.cdiv(k, group_size)
+    if scales is None or tuple(scales.shape) != (groups, n):
+        raise ValueError(f"dense_gemv: group scales must be [{groups}, {n}] for a [{n}, {k}] weight in groups of "
+                         f"{group_size}, got {None if scales is None else list(scales.shape)}")
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -908,5 +953,5 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         raise ValueError(f"int4 GEMV: qweight has {qweight.shape[0]} rows of 8 inputs, x has {k} inputs")
     if config is None:
         config = config_for("int4", x2.shape[0], n, k, _num_sms(x, num_sms), _gpu(x))
-    out = _launch(x2, qweight, n, scales.contiguous(), zeros.contiguous(), bias, group_size, config)
+    out = _launch(x2, qweight, n, scales.contiguous(), zeros.contiguous(), bias, group_size, config, int4=True)
     return out.reshape(*x.shape[:-1], n)

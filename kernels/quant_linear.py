@@ -5,7 +5,9 @@ decode GEMV and the library's product, made once per shape at start-up.
                        the library's GEMM; other widths have no kernel (asyncengine rejects them on CUDA at start-up)
     fp8_linear         quant_fp8: per-token quantization + torch._scaled_mm (per-tensor form when it applies)
     fp8_gemm_linear    quant_fp8: the same product through our W8A8 GEMM (fp8_gemm.py), for decode-sized batches
-    dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 64 (where measured faster)
+    dense_gemv         quant_gemv: bf16/fp16 or FP8 (weight-only) weights at M <= 64 (where measured faster), FP8
+                       with group scales (block-wise checkpoints) too
+    fp8_group_linear   quant_fp8: FP8 with group scales above the GEMV's sizes: dequantize, then the library's GEMM
     (the GEMV's tiles per shape: quant_gemv_configs.TUNED, filled from `bench_kernels --gemv-sweep`)
     gemv_max_m         measures dense_gemv against the library per decode batch size (graph_time_us)
     fp8_gemm_max_m     the same for fp8_gemm_linear against fp8_linear, at M = 16 ... 512
@@ -21,11 +23,12 @@ from typing import Callable
 import torch
 
 from .fp8_gemm import MAX_M as FP8_GEMM_MAX_M
-from .quant_fp8 import fp8_gemm_linear, fp8_linear
+from .quant_fp8 import fp8_gemm_linear, fp8_group_linear, fp8_linear
 from .quant_gemv import MAX_M, dense_gemv
 from .quant_int4 import int_weight_matmul
 
-__all__ = ["dense_gemv", "fp8_gemm_linear", "fp8_gemm_max_m", "fp8_linear", "gemv_max_m", "int_weight_matmul"]
+__all__ = ["dense_gemv", "fp8_gemm_linear", "fp8_gemm_max_m", "fp8_group_linear", "fp8_linear", "gemv_max_m",
+           "int_weight_matmul"]
 
 logger = logging.getLogger(__name__)
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes measured; a choice holds up to the next one

@@ -138,6 +138,35 @@ def dequantize_fp8(w_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
     return (w_fp8.float() * scale.float()).to(dtype)
 
 
+def fp8_group_scales(block_scales: torch.Tensor, block_n: int, n: int) -> torch.Tensor:
+    """Block-wise FP8 scales [ceil(N / bn), ceil(K / bk)] (one per [bn, bk] block of W, as checkpoints store them:
+    `weight_scale_inv`, compressed-tensors' block strategy) -> the group scales [ceil(K / bk), N] float32 that
+    `dequantize_fp8_groups` and the kernels read: each output column's scale per group of bk inputs (a row per
+    group, contiguous along N as the decode GEMV loads it)."""
+    rows = torch.arange(n, device=block_scales.device) // block_n  # [N]: each output's block row
+    return block_scales.float()[rows].t().contiguous()
+
+
+def dequantize_fp8_groups(w_fp8: torch.Tensor, group_scales: torch.Tensor, group_size: int,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w_fp8 [N, K] with group scales [G, N] (inputs g * group_size ... share scale row g; the last group may be
+    partial) -> [N, K] in dtype, computed in float32 and rounded once."""
+    n, k = w_fp8.shape
+    groups = -(-k // group_size)
+    if group_scales.shape != (groups, n):
+        raise ValueError(f"FP8 group scales must be [{groups}, {n}] for a [{n}, {k}] weight in groups of "
+                         f"{group_size}, got {list(group_scales.shape)}")
+    per_input = group_scales.float().t().repeat_interleave(group_size, dim=1)[:, :k]  # [N, K]
+    return (w_fp8.float() * per_input).to(dtype)
+
+
+def fp8_group_linear(x: torch.Tensor, w_fp8: torch.Tensor, group_scales: torch.Tensor, group_size: int,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Weight-only FP8 with group scales (block-wise checkpoints): x [M, K] @ dequantize_fp8_groups(...)^T (+ bias)
+    with float32 sums, in x's dtype; x is not quantized."""
+    return dense_gemv(x, w_fp8, bias, group_scales, group_size)
+
+
 def fp8_scaled_mm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                   out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(x_fp8 * x_scale) @ (w_fp8 * w_scale)^T (+ bias) in float32, returned in out_dtype.
@@ -172,10 +201,14 @@ def fp8_gemm_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
 # -- dense decode GEMV -------------------------------------------------------------------------------------
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+               w_scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] * w_scale)^T (+ bias) with float32 sums, in x's dtype: the decode GEMV of a dense
-    weight (bf16 / fp16 / fp32, or FP8 with w_scale [N, 1] or [] and x left unquantized)."""
-    w = weight.float() if w_scale is None else dequantize_fp8(weight, w_scale)
+    weight (bf16 / fp16 / fp32, or FP8 with w_scale [N, 1] or [] and x left unquantized). group_size: FP8 with
+    group scales w_scale [G, N] instead (`dequantize_fp8_groups`)."""
+    if group_size is not None:
+        w = dequantize_fp8_groups(weight, w_scale, group_size)
+    else:
+        w = weight.float() if w_scale is None else dequantize_fp8(weight, w_scale)
     out = x.float() @ w.t()
     if bias is not None:
         out = out + bias.float()

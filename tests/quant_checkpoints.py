@@ -2,8 +2,9 @@
 
 Packers: AWQ by AutoAWQ (`WQLinear_GEMM.from_linear`, its gemm layout), FP8 by compressed-tensors (its
 `ModelCompressor`, float-quantized format), and, where no independent packer installs here (gptqmodel does not),
-GPTQ and the `quant_method: fp8` layout packed in this file from the formats' published specifications (GPTQ:
-AutoGPTQ's / the GPTQ paper's checkpoint layout as transformers documents it; FP8: vLLM's Fp8Config layout). The
+GPTQ and the `quant_method: fp8` layouts packed in this file from the formats' published specifications (GPTQ:
+AutoGPTQ's / the GPTQ paper's checkpoint layout as transformers documents it; FP8: vLLM's Fp8Config layout, and
+for block-wise scales vLLM's / DeepSeek-V3's `weight_scale_inv` layout, as Qwen3-*-FP8 publish it). The
 unpacking below is also written from those specifications, independently of asyncengine/quantization: the
 dequantized checkpoint is what transformers runs as the reference.
 """
@@ -190,6 +191,43 @@ def fp8_checkpoint(src: Path, out: Path, *, static: bool = True, input_scale: fl
     return _quantized_pair(src, out, f"fp8-{'static' if static else 'dynamic'}", quantize_one, cfg)
 
 
+def _block_amax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w [N, K] -> amax |w| of each [bn, bk] block, [ceil(N / bn), ceil(K / bk)]; a partial last block (along N or
+    K) takes the amax of the entries it has (zero padding leaves the amax as it is)."""
+    bn, bk = block
+    n, k = w.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.nn.functional.pad(w.abs(), (0, cols * bk - k, 0, rows * bn - n))
+    return padded.reshape(rows, bn, cols, bk).amax(dim=(1, 3))
+
+
+def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """scale [ceil(N / bn), ceil(K / bk)] -> [N, K]: entry [n, k] is scale[n // bn, k // bk]."""
+    n, k = shape
+    rows = torch.arange(n) // block[0]
+    cols = torch.arange(k) // block[1]
+    return scale[rows[:, None], cols[None, :]]
+
+
+def fp8_block_checkpoint(src: Path, out: Path, *, block: tuple[int, int] = (16, 32)) -> tuple[Path, Path]:
+    """quant_method "fp8" with block-wise weight scales, packed here from the published specification (vLLM's /
+    DeepSeek-V3's `weight_scale_inv` layout, as Qwen3-*-FP8 publish it): "weight_block_size": [bn, bk],
+    "activation_scheme": "dynamic"; per Linear weight [N, K] e4m3 and weight_scale_inv [ceil(N / bn), ceil(K / bk)]
+    float32, amax / 448 of each block; W[n, k] = weight[n, k] * weight_scale_inv[n // bn, k // bk]. N or K not a
+    multiple of the block leaves a partial last block, scaled by the entries it has. No input_scale (activations
+    are quantized dynamically, per token group, by the kernels that use them)."""
+    bn, bk = block
+
+    def quantize_one(name, w):
+        scale = (_block_amax(w, block) / 448.0).clamp(min=1e-12)  # [ceil(N / bn), ceil(K / bk)]
+        full = _expand_blocks(scale, w.shape, block)  # [N, K]
+        w8 = (w / full).clamp(-448, 448).to(FP8)
+        return {"weight": w8, "weight_scale_inv": scale.float()}, w8.float() * full
+
+    cfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bn, bk]}
+    return _quantized_pair(src, out, f"fp8-block-{bn}x{bk}", quantize_one, cfg)
+
+
 def _kv_amax(model) -> dict[str, float]:
     """{attention module name: (amax of its k_proj output, amax of its v_proj output)} over a calibration prompt."""
     amax, hooks = {}, []
@@ -223,12 +261,12 @@ def _compressed_tensors_checkpoint(src: Path, out: Path, name: str, scheme, fmt:
         kv_amax = _kv_amax(model)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
                                                         kv_cache_scheme=kv_args))
-    for name, module in model.named_modules():
+    for module_name, module in model.named_modules():  # (not `name`: that names the output folder)
         if hasattr(module, "weight_scale"):
             set_qparams(module)
         if kv_cache_scheme and hasattr(module, "k_scale"):
-            module.k_scale.data.fill_(kv_amax[f"{name}.k_proj"] / 448.0)
-            module.v_scale.data.fill_(kv_amax[f"{name}.v_proj"] / 448.0)
+            module.k_scale.data.fill_(kv_amax[f"{module_name}.k_proj"] / 448.0)
+            module.v_scale.data.fill_(kv_amax[f"{module_name}.v_proj"] / 448.0)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     # compress_model (compressed-tensors 0.20) would hand the attention modules, which carry only the kv-cache
     # scheme and no weight, to the weight compressor: hide their scheme meanwhile (their k_scale / v_scale stay)
@@ -262,23 +300,38 @@ def _compressed_tensors_checkpoint(src: Path, out: Path, name: str, scheme, fmt:
 
 
 def compressed_tensors_fp8_checkpoint(src: Path, out: Path, *, scheme: str = "FP8_DYNAMIC",
-                                      strategy: str = "channel", kv_cache_scheme: bool = False) -> tuple[Path, Path]:
-    """Its preset FP8 (static activations) or FP8_DYNAMIC (per-token) scheme, float-quantized; weight scales
-    amax / 448 per tensor or per channel, a fixed static input scale (the CPU path leaves activations as they
-    are)."""
+                                      strategy: str = "channel", block_structure: tuple[int, int] | None = None,
+                                      kv_cache_scheme: bool = False) -> tuple[Path, Path]:
+    """Its preset FP8 (static activations), FP8_DYNAMIC (per-token) or FP8_BLOCK scheme, float-quantized; weight
+    scales amax / 448 per tensor or per channel, a fixed static input scale (the CPU path leaves activations as
+    they are). FP8_BLOCK: strategy "block" whatever `strategy` says, weight_scale [ceil(N / bn), ceil(K / bk)]
+    amax / 448 of each [bn, bk] block of block_structure (the preset's [128, 128] when None), the preset's dynamic
+    per-group-of-128 input activations kept as they are; its compressor pads a partial last block with zeros."""
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
     quant_scheme = preset_name_to_scheme(scheme, ["Linear"])
-    quant_scheme.weights.strategy = strategy
+    if scheme == "FP8_BLOCK":
+        strategy = "block"
+        if block_structure is not None:
+            quant_scheme.weights.block_structure = list(block_structure)
+        block_structure = tuple(quant_scheme.weights.block_structure)
+    else:
+        quant_scheme.weights.strategy = strategy
 
     def set_qparams(module):
         w = module.weight.data
-        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+        if strategy == "block":
+            amax = _block_amax(w, block_structure)
+        elif strategy == "channel":
+            amax = w.abs().amax(dim=1, keepdim=True)
+        else:
+            amax = w.abs().amax().reshape(1)
         module.weight_scale.data.copy_((amax / 448.0).reshape(module.weight_scale.shape))
         if hasattr(module, "input_scale"):
             module.input_scale.data.fill_(0.05)
 
-    name = f"ct-{scheme.lower()}-{strategy}" + ("-kv" if kv_cache_scheme else "")
+    layout = f"{block_structure[0]}x{block_structure[1]}" if strategy == "block" else strategy
+    name = f"ct-{scheme.lower()}-{layout}" + ("-kv" if kv_cache_scheme else "")
     return _compressed_tensors_checkpoint(src, out, name, quant_scheme, "float-quantized", set_qparams,
                                           kv_cache_scheme)
 

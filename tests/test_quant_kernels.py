@@ -418,6 +418,83 @@ def test_fp8_words_gemv_matches_reference(dtype, n, k, config, per_channel, load
     assert_matches(out, ref, {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)})
 
 
+# Relative error (norm of the difference over the norm of the reference): the block scales span 2**12, so
+# elementwise tolerances would be set by the cancellations of the largest blocks. float32: summation order only;
+# bf16: x and y rounded to bf16 (and, above the GEMV, the dequantized weight).
+FP8_GROUP_REL_ERROR = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def fp8_block_case(n: int, k: int, block: tuple[int, int], device=DEVICE):
+    """A random FP8 weight [n, k] quantized per [bn, bk] block as block-wise checkpoints are (amax / 448 per block,
+    partial blocks at the edges), its block scales [ceil(n / bn), ceil(k / bk)] spread far apart (2**-6 ... 2**6,
+    so a scale applied to the wrong block shows), and the group scales [ceil(k / bk), n] the kernels read."""
+    from asyncengine.kernels.quant_reference import FP8_DTYPE, fp8_group_scales
+
+    bn, bk = block
+    w = torch.randn(n, k)
+    rows, cols = -(-n // bn), -(-k // bk)
+    block_scales = 2.0 ** torch.randint(-6, 7, (rows, cols)).float() / 448.0
+    per_weight = block_scales.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    w8 = (w / per_weight * 448.0 / w.abs().amax()).clamp(-448, 448).to(FP8_DTYPE)
+    return w8.to(device), fp8_group_scales(block_scales, bn, n).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16, 40])  # the FP8 word path; tl.dot tiles of 16 and 64 rows
+@pytest.mark.parametrize("n, k, block, config", [
+    (50, 160, (16, 32), None),  # the default tiles, their K tile cut to the 32-input group
+    (48, 200, (16, 48), (32, 64, 3)),  # split-K, a partial last group (200 = 4 * 48 + 8), tile cut to 16
+    (40, 128, (128, 128), (16, 128, 1)),  # one block along N wider than W (a checkpoint's 128 x 128)
+])
+def test_fp8_group_scale_gemv_matches_reference(dtype, m, n, k, block, config):
+    """FP8 weights with group scales (block-wise checkpoints) on the word path at M == 1 (whatever the config row
+    says) and on tl.dot above, against the float32 reference, bias included."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    w8, scales = fp8_block_case(n, k, block)
+    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+    bias = torch.randn(n, dtype=dtype, device=DEVICE)
+    if config is not None:
+        config = quant_gemv.GemvConfig(*config, dot=m > 1)
+    out = quant_gemv.dense_gemv(x, w8, bias, scales, config=config, group_size=block[1], num_sms=8)
+    ref = quant_reference.dense_gemv(x, w8, bias, scales, group_size=block[1])
+    assert out.dtype == dtype and not out.isnan().any(), "kernel left NaN (unwritten elements?)"
+    assert rel_error(out, ref) < FP8_GROUP_REL_ERROR[dtype], rel_error(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_group_dequantize_and_the_path_above_the_gemv_match_reference(dtype):
+    """quant_fp8.dequantize_groups: the reference's bits (float32 product rounded once; the interpreter rounds to
+    bf16 toward zero, the GPU to nearest, hence one bf16 unit there); fp8_group_linear (dequantize, then the
+    library's GEMM) at a prefill-sized batch within the GEMM's rounding."""
+    from asyncengine.kernels import interpreting, quant_fp8, quant_reference
+
+    w8, scales = fp8_block_case(70, 200, (16, 48))
+    out = quant_fp8.dequantize_groups(w8, scales, 48, dtype)
+    ref = quant_reference.dequantize_fp8_groups(w8, scales, 48, dtype)
+    one_ulp = 2.0**-7 if dtype == torch.bfloat16 and interpreting() else 0.0
+    torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=one_ulp)
+    x = torch.randn(100, 200, dtype=dtype, device=DEVICE)
+    bias = torch.randn(70, dtype=dtype, device=DEVICE)
+    y = quant_fp8.fp8_group_linear(x, w8, scales, 48, bias)
+    assert rel_error(y, quant_reference.fp8_group_linear(x, w8, scales, 48, bias)) < FP8_GROUP_REL_ERROR[dtype]
+
+
+def test_fp8_group_scales_are_checked_by_name():
+    from asyncengine.kernels import quant_fp8, quant_gemv
+
+    w8, scales = fp8_block_case(32, 64, (16, 32))
+    x = torch.randn(1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"group scales must be \[2, 32\]"):
+        quant_gemv.dense_gemv(x, w8, None, scales.t(), group_size=32)
+    with pytest.raises(ValueError, match="group size 24 is not a multiple of 16"):
+        quant_gemv.dense_gemv(x, w8, None, torch.ones(3, 32, device=DEVICE), group_size=24)
+    with pytest.raises(ValueError, match="group scales apply to FP8"):
+        quant_gemv.dense_gemv(x, w8.float(), None, scales, group_size=32)
+    with pytest.raises(ValueError, match=r"group scales must be \[2, 32\]"):
+        quant_fp8.dequantize_groups(w8, scales[:1], 32, torch.float32)
+
+
 def test_fp8_words_rejects_what_it_cannot_read():
     from asyncengine.kernels import quant_gemv, quant_reference
 

@@ -1,10 +1,13 @@
-"""Quantized checkpoints (AWQ, GPTQ, FP8, compressed-tensors FP8, online FP8) on CPU, through the torch references.
+"""Quantized checkpoints (AWQ, GPTQ, FP8 per-tensor / per-channel / block-wise, compressed-tensors FP8, online FP8) on
+CPU, through the torch references.
 
 - Greedy tokens of each quantized tiny checkpoint equal transformers' on the same weights dequantized to float32
   (packers and dequantization in tests/quant_checkpoints.py: AutoAWQ and compressed-tensors where they install,
-  the published specification for GPTQ, which gptqmodel cannot be installed here to pack, and for quant_method fp8).
-- The default model quantized to FP8 and to int4 (GPTQ layout, group 128) keeps its perplexity on held-out text
-  within 1.05x / 1.5x of the unquantized model; a packer with a broken nibble order lands far outside.
+  the published specification for GPTQ, which gptqmodel cannot be installed here to pack, and for quant_method fp8,
+  block-wise included: its packer agrees bit for bit with compressed-tensors' FP8_BLOCK, partial blocks included).
+- The default model quantized to FP8 (online, and block-wise in a checkpoint) and to int4 (GPTQ layout, group 128)
+  keeps its perplexity on held-out text within 1.05x / 1.5x of the unquantized model; a packer with a broken nibble
+  order lands far outside.
 - Unsupported combinations fail at start-up with a ValueError that says what is supported.
 """
 
@@ -41,6 +44,12 @@ FORMATS = {
         src, out, scheme="FP8_DYNAMIC", strategy="channel"),
     "compressed-tensors-fp8-static-per-tensor": lambda src, out: qc.compressed_tensors_fp8_checkpoint(
         src, out, scheme="FP8", strategy="tensor"),
+    # block-wise (weight_scale_inv [ceil(N / bn), ceil(K / bk)]); bn = 16 keeps each fused q/k/v and gate/up shard a
+    # whole number of output blocks; bk = 48 leaves a partial last block along K = 64 and K = 128
+    "fp8-block-16x32": lambda src, out: qc.fp8_block_checkpoint(src, out, block=(16, 32)),
+    "fp8-block-16x48": lambda src, out: qc.fp8_block_checkpoint(src, out, block=(16, 48)),
+    "compressed-tensors-fp8-block-16x32": lambda src, out: qc.compressed_tensors_fp8_checkpoint(
+        src, out, scheme="FP8_BLOCK", block_structure=(16, 32)),
     "compressed-tensors-w4a16-group32-sym": lambda src, out: qc.compressed_tensors_int_checkpoint(src, out),
     "compressed-tensors-w4a16-asym-per-channel": lambda src, out: qc.compressed_tensors_int_checkpoint(
         src, out, symmetric=False, group_size=None),
@@ -73,6 +82,45 @@ def test_online_fp8_matches_transformers_on_per_channel_dequantized_weights(llam
             tensors[name] = (w.float() / scale).to(qc.FP8).float() * scale
     save_file(tensors, str(reference / "model.safetensors"))
     assert_same_greedy(llama_dir, reference, quantization="fp8")
+
+
+@pytest.mark.parametrize("block", [(16, 32), (16, 48), (24, 32)], ids=lambda b: f"{b[0]}x{b[1]}")
+def test_fp8_block_packer_agrees_with_compressed_tensors(llama_dir, tmp_path, block):
+    """The block-wise quant_method fp8 packer (written here from the specification) and compressed-tensors'
+    FP8_BLOCK compressor give the same e4m3 weights and block scales (weight_scale_inv / weight_scale), and the
+    same dequantized weights (ours / its decompressor), partial last blocks along K (48) and N (24) included: the
+    greedy comparisons above then rest on a layout two implementations agree on."""
+    ours, ours_deq = qc.fp8_block_checkpoint(llama_dir, tmp_path / "ours", block=block)
+    theirs, theirs_deq = qc.compressed_tensors_fp8_checkpoint(llama_dir, tmp_path / "ct", scheme="FP8_BLOCK",
+                                                              block_structure=block)
+    mine, ct = load_file(str(ours / "model.safetensors")), load_file(str(theirs / "model.safetensors"))
+    assert set(ct) == {k.replace(".weight_scale_inv", ".weight_scale") for k in mine}
+    bn, bk = block
+    for key, tensor in mine.items():
+        other = ct[key.replace(".weight_scale_inv", ".weight_scale")]
+        if key.endswith(".weight_scale_inv"):
+            n, k = mine[key.removesuffix("_scale_inv")].shape
+            assert tensor.shape == (-(-n // bn), -(-k // bk)) and tensor.dtype == torch.float32, key
+        if tensor.dtype == qc.FP8:
+            assert other.dtype == qc.FP8, key
+            tensor, other = tensor.view(torch.uint8), other.view(torch.uint8)
+        assert torch.equal(tensor, other), key
+    mine, ct = load_file(str(ours_deq / "model.safetensors")), load_file(str(theirs_deq / "model.safetensors"))
+    assert set(mine) == set(ct)
+    for key in mine:
+        assert torch.equal(mine[key], ct[key]), key
+    config = json.loads((ours / "config.json").read_text())["quantization_config"]
+    assert config["weight_block_size"] == [bn, bk] and config["activation_scheme"] == "dynamic"
+    config = json.loads((theirs / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_0"]["weights"]["block_structure"] == [bn, bk]
+
+
+def test_fp8_block_size_that_splits_a_fused_shard_is_rejected(llama_dir, tmp_path):
+    """Output blocks of 24 rows: q_proj's 64 outputs end in a partial block, so the q/k/v shards, fused into one
+    weight, would share a block of scales across two shards: refused at load, not loaded with scales misplaced."""
+    quantized, _ = qc.fp8_block_checkpoint(llama_dir, tmp_path, block=(24, 32))
+    with pytest.raises(ValueError, match="does not fall on whole"):
+        LLM(str(quantized))
 
 
 # -- perplexity of the default model ---------------------------------------------------------------------------
@@ -135,6 +183,20 @@ def test_broken_int4_packing_order_blows_perplexity_up(default_ppl, default_copy
     assert ppl > 3 * default_ppl, (ppl, default_ppl)
 
 
+@pytest.mark.slow
+def test_default_model_fp8_block_64x64_perplexity_within_5_percent(default_ppl, default_copy, tmp_path):
+    """Block-wise FP8 (quant_method fp8, weight_scale_inv) on the default model: 64 x 64 divides each of its
+    shapes (q 256, k / v 128, gate / up 704 x 256, down 256 x 704; 128 would split gate / up, 704 = 5.5 x 128)."""
+    config = json.loads((default_copy / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    dims = (config["hidden_size"], config["intermediate_size"], head_dim * config["num_attention_heads"],
+            head_dim * config["num_key_value_heads"])
+    assert all(d % 64 == 0 for d in dims), dims
+    quantized, _ = qc.fp8_block_checkpoint(default_copy, tmp_path, block=(64, 64))
+    ppl = perplexity(quantized)
+    assert ppl <= 1.05 * default_ppl, (ppl, default_ppl)
+
+
 # -- start-up errors --------------------------------------------------------------------------------------------
 
 def _with_quant_config(src: Path, dst: Path, quantization_config: dict) -> Path:
@@ -165,7 +227,9 @@ def test_requested_method_must_match_the_checkpoint(llama_dir, tmp_path):
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported .*awq, gptq, fp8"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits is not supported .*4, 8"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv' .*gemm"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise .*per-tensor and per-channel"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [16, 32]},
+     "block-wise weight scales needs dynamic activation"),
+    ({"quant_method": "fp8", "weight_block_size": [16]}, "weight_block_size"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {}},
      "format 'nvfp4-pack-quantized' is not supported .*FP8 W8A8.*W4A16"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "model.layers.0.mlp"],

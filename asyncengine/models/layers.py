@@ -70,9 +70,16 @@ def _load_shared(param: nn.Parameter, loaded: torch.Tensor, layer: str) -> None:
 
 def _shard_of(param: nn.Parameter, dim: int, logical_offset: int, logical_size: int, logical_total: int):
     """The (offset, size) along `dim` of `param` for a shard at [logical_offset, +logical_size) of a logical
-    extent `logical_total`: packed formats store fewer (or more) elements per logical column, in proportion."""
-    scale = param.shape[dim] / logical_total
-    return round(logical_offset * scale), round(logical_size * scale)
+    extent `logical_total`: packed formats store fewer (or more) elements per logical column, in proportion, and
+    block-wise scales one per block. ValueError when the shard does not fall on whole elements of `param` (e.g. a
+    q/k/v shard that is not a whole number of an FP8 checkpoint's scale blocks)."""
+    extent = param.shape[dim]
+    offset, size = logical_offset * extent, logical_size * extent
+    if offset % logical_total or size % logical_total:
+        raise ValueError(f"a fused shard at outputs [{logical_offset}, {logical_offset + logical_size}) of "
+                         f"{logical_total} does not fall on whole rows of a parameter of shape {list(param.shape)} "
+                         "(packed or block-wise scales need every shard to be a whole number of their blocks)")
+    return offset // logical_total, size // logical_total
 
 
 class LinearBase(nn.Module):

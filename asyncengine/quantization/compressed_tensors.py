@@ -1,7 +1,8 @@
 """compressed-tensors checkpoints (`quant_method: compressed-tensors`, as llm-compressor writes them):
 
 - FP8 float-quantized (W8A8 with per-tensor or per-channel weight scales, static per-tensor or dynamic per-token
-  activation scales): the tensors of fp8.py (weight, weight_scale, input_scale).
+  activation scales): the tensors of fp8.py (weight, weight_scale, input_scale). With block-wise weight scales
+  (strategy block, the FP8_BLOCK preset): weight, weight_scale [ceil(N / bn), ceil(K / bk)], run weight-only.
 - Integer weight-only pack-quantized (W4A16 / W8A16, group or channel scales, symmetric or asymmetric):
     weight_packed [N, K / pack] int32: values + 2**(bits-1) (stored unsigned) packed along the input dimension,
         value j of a word at bit offset bits * j;  weight_scale [N, G];  weight_zero_point [N / pack, G] int32
@@ -15,12 +16,12 @@ import torch
 
 from asyncengine.kernels.quant_reference import pack_int32, unpack_int32
 from asyncengine.quantization.base import QuantizationConfig
-from asyncengine.quantization.fp8 import Fp8Config
+from asyncengine.quantization.fp8 import Fp8Config, parse_block
 from asyncengine.quantization.packed_int import PackedIntLinearMethod, int_param
 
 _SUPPORTED = ("FP8 W8A8 (format float-quantized, one config group targeting Linear, weights float 8-bit "
               "symmetric static per tensor or channel, input activations float 8-bit static per tensor or "
-              "dynamic per token) and W4A16 / W8A16 (format pack-quantized, weights int 4 or 8-bit, group or "
+              "dynamic per token; or weights per block, input activations dynamic or none) and W4A16 / W8A16 (format pack-quantized, weights int 4 or 8-bit, group or "
               "channel strategy, no activation quantization, no actorder)")
 
 
@@ -135,6 +136,19 @@ def _pack_quantized(group: dict) -> WNA16Config:
     return WNA16Config(int(weights["num_bits"]), group_size, bool(weights.get("symmetric", True)))
 
 
+def _fp8_block(weights: dict, inputs) -> Fp8Config:
+    """FP8 weights with block-wise scales (the FP8_BLOCK preset: `weight_scale` [ceil(N / bn), ceil(K / bk)]), run
+    weight-only as fp8.py's block-wise checkpoints: the inputs' scheme may be absent or dynamic (per token or per
+    group), whose quantization the engine leaves out; static input scales are refused."""
+    block = parse_block(weights.get("block_structure"), "block_structure")
+    if inputs:
+        _float8(inputs, "input activations")
+        if not inputs.get("dynamic"):
+            raise _unsupported("block-wise FP8 weights with static input activation scales")
+    return Fp8Config("compressed-tensors", serialized=True, per_channel=False, static_input=False, block=block,
+                     block_scale_name="weight_scale")
+
+
 def compressed_tensors_config(cfg: dict) -> QuantizationConfig:
     """The format of a compressed-tensors quantization_config (ValueError saying what is supported)."""
     fmt = cfg.get("format")
@@ -147,8 +161,10 @@ def compressed_tensors_config(cfg: dict) -> QuantizationConfig:
         return _pack_quantized(group)
     weights, inputs = group.get("weights") or {}, group.get("input_activations")
     _float8(weights, "weights")
-    if weights.get("strategy") not in ("tensor", "channel") or weights.get("dynamic"):
+    if weights.get("strategy") not in ("tensor", "channel", "block") or weights.get("dynamic"):
         raise _unsupported(f"weight strategy {weights.get('strategy')!r} (dynamic: {weights.get('dynamic')})")
+    if weights["strategy"] == "block":
+        return _fp8_block(weights, inputs)
     if inputs is None:
         raise _unsupported("weight-only FP8 (no input_activations)")
     _float8(inputs, "input activations")
