@@ -10,7 +10,8 @@ bf16 weights, runs the transformers peers on W2 first (then frees them), then th
   W4 prefill: 64 prompts of 2,048 tokens, max_tokens=1: tokens/s and model FLOP utilisation
   W1-structured (--only): W1 with every 4th request under a JSON schema against plain W1, and the per-step mask
   cost (--tiny: a CPU smoke run of it on the embedded default model)
-  --quant: W3 per weight format (bf16, FP8, AWQ int4) with each one's roofline, and W1 FP8 against bf16
+  --quant: W3 per weight format (bf16, FP8, FP8 block-wise, AWQ int4) with each one's roofline, and W1 FP8 against
+  bf16
   (loadtest/bench_quant.py; --quant --tiny: a CPU smoke run of it)
   --kv-cache-dtype fp8: W2 with the bf16 cache and with the FP8 cache in one run, each one's KV blocks and
   output tok/s (loadtest/bench_kv_cache.py; with --tiny: a CPU smoke run of it)
@@ -862,6 +863,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--quant", action="store_true",
                         help="the quantized formats instead: W3 per format with its roofline, W1 fp8 vs bf16")
+    parser.add_argument("--quant-formats", nargs="+", choices=["bf16", "fp8", "fp8-block", "awq"], default=None,
+                        help="--quant on the GPU: only these formats (default: all; W1 fp8 / bf16 needs both)")
     parser.add_argument("--kv-cache-dtype", choices=["fp8"], default=None,
                         help="W2 with the bf16 KV cache against the FP8 one: KV blocks and output tok/s of each")
     parser.add_argument("--tiny", action="store_true",

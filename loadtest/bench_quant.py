@@ -2,8 +2,9 @@
 
 On the Llama-3-8B-shape checkpoint of bench_offline (random bf16 weights), in one run and on one GPU:
   W3 per format: batch-1 decode ms/token at 1,000 tokens of context for bf16, FP8 (`quantization="fp8"`: the
-     bf16 weights quantized per channel on the GPU at load time) and AWQ int4 group 128 (the same weights quantized
-     on the GPU by round-to-nearest and written in AutoAWQ's gemm layout), each with its roofline: the bytes one
+     bf16 weights quantized per channel on the GPU at load time), FP8 block-wise (the same weights quantized per
+     128 x 128 block on the GPU, written as Qwen3-*-FP8 checkpoints are) and AWQ int4 group 128 (quantized on the
+     GPU by round-to-nearest and written in AutoAWQ's gemm layout), each with its roofline: the bytes one
      decode step reads (every weight the layers and LM head multiply by, in its stored format with scales and zero
      points, plus 1,100 tokens of bf16 KV) at the measured copy bandwidth.
   W1 FP8 against bf16: requests/s of the ShareGPT-like workload, same prompts.
@@ -24,12 +25,11 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 AWQ_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # as asyncengine.quantization.awq: the slot of logical column i of a word
 
 
-def build_awq_checkpoint(src: Path, dst: Path, group_size: int, device: str) -> Path:
-    """src's linear weights quantized (RTN, asymmetric, `group_size`) on `device`, saved in AutoAWQ's gemm layout."""
+def _quantized_copy(src: Path, dst: Path, device: str, quantize_linear, quantization_config: dict) -> Path:
+    """dst: src with each decoder linear's weight replaced by quantize_linear(weight on `device`) -> {suffix: tensor}
+    (tensors named prefix + suffix), and `quantization_config` in config.json. Kept if dst already holds one."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from asyncengine.kernels.quant_reference import pack_int32, quantize_int_weight, unpack_int32
 
     if (dst / "config.json").exists():
         return dst
@@ -45,18 +45,47 @@ def build_awq_checkpoint(src: Path, dst: Path, group_size: int, device: str) -> 
                 if not (name.endswith(".weight") and any(f".{p}." in name for p in LINEARS)):
                     tensors[name] = w.cpu()
                     continue
-                qweight, scales, zeros = quantize_int_weight(w.t(), group_size, 4)  # packed along K: [K/8, N]
-                q = unpack_int32(qweight, 4, dim=0)  # [K, N]
                 prefix = name.removesuffix("weight")
-                tensors[prefix + "qweight"] = pack_int32(q, 4, dim=1, order=AWQ_ORDER).cpu()
-                tensors[prefix + "qzeros"] = pack_int32(zeros.to(torch.int32), 4, dim=1, order=AWQ_ORDER).cpu()
-                tensors[prefix + "scales"] = scales.half().cpu()
+                tensors.update({prefix + suffix: t.cpu() for suffix, t in quantize_linear(w).items()})
     save_file(tensors, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
-                                     "version": "gemm"}
+    config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+def build_awq_checkpoint(src: Path, dst: Path, group_size: int, device: str) -> Path:
+    """src's linear weights quantized (RTN, asymmetric, `group_size`) on `device`, saved in AutoAWQ's gemm layout."""
+    from asyncengine.kernels.quant_reference import pack_int32, quantize_int_weight, unpack_int32
+
+    def quantize(w):
+        qweight, scales, zeros = quantize_int_weight(w.t(), group_size, 4)  # packed along K: [K/8, N]
+        q = unpack_int32(qweight, 4, dim=0)  # [K, N]
+        return {"qweight": pack_int32(q, 4, dim=1, order=AWQ_ORDER),
+                "qzeros": pack_int32(zeros.to(torch.int32), 4, dim=1, order=AWQ_ORDER), "scales": scales.half()}
+
+    return _quantized_copy(src, dst, device, quantize, {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                                        "zero_point": True, "version": "gemm"})
+
+
+def build_fp8_block_checkpoint(src: Path, dst: Path, block: tuple[int, int], device: str) -> Path:
+    """src's linear weights quantized to e4m3 per [bn, bk] block (amax / 448) on `device`, saved as block-wise
+    checkpoints are published (quant_method fp8, weight_block_size, weight_scale_inv; Qwen3-*-FP8's layout)."""
+    from asyncengine.kernels.quant_reference import FP8_DTYPE, FP8_MAX
+
+    bn, bk = block
+
+    def quantize(w):
+        n, k = w.shape
+        padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, device=w.device, dtype=torch.float32)
+        padded[:n, :k] = w.float()
+        blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+        scales = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # [N / bn, K / bk]
+        w8 = (blocks / scales[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:n, :k].to(FP8_DTYPE)
+        return {"weight": w8.contiguous(), "weight_scale_inv": scales}
+
+    return _quantized_copy(src, dst, device, quantize, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                        "weight_block_size": [bn, bk]})
 
 
 def step_bytes(llm, context: int = 1100) -> int:
@@ -131,6 +160,8 @@ def decode_kernel_choices(llm) -> dict[str, str]:
                 choices[shape] = "CPU: torch (references for the quantized formats)"
             elif hasattr(module, "qweight"):
                 choices[shape] = "int4 GEMV for M <= 64"
+            elif getattr(module, "group_size", None):  # FP8 with block-wise (group) scales
+                choices[shape] = f"our GEMV up to M={module.gemv_max_m}, dequantize + library above"
             elif hasattr(module, "gemm_max_m"):
                 choices[shape] = (f"our GEMV up to M={module.gemv_max_m}, our W8A8 GEMM up to M={module.gemm_max_m}, "
                                   "library above")
@@ -168,8 +199,11 @@ def main_gpu(args, results: dict, save) -> int:
     t0 = time.perf_counter()
     awq = build_awq_checkpoint(folder, Path(str(args.checkpoint) + "-awq-g128"), 128, "cuda")
     results["build_awq_checkpoint_s"] = time.perf_counter() - t0
+    fp8_block = build_fp8_block_checkpoint(folder, Path(str(args.checkpoint) + "-fp8-block128"), (128, 128), "cuda")
     vocab = LLAMA3_8B["vocab_size"]
-    folders = {"bf16": (folder, {}), "fp8": (folder, {"quantization": "fp8"}), "awq": (awq, {})}
+    folders = {"bf16": (folder, {}), "fp8": (folder, {"quantization": "fp8"}), "fp8-block": (fp8_block, {}),
+               "awq": (awq, {})}
+    folders = {name: f for name, f in folders.items() if name in (args.quant_formats or folders)}
     engine_kwargs = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.90)
     run_quant(folders, engine_kwargs, w1_workload(200 if args.quick else 1000, vocab), vocab,
@@ -192,7 +226,8 @@ def main_tiny(out_dir: Path) -> int:
 
     src = Path(default_model_path())
     awq = build_awq_checkpoint(src, out_dir / "default-awq-g64", 64, "cpu")
-    folders = {"bf16": (src, {}), "fp8": (src, {"quantization": "fp8"}), "awq": (awq, {})}
+    fp8_block = build_fp8_block_checkpoint(src, out_dir / "default-fp8-block64", (64, 64), "cpu")
+    folders = {"bf16": (src, {}), "fp8": (src, {"quantization": "fp8"}), "fp8-block": (fp8_block, {}), "awq": (awq, {})}
     w1 = sharegpt_like(16, 20, 16, seed=1, vocab=8192)
     run_quant(folders, dict(max_model_len=2048, max_num_seqs=16), w1, 8192, None, results, save)
     return 0

@@ -116,6 +116,45 @@ def test_gpu_decode_gemv_at_llama_8b_sizes(m, k, n, fp8):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("m", [1, 4, 16, 40, 64, 65, 1024])  # the GEMV (word path, 16- and 64-row tiles), then
+# dequantize + the library's GEMM
+@pytest.mark.parametrize("k, n", SHAPES)
+def test_gpu_fp8_block_wise_weights_at_llama_8b_sizes(m, k, n):
+    """FP8 weights with 128 x 128 block scales (Qwen3-*-FP8, DeepSeek), weight-only, in bf16, against the float32
+    reference, through what a layer runs: the decode GEMV up to 64 rows, dequantize + cuBLAS above."""
+    from asyncengine.kernels import quant_fp8, quant_gemv, quant_reference
+    from test_quant_kernels import fp8_block_case
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    w8, scales = fp8_block_case(n, k, (128, 128), device="cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    if m <= quant_gemv.MAX_M:
+        out = quant_gemv.dense_gemv(x, w8, None, scales, group_size=128)
+    else:
+        out = quant_fp8.fp8_group_linear(x, w8, scales, 128)
+    ref = quant_reference.dense_gemv(x, w8, None, scales, group_size=128)
+    assert out.dtype == ref.dtype and not out.isnan().any()
+    assert rel_error(out, ref) < FP8_REL_ERROR, rel_error(out, ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_engine_fp8_block_wise_checkpoint_greedy_matches_transformers_on_dequantized_weights(llama_dir,
+                                                                                                  tmp_path):
+    """The whole engine on CUDA in float32 on a block-wise FP8 checkpoint (16 x 32 blocks of the tiny model):
+    prefill through dequantize + the library's GEMM, decode through the GEMV with group scales where start-up
+    chose it."""
+    import quant_checkpoints as qc
+    from test_quantization import assert_same_greedy
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    assert_same_greedy(*qc.fp8_block_checkpoint(llama_dir, tmp_path, block=(16, 32)), device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("fmt", ["awq", "gptq-act-order"])
 def test_gpu_engine_int4_greedy_matches_transformers_on_dequantized_weights(llama_dir, tmp_path, fmt):
     """The whole engine on CUDA in float32 through the int4 kernels (GEMM for the prefill, GEMV for decode)."""
