@@ -196,14 +196,19 @@ def main_gpu(args, results: dict, save) -> int:
 
     results["copy_bandwidth_GBps"] = measure_copy_bandwidth() / 1e9
     folder = build_checkpoint(Path(args.checkpoint))
-    t0 = time.perf_counter()
-    awq = build_awq_checkpoint(folder, Path(str(args.checkpoint) + "-awq-g128"), 128, "cuda")
-    results["build_awq_checkpoint_s"] = time.perf_counter() - t0
-    fp8_block = build_fp8_block_checkpoint(folder, Path(str(args.checkpoint) + "-fp8-block128"), (128, 128), "cuda")
+    wanted = args.quant_formats or ["bf16", "fp8", "fp8-block", "awq"]
+    folders = {"bf16": (folder, {}), "fp8": (folder, {"quantization": "fp8"})}
+    if "fp8-block" in wanted:
+        t0 = time.perf_counter()
+        folders["fp8-block"] = (build_fp8_block_checkpoint(folder, Path(str(args.checkpoint) + "-fp8-block128"),
+                                                           (128, 128), "cuda"), {})
+        results["build_fp8_block_checkpoint_s"] = time.perf_counter() - t0
+    if "awq" in wanted:
+        t0 = time.perf_counter()
+        folders["awq"] = (build_awq_checkpoint(folder, Path(str(args.checkpoint) + "-awq-g128"), 128, "cuda"), {})
+        results["build_awq_checkpoint_s"] = time.perf_counter() - t0
+    folders = {name: f for name, f in folders.items() if name in wanted}
     vocab = LLAMA3_8B["vocab_size"]
-    folders = {"bf16": (folder, {}), "fp8": (folder, {"quantization": "fp8"}), "fp8-block": (fp8_block, {}),
-               "awq": (awq, {})}
-    folders = {name: f for name, f in folders.items() if name in (args.quant_formats or folders)}
     engine_kwargs = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.90)
     run_quant(folders, engine_kwargs, w1_workload(200 if args.quick else 1000, vocab), vocab,

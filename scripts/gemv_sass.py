@@ -54,7 +54,8 @@ def constexprs(fmt: str, config, k: int, n: int) -> dict:
                 HALF_FMA=int4 and config.half_fma, REDUCE_CHUNK=quant_gemv._reduce_chunk(1, config),
                 FP8_WORDS=config.fp8_words, LOAD_AHEAD=config.load_ahead, E4M3_PTX=config.fp8_words, BLOCK_M=1,
                 BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=vec, USE_PDL=True, INT4_FMA=int4,
-                EARLY_TILE=quant_gemv.FIRST_TILE_BEFORE_WAIT, PF_ROWS=rows, PF_LINES=lines, PF_STEP=step)
+                EARLY_TILE=quant_gemv.FIRST_TILE_BEFORE_WAIT, PF_ROWS=rows, PF_LINES=lines, PF_STEP=step,
+                GROUP_SCALE=False)
 
 
 def sass_of(fmt: str, constants: dict, num_warps: int, keep: Path | None, name: str) -> str:

@@ -513,17 +513,25 @@ kernels = [
      dict(INT4=True, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
           X_FP16=False, ASM=True, X_BF16_PAIRS=True, SLOT_DOT=False, HALF_FMA=True, REDUCE_CHUNK=8, FP8_WORDS=False,
           LOAD_AHEAD=False, E4M3_PTX=False, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, VEC=8, PF_ROWS=16, PF_LINES=2,
-          PF_STEP=32, INT4_FMA=True, EARLY_TILE=True)),
+          PF_STEP=32, INT4_FMA=True, EARLY_TILE=True,
+          GROUP_SCALE=False)),
     (quant_gemv._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=bf16, scale_ptr=f32, zero_ptr=bf16),
      dict(INT4=False, HAS_SCALE=False, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
           X_FP16=False, ASM=True, X_BF16_PAIRS=False, SLOT_DOT=False, HALF_FMA=False, REDUCE_CHUNK=8, FP8_WORDS=False,
           LOAD_AHEAD=False, E4M3_PTX=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, VEC=8, PF_ROWS=32, PF_LINES=8,
-          PF_STEP=64, INT4_FMA=False, EARLY_TILE=True)),
+          PF_STEP=64, INT4_FMA=False, EARLY_TILE=True,
+          GROUP_SCALE=False)),
     (quant_gemv._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=fp8, scale_ptr=f32, zero_ptr=f32),
      dict(INT4=False, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
           X_FP16=False, ASM=True, X_BF16_PAIRS=True, SLOT_DOT=False, HALF_FMA=False, REDUCE_CHUNK=8, FP8_WORDS=True,
           LOAD_AHEAD=True, E4M3_PTX=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, VEC=4, PF_ROWS=16, PF_LINES=16,
-          PF_STEP=128, INT4_FMA=False, EARLY_TILE=True)),
+          PF_STEP=128, INT4_FMA=False, EARLY_TILE=True, GROUP_SCALE=False)),
+    # FP8 with group scales (block-wise checkpoints) on the word path
+    (quant_gemv._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=fp8, scale_ptr=f32, zero_ptr=f32),
+     dict(INT4=False, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
+          X_FP16=False, ASM=True, X_BF16_PAIRS=True, SLOT_DOT=False, HALF_FMA=False, REDUCE_CHUNK=8, FP8_WORDS=True,
+          LOAD_AHEAD=False, E4M3_PTX=True, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, VEC=4, PF_ROWS=32, PF_LINES=4,
+          PF_STEP=128, INT4_FMA=False, EARLY_TILE=True, GROUP_SCALE=True)),
     (quant_fp8._quantize_per_token_kernel, dict(out_ptr=fp8, scale_ptr=f32, min_scale="fp32"),
      dict(FP8_MAX_VALUE=448.0, BLOCK_K=4096)),
     # the norm and the activation writing their output's per-token FP8 copy too
@@ -583,7 +591,7 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
-    assert "with griddepcontrol 14 of 14" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "with griddepcontrol 15 of 15" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     assert "barriers [True, True, True, True]" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     preloads = int(run.stdout.split("decode loads before its wait")[1].split()[0])
     assert preloads >= 4, run.stdout[-3000:]  # metadata, block table, K and V tiles
