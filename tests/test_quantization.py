@@ -230,6 +230,8 @@ def test_requested_method_must_match_the_checkpoint(llama_dir, tmp_path):
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [16, 32]},
      "block-wise weight scales needs dynamic activation"),
     ({"quant_method": "fp8", "weight_block_size": [16]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [16, 32], "modules_to_not_convert": ["lm_head", "model.layers.0.mlp"]},
+     "unquantized decoder layers .*model.layers.0.mlp"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {}},
      "format 'nvfp4-pack-quantized' is not supported .*FP8 W8A8.*W4A16"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "model.layers.0.mlp"],

@@ -174,6 +174,11 @@ class Fp8Config(QuantizationConfig):
     @classmethod
     def from_config(cls, cfg: dict) -> "Fp8Config":
         """quant_method "fp8" (as written by llm-compressor's predecessors and transformers' FP8 configs)."""
+        kept = [m for m in cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []
+                if not str(m).endswith("lm_head")]
+        if kept:
+            raise ValueError(f"FP8 checkpoint with unquantized decoder layers {kept[:5]} (modules_to_not_convert) is "
+                             "not supported (supported: every decoder linear in FP8; the LM head stays unquantized)")
         scheme = cfg.get("activation_scheme", "dynamic")
         if scheme not in ("static", "dynamic"):
             raise ValueError(f"FP8 activation_scheme {scheme!r} is not supported (supported: static, dynamic)")
