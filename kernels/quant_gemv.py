@@ -911,7 +911,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     """x [M, K] (M <= 64) @ (weight [N, K] * w_scale [N, 1] or [])^T (+ bias) -> [M, N] in x's dtype.
     group_size: FP8 weight with group scales w_scale [G, N] float32 (block-wise checkpoints; a multiple of 16).
     Same contract as quant_reference.dense_gemv. config: tiles for this call (default: `config_for`; with group
-    scales at M == 1 the FP8 word path is taken whatever the row says, the only FMA path that applies them)."""
+    scales at M == 1 the FP8 word path is taken whatever the row says, the only FMA path that applies them, or
+    tl.dot where the weight cannot be read in 4-byte words)."""
     x2 = _rows(x)
     n, k = weight.shape
     if weight.stride(1) != 1:
@@ -920,8 +921,10 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         config = config_for(weight_format(weight), x2.shape[0], n, k, _num_sms(x, num_sms), _gpu(x))
     if group_size is not None:
         _check_group_scales(weight, w_scale, group_size)
-        if x2.shape[0] == 1 and not config.dot and not config.fp8_words:
-            config = dataclasses.replace(config, fp8_words=True)
+        if x2.shape[0] == 1 and not config.dot and not config.fp8_words:  # the one FMA path with group scales
+            words_ok = k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
+            config = dataclasses.replace(config, fp8_words=words_ok, load_ahead=config.load_ahead and words_ok,
+                                         dot=not words_ok)
         scale = w_scale if w_scale.dtype == torch.float32 and w_scale.is_contiguous() else w_scale.float().contiguous()
     elif w_scale is not None:  # [N] float32, or one value read with stride 0 (no copy per call)
         scale = w_scale.float().reshape(-1) if w_scale.numel() == n else w_scale.float().reshape(1).expand(n)

@@ -445,6 +445,7 @@ def fp8_block_case(n: int, k: int, block: tuple[int, int], device=DEVICE):
     (50, 160, (16, 32), None),  # the default tiles, their K tile cut to the 32-input group
     (48, 200, (16, 48), (32, 64, 3)),  # split-K, a partial last group (200 = 4 * 48 + 8), tile cut to 16
     (40, 128, (128, 128), (16, 128, 1)),  # one block along N wider than W (a checkpoint's 128 x 128)
+    (24, 98, (16, 32), None),  # K not a multiple of 4: no FP8 words at M == 1, tl.dot instead
 ])
 def test_fp8_group_scale_gemv_matches_reference(dtype, m, n, k, block, config):
     """FP8 weights with group scales (block-wise checkpoints) on the word path at M == 1 (whatever the config row
