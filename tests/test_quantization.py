@@ -115,6 +115,12 @@ def test_fp8_block_packer_agrees_with_compressed_tensors(llama_dir, tmp_path, bl
     assert config["config_groups"]["group_0"]["weights"]["block_structure"] == [bn, bk]
 
 
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+def test_fp8_block_checkpoints_of_other_dense_families_match_transformers(checkpoint_dir, tmp_path, arch):
+    """Block-wise FP8 as Qwen publishes it (Qwen3-*-FP8: q/k norms; Qwen2: biases on q/k/v, kept unquantized)."""
+    assert_same_greedy(*qc.fp8_block_checkpoint(checkpoint_dir(arch), tmp_path, block=(16, 32)))
+
+
 def test_fp8_block_size_that_splits_a_fused_shard_is_rejected(llama_dir, tmp_path):
     """Output blocks of 24 rows: q_proj's 64 outputs end in a partial block, so the q/k/v shards, fused into one
     weight, would share a block of scales across two shards: refused at load, not loaded with scales misplaced."""
