@@ -174,11 +174,14 @@ class Fp8Config(QuantizationConfig):
     @classmethod
     def from_config(cls, cfg: dict) -> "Fp8Config":
         """quant_method "fp8" (as written by llm-compressor's predecessors and transformers' FP8 configs)."""
+        # the LM head and the MoE routers (mlp.gate, shared_expert_gate) are never quantized here; anything else
+        # left in the model dtype is a layer this format would misread
         kept = [m for m in cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []
-                if not str(m).endswith("lm_head")]
+                if not str(m).endswith(("lm_head", ".mlp.gate", "shared_expert_gate"))]
         if kept:
             raise ValueError(f"FP8 checkpoint with unquantized decoder layers {kept[:5]} (modules_to_not_convert) is "
-                             "not supported (supported: every decoder linear in FP8; the LM head stays unquantized)")
+                             "not supported (supported: every decoder linear in FP8; the LM head and MoE routers "
+                             "stay unquantized)")
         scheme = cfg.get("activation_scheme", "dynamic")
         if scheme not in ("static", "dynamic"):
             raise ValueError(f"FP8 activation_scheme {scheme!r} is not supported (supported: static, dynamic)")
