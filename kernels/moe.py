@@ -127,6 +127,7 @@ def _grouped_gemm_kernel(
     b_ptr,  # [E, N_OUT, K_DIM]: w13 or w2
     c_ptr,  # [N, N_OUT], row = assignment
     weights_ptr,  # [N] float32 routing weights (read when MUL_WEIGHT)
+    scale_ptr,  # [E, G, N_OUT] float32 group scales of an FP8 b (read when GROUP_SCALE)
     sorted_ids_ptr,  # [P] int32
     block_expert_ptr,  # [P / BLOCK_M] int32
     num_m_blocks,  # P / BLOCK_M
@@ -137,6 +138,8 @@ def _grouped_gemm_kernel(
     stride_be,
     stride_bn,
     stride_cm,
+    stride_se,  # scale_ptr's expert stride
+    group_size,  # inputs per scale group (GROUP_SCALE; a multiple of BLOCK_K)
     A_ROW_DIV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     DOT_F32: tl.constexpr,  # upcast tiles to float32 before the product (interpreter, float32 inputs)
@@ -145,6 +148,7 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    GROUP_SCALE: tl.constexpr,  # b in FP8 e4m3 with group scales: each K tile's product times its group's scales
 ):
     """One [BLOCK_M, BLOCK_N] tile of C: BLOCK_M assignments of one expert times that expert's weight columns."""
     # Programs run in groups of GROUP_M row blocks sweeping the columns together, so an expert's weight tile is
@@ -174,9 +178,13 @@ def _grouped_gemm_kernel(
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if DOT_F32:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
         else:
-            acc += tl.dot(a, b)
+            part = tl.dot(a, b.to(a.dtype))  # e4m3 -> bf16 / fp16 exactly; a no-op for weights in a's dtype
+        if GROUP_SCALE:  # a K tile lies in one group
+            part = part * _group_scales(scale_ptr + expert.to(tl.int64) * stride_se, k_start, group_size, n_out,
+                                        cols, col_valid)[None, :]
+        acc += part
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if MUL_WEIGHT:
@@ -186,18 +194,36 @@ def _grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
 
 
-def _grouped_gemm(a, b, c, weights, sorted_ids, block_expert, a_row_div: int, tiles: TileConfig) -> None:
-    """c[i] = a[i // a_row_div] @ b[expert of i]^T (* weights[i] when given), for every assignment i."""
+def _grouped_gemm(a, b, c, weights, sorted_ids, block_expert, a_row_div: int, tiles: TileConfig,
+                  scales: Optional[torch.Tensor] = None, group_size: int = 0) -> None:
+    """c[i] = a[i // a_row_div] @ b[expert of i]^T (* weights[i] when given), for every assignment i; b in FP8
+    with group scales [E, G, N_OUT] when `scales` is given."""
     n_out, k_dim = b.shape[1], b.shape[2]
     grid = (block_expert.numel() * triton.cdiv(n_out, tiles.block_n),)
     _grouped_gemm_kernel[grid](
-        a, b, c, weights if weights is not None else c, sorted_ids, block_expert, block_expert.numel(), c.shape[0],
-        n_out, k_dim,
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        a, b, c, weights if weights is not None else c, scales if scales is not None else c, sorted_ids,
+        block_expert, block_expert.numel(), c.shape[0], n_out, k_dim,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0), scales.stride(0) if scales is not None else 0,
+        group_size or 1,
         A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, DOT_F32=_dot_f32(a), PRECISION=_precision(),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=8,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=_within_group(tiles.block_k, group_size), GROUP_M=8,
+        GROUP_SCALE=scales is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
+
+
+def _within_group(block_k: int, group_size: int) -> int:
+    """The largest K tile up to block_k that divides group_size (so a tile never crosses a scale group; 0: no
+    groups)."""
+    while group_size and group_size % block_k:
+        block_k //= 2
+    return block_k
+
+
+@triton.jit
+def _group_scales(expert_scales, k_start, group_size, n_out, cols, col_valid):
+    """The float32 scales [BLOCK_N] of columns `cols` in the group holding input k_start, from one expert's group
+    scales [G, n_out] (expert_scales points at them)."""
+    return tl.load(expert_scales + (k_start // group_size) * n_out + cols, mask=col_valid, other=0.0)
 
 
 # -- routing --------------------------------------------------------------------------------------------------
@@ -476,22 +502,36 @@ def _weight_tile(rows, k_start, k_dim, row_valid, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _scaled(w, expert_scales, k_start, group_size, n_out, cols, col_valid, GROUP_SCALE: tl.constexpr):
+    """A weight tile [BLOCK_N, BLOCK_K] (rows `cols` of a [n_out, ...] weight, inputs k_start ...) in float32, times
+    its group's scales when GROUP_SCALE (expert_scales: the expert's [G, n_out]; the tile lies in one group)."""
+    w = w.to(tl.float32)
+    if GROUP_SCALE:
+        w = w * _group_scales(expert_scales, k_start, group_size, n_out, cols, col_valid)[:, None]
+    return w
+
+
+@triton.jit
 def _gate_up_act_kernel(
     x_ptr,  # [T, H]
     w13_ptr,  # [E, 2I, H]
     ids_ptr,  # [N] expert of each assignment (topk_ids flattened)
     act_ptr,  # [N, I]
+    scale_ptr,  # [E, G, 2I] float32 group scales of an FP8 w13 (GROUP_SCALE)
     hidden_size,
     inter,
     stride_x,
     stride_we,
     stride_wn,
     stride_act,
+    stride_se,
+    group_size,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LOAD_AHEAD: tl.constexpr,  # GemvTiles.load_ahead
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and x
+    GROUP_SCALE: tl.constexpr,  # w13 in FP8 e4m3: each weight tile times its group's scales (BLOCK_K divides one)
 ):
     """act[i, cols] for assignment i = (token i // TOP_K, expert ids[i]) and one block of intermediate columns."""
     wait_for_prior_grids(USE_PDL)
@@ -511,18 +551,20 @@ def _gate_up_act_kernel(
     if LOAD_AHEAD:
         gate_w = _weight_tile(gate_rows, 0, hidden_size, col_valid, BLOCK_K)
         up_w = _weight_tile(up_rows, 0, hidden_size, col_valid, BLOCK_K)
+    scales = scale_ptr + expert * stride_se  # this expert's [G, 2I]
     for k_start in range(0, hidden_size, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < hidden_size, other=0.0).to(tl.float32)[None, :]
         if LOAD_AHEAD:
             next_gate = _weight_tile(gate_rows, k_start + BLOCK_K, hidden_size, col_valid, BLOCK_K)
             next_up = _weight_tile(up_rows, k_start + BLOCK_K, hidden_size, col_valid, BLOCK_K)
-            gate += gate_w.to(tl.float32) * x
-            up += up_w.to(tl.float32) * x
-            gate_w, up_w = next_gate, next_up
         else:
-            gate += _weight_tile(gate_rows, k_start, hidden_size, col_valid, BLOCK_K).to(tl.float32) * x
-            up += _weight_tile(up_rows, k_start, hidden_size, col_valid, BLOCK_K).to(tl.float32) * x
+            gate_w = _weight_tile(gate_rows, k_start, hidden_size, col_valid, BLOCK_K)
+            up_w = _weight_tile(up_rows, k_start, hidden_size, col_valid, BLOCK_K)
+        gate += _scaled(gate_w, scales, k_start, group_size, 2 * inter, cols, col_valid, GROUP_SCALE) * x
+        up += _scaled(up_w, scales, k_start, group_size, 2 * inter, inter + cols, col_valid, GROUP_SCALE) * x
+        if LOAD_AHEAD:
+            gate_w, up_w = next_gate, next_up
     # Rounded where the reference rounds: the projections' outputs, then silu(gate) (as activation.silu_and_mul).
     dtype = act_ptr.dtype.element_ty
     gate_out = tl.sum(gate, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N]
@@ -540,17 +582,21 @@ def _down_reduce_kernel(
     partial_ptr,  # [N, H] float32 workspace: each assignment's weighted output
     counter_ptr,  # [T * cdiv(H, BLOCK_N)] int32 arrival counters, zero before and after every call
     out_ptr,  # [T, H]
+    scale_ptr,  # [E, G, H] float32 group scales of an FP8 w2 (GROUP_SCALE)
     hidden_size,
     inter,
     stride_act,
     stride_we,
     stride_wn,
     stride_out,
+    stride_se,
+    group_size,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LOAD_AHEAD: tl.constexpr,  # GemvTiles.load_ahead
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and act
+    GROUP_SCALE: tl.constexpr,  # w2 in FP8 e4m3, as gate_up_act's w13
 ):
     """partial[i, cols] = weight[i] * (act[i] @ w2[ids[i]]^T)[cols] for one assignment i; the last of a token's
     TOP_K programs on these columns to arrive sums its partials in the order k = 0 .. TOP_K - 1 (so the result
@@ -567,15 +613,17 @@ def _down_reduce_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
     if LOAD_AHEAD:  # each step's tile loaded a step ahead, as in gate_up_act
         w = _weight_tile(rows, 0, inter, col_valid, BLOCK_K)
+    scales = scale_ptr + expert * stride_se  # this expert's [G, H]
     for j_start in range(0, inter, BLOCK_K):
         js = j_start + tl.arange(0, BLOCK_K)
         a = tl.load(act_row + js, mask=js < inter, other=0.0).to(tl.float32)[None, :]
         if LOAD_AHEAD:
             next_w = _weight_tile(rows, j_start + BLOCK_K, inter, col_valid, BLOCK_K)
-            acc += w.to(tl.float32) * a
-            w = next_w
         else:
-            acc += _weight_tile(rows, j_start, inter, col_valid, BLOCK_K).to(tl.float32) * a
+            w = _weight_tile(rows, j_start, inter, col_valid, BLOCK_K)
+        acc += _scaled(w, scales, j_start, group_size, hidden_size, cols, col_valid, GROUP_SCALE) * a
+        if LOAD_AHEAD:
+            w = next_w
     # the expert's output rounds to the dtype (as the reference's projection), then weighs in float32
     part = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + assignment)
     row_offsets = cols.to(tl.int64)  # [BLOCK_N] within one [H] row of partial
@@ -593,9 +641,11 @@ def _down_reduce_kernel(
         tl.atomic_xchg(counter, 0)
 
 
-def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optional[DecodeConfig] = None):
+def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optional[DecodeConfig] = None,
+                      w13_scale=None, w2_scale=None, group_size: int = 0):
     """weights, ids: [N] flattened routing. Two launches whatever the routing; config: tiles for this call
-    (default: `decode_config`). Calls must not overlap on two streams (they share the arrival counters)."""
+    (default: `decode_config`; with group scales each K tile cut to divide the group). Calls must not overlap on
+    two streams (they share the arrival counters)."""
     tokens, size = hidden.shape
     num, inter = ids.numel(), w2.shape[2]
     config = config or decode_config(size, inter, top_k, tokens)
@@ -607,22 +657,25 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     arrivals = counters(hidden.device)  # before anything is launched: it may refuse under capture
     pdl = pdl_enabled(hidden.device)
     act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)
+    grouped = w13_scale is not None
     _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
-        hidden, w13, ids, act, size, inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, LOAD_AHEAD=up.load_ahead, USE_PDL=pdl,
-        num_warps=up.num_warps, launch_pdl=pdl,
+        hidden, w13, ids, act, w13_scale if grouped else act, size, inter, hidden.stride(0), w13.stride(0),
+        w13.stride(1), act.stride(0), w13_scale.stride(0) if grouped else 0, group_size or 1,
+        TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=_within_group(up.block_k, group_size), LOAD_AHEAD=up.load_ahead,
+        USE_PDL=pdl, GROUP_SCALE=grouped, num_warps=up.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     partial = torch.empty((num, size), dtype=torch.float32, device=hidden.device)
     out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
     _down_reduce_kernel[(num, col_blocks)](
-        act, w2, ids, weights, partial, arrivals, out, size, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k, LOAD_AHEAD=down.load_ahead,
-        USE_PDL=pdl, num_warps=down.num_warps, launch_pdl=pdl,
+        act, w2, ids, weights, partial, arrivals, out, w2_scale if grouped else out, size, inter, act.stride(0),
+        w2.stride(0), w2.stride(1), out.stride(0), w2_scale.stride(0) if grouped else 0, group_size or 1,
+        TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=_within_group(down.block_k, group_size),
+        LOAD_AHEAD=down.load_ahead, USE_PDL=pdl, GROUP_SCALE=grouped, num_warps=down.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
 
-def _check_inputs(hidden, w13, w2, topk_weights, topk_ids) -> None:
+def _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, group_size=None) -> None:
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("hidden must be [T, H], w13 [E, 2I, H] and w2 [E, H, I]")
     experts, two_inter, size = w13.shape
@@ -632,26 +685,51 @@ def _check_inputs(hidden, w13, w2, topk_weights, topk_ids) -> None:
     if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != hidden.shape[0]:
         raise ValueError("topk_weights and topk_ids must both be [T, K] for hidden [T, H]")
     contiguous = hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
-    if not contiguous or not w13.dtype == hidden.dtype == w2.dtype:
-        raise ValueError("hidden and the expert weights need contiguous last dimensions and one dtype")
+    if w13_scale is not None:
+        _check_group_scales(w13, w2, w13_scale, w2_scale, group_size)
+    elif not w13.dtype == hidden.dtype == w2.dtype:
+        raise ValueError("hidden and the expert weights need one dtype (or FP8 weights with group scales)")
+    if not contiguous:
+        raise ValueError("hidden and the expert weights need contiguous last dimensions")
+
+
+def _check_group_scales(w13, w2, w13_scale, w2_scale, group_size) -> None:
+    """FP8 experts: e4m3 weights, float32 group scales w13 [E, ceil(H / g), 2I] and w2 [E, ceil(I / g), H], g a
+    multiple of 16; each a ValueError naming what is wrong."""
+    experts, two_inter, size = w13.shape
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"group scales apply to FP8 e4m3 expert weights, got {w13.dtype} / {w2.dtype}")
+    if not group_size or group_size % 16:
+        raise ValueError(f"the experts' scale group size must be a multiple of 16, got {group_size}")
+    expected = {"w13_scale": (experts, triton.cdiv(size, group_size), two_inter),
+                "w2_scale": (experts, triton.cdiv(two_inter // 2, group_size), size)}
+    for name, scales in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if scales is None or tuple(scales.shape) != expected[name] or scales.dtype != torch.float32 \
+                or not scales.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 {list(expected[name])}, got "
+                             f"{None if scales is None else (list(scales.shape), scales.dtype)}")
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+              w2_scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H] ([gate | up]), w2 [E, H, I], topk_weights / topk_ids [T, K] -> new [T, H]:
-    the decode kernels up to DECODE_MAX_TOKENS tokens, the grouped GEMMs above."""
-    _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    the decode kernels up to DECODE_MAX_TOKENS tokens, the grouped GEMMs above. FP8 experts: w13 / w2 in e4m3 with
+    group scales (reference.fused_moe), applied per weight tile, x unquantized."""
+    _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_size)
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.empty((0, hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
     if tokens <= DECODE_MAX_TOKENS:
         weights = topk_weights.reshape(-1).float().contiguous()  # [N]
-        return _fused_moe_decode(hidden, w13, w2, weights, topk_ids.reshape(-1).contiguous(), top_k)
-    return fused_moe_grouped(hidden, w13, w2, topk_weights, topk_ids)
+        return _fused_moe_decode(hidden, w13, w2, weights, topk_ids.reshape(-1).contiguous(), top_k, None,
+                                 w13_scale, w2_scale, group_size or 0)
+    return fused_moe_grouped(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_size)
 
 
 def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor) -> torch.Tensor:
+                      topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+                      w2_scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None) -> torch.Tensor:
     """As fused_moe, through the grouped GEMMs whatever the batch size (inputs checked by the caller)."""
     tokens, top_k = topk_ids.shape
     num_experts, inter, size = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
@@ -660,8 +738,8 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     tiles = tile_config(num, num_experts, hidden.element_size())
     sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tiles.block_m)
     gate_up = torch.empty((num, 2 * inter), dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(hidden, w13, gate_up, None, sorted_ids, block_expert, top_k, tiles)
+    _grouped_gemm(hidden, w13, gate_up, None, sorted_ids, block_expert, top_k, tiles, w13_scale, group_size or 0)
     act = activation.silu_and_mul(gate_up)  # [N, I]
     down = torch.empty((num, size), dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(act, w2, down, weights, sorted_ids, block_expert, 1, tiles)
+    _grouped_gemm(act, w2, down, weights, sorted_ids, block_expert, 1, tiles, w2_scale, group_size or 0)
     return down.view(tokens, top_k, size).sum(dim=1)  # [T, H]; sum accumulates in float32, rounds once

@@ -314,7 +314,8 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+              w2_scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None) -> torch.Tensor:
     """Mixture of gated-MLP experts: each token through its top-k experts, outputs summed with routing weights.
 
     hidden: [T, H]; w13: [E, 2I, H] laid out as [gate | up] along dim 1; w2: [E, H, I];
@@ -322,7 +323,18 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)), e = topk_ids[t, k].
     Each expert's projections run in the input dtype (as a GEMM would); the weighted sum is taken in float32 and
     rounded once. Returns [T, H] in hidden's dtype. One loop iteration per expert that has tokens.
+    FP8 experts (block-wise checkpoints): w13 / w2 in e4m3 with group scales w13_scale [E, ceil(H / g), 2I] and
+    w2_scale [E, ceil(I / g), H], g = group_size (quant_reference.dequantize_fp8_groups), each used expert's weights
+    dequantized to hidden's dtype first.
     """
+    from .quant_reference import dequantize_fp8_groups
+
+    def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if w13_scale is None:
+            return w13[e], w2[e]
+        return (dequantize_fp8_groups(w13[e], w13_scale[e], group_size, hidden.dtype),
+                dequantize_fp8_groups(w2[e], w2_scale[e], group_size, hidden.dtype))
+
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.reshape(-1)
@@ -330,6 +342,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         slots = (flat_ids == expert).nonzero().squeeze(1)  # positions in the flattened [T * K] assignments
         rows = slots // top_k
         x = hidden[rows]  # [n, H]
-        down = F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert])  # [n, H]
+        gate_up, down_weight = expert_weights(expert)
+        down = F.linear(silu_and_mul(F.linear(x, gate_up)), down_weight)  # [n, H]
         out.index_add_(0, rows, down.float() * topk_weights.reshape(-1)[slots, None].float())
     return out.to(hidden.dtype)

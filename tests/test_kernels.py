@@ -813,6 +813,55 @@ def test_route_rejects_bad_shapes_and_top_k():
         moe.route(x, gate, 9, True)
 
 
+def make_fp8_moe(tokens, experts, top_k, hidden, inter, group, dtype=torch.float32, device=DEVICE):
+    """make_moe's inputs with the experts in FP8 e4m3 per [16, group] block (block-wise checkpoints; the scales as
+    group scales [E, G, N], spread over 2**-4 ... 2**4 so a misplaced scale shows): (x, w13, w2, weights, ids,
+    w13_scale, w2_scale, group)."""
+    from asyncengine.kernels.quant_reference import FP8_DTYPE, fp8_group_scales
+
+    x, w13, w2, weights, ids = make_moe(tokens, experts, top_k, hidden, inter, torch.float32, "cpu")
+
+    def quantize(w):  # [E, N, K] -> (e4m3 [E, N, K], group scales [E, ceil(K / group), N])
+        e, n, k = w.shape
+        blocks = 2.0 ** torch.randint(-4, 5, (e, -(-n // 16), -(-k // group))).float() / 64.0
+        per_weight = blocks.repeat_interleave(16, 1)[:, :n].repeat_interleave(group, 2)[:, :, :k]
+        w8 = (w / per_weight).clamp(-448, 448).to(FP8_DTYPE)
+        return w8, torch.stack([fp8_group_scales(b, 16, n) for b in blocks])
+
+    (w13, s13), (w2, s2) = quantize(w13), quantize(w2)
+    return (x.to(dtype).to(device), w13.to(device), w2.to(device), weights.to(device), ids.to(device),
+            s13.to(device), s2.to(device), group)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("path, case", [("grouped", "few-tokens-many-experts"), ("decode", "few-tokens-many-experts"),
+                                        ("grouped", "prefill-tiles"), ("decode", "decode-top2")])
+@pytest.mark.parametrize("group", [16, 32])
+def test_fused_moe_with_fp8_experts_matches_reference(dtype, path, case, group, monkeypatch):
+    """FP8 experts with group scales (block-wise checkpoints such as Qwen3-30B-A3B-FP8) through the grouped GEMMs and
+    the decode kernels, against the reference dequantizing each expert; groups of 16 and 32 inputs, H and I off
+    the groups' boundaries where the case has them (48 / 32, 32 / 80, 64 / 48)."""
+    from asyncengine.kernels import moe, reference
+
+    force_moe_path(monkeypatch, path)
+    args = make_fp8_moe(*MOE_CASES[case], group, dtype)
+    out, ref = moe.fused_moe(*args), reference.fused_moe(*args)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert rel_error(out, ref) < (1e-5 if dtype == torch.float32 else MOE_BF16_REL_ERROR)
+
+
+def test_fused_moe_checks_fp8_experts_group_scales_by_name():
+    from asyncengine.kernels import moe
+
+    x, w13, w2, weights, ids, s13, s2, group = make_fp8_moe(3, 4, 2, 32, 16, 16)
+    with pytest.raises(ValueError, match="w2_scale must be contiguous float32"):
+        moe.fused_moe(x, w13, w2, weights, ids, s13, s2[:, :, :8].contiguous(), group)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        moe.fused_moe(x, w13, w2, weights, ids, s13, s2, 24)
+    with pytest.raises(ValueError, match="FP8 e4m3 expert weights"):
+        moe.fused_moe(x, w13.float(), w2.float(), weights, ids, s13, s2, group)
+
+
 def test_fused_moe_rejects_mismatched_shapes():
     from asyncengine.kernels import moe
 
