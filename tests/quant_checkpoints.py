@@ -12,6 +12,7 @@ dequantized checkpoint is what transformers runs as the reference.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -23,7 +24,10 @@ AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: slot i of a word holds col
 
 
 def _is_linear(name: str) -> bool:
-    return name.endswith(".weight") and any(f".{p}." in name for p in LINEARS)
+    """A decoder linear's weight: attention and MLP projections, experts' included (Mixtral names its experts'
+    w1 / w2 / w3); not the MoE routers (mlp.gate) nor the LM head."""
+    return name.endswith(".weight") and (any(f".{p}." in name for p in LINEARS)
+                                         or re.search(r"\.experts\.\d+\.w[123]\.weight$", name) is not None)
 
 
 def _copy_folder(src: Path, dst: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -274,10 +275,34 @@ def test_cli_quantization_flag_reaches_the_engine_config_with_vllm_spelling():
         parser.parse_args(with_default_command(["serve", "--quantization", "bitsandbytes"]))
 
 
-def test_quantization_of_a_moe_family_is_refused_at_start_up(checkpoint_dir):
-    """MoE families build their own feed-forward blocks (the experts), which take no quantized weights yet."""
-    with pytest.raises(ValueError, match="not supported for MixtralForCausalLM .*dense Llama family"):
+def test_quantization_of_a_moe_family_is_refused_at_start_up(checkpoint_dir, tmp_path):
+    """MoE families build their own feed-forward blocks (the experts), which take block-wise FP8 only: online FP8
+    and int4 checkpoints are refused at start-up, saying what is supported."""
+    with pytest.raises(ValueError, match="not supported for MixtralForCausalLM .*block-wise FP8"):
         LLM(str(checkpoint_dir("MixtralForCausalLM")), quantization="fp8")
+    quantized, _ = qc.gptq_checkpoint(checkpoint_dir("Qwen3MoeForCausalLM"), tmp_path)
+    with pytest.raises(ValueError, match="not supported for Qwen3MoeForCausalLM .*block-wise FP8"):
+        LLM(str(quantized))
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"])
+def test_fp8_block_checkpoints_of_moe_families_match_transformers(checkpoint_dir, tmp_path, arch):
+    """Block-wise FP8 mixtures of experts (Qwen3-30B-A3B-FP8's layout: every expert's gate / up / down with its
+    weight_scale_inv, routers unquantized; Qwen2-MoE's shared expert and dense layer quantized too), greedy tokens
+    against transformers on the dequantized weights, with prefix caching off and on."""
+    quantized, dequantized = qc.fp8_block_checkpoint(checkpoint_dir(arch), tmp_path, block=(16, 32))
+    names = load_file(str(quantized / "model.safetensors"))
+    assert any(re.search(r"\.experts\.3\.(down_proj|w2)\.weight_scale_inv$", n) for n in names)
+    assert not any(".mlp.gate.weight_scale" in n for n in names)
+    assert_same_greedy(quantized, dequantized)
+    assert_same_greedy(quantized, dequantized, enable_prefix_caching=True)
+
+
+def test_fp8_block_experts_whose_intermediate_size_splits_a_block_are_refused(checkpoint_dir, tmp_path):
+    """Qwen3-MoE's experts of 32 intermediate rows in blocks of 24: gate and up would share a block of scales."""
+    quantized, _ = qc.fp8_block_checkpoint(checkpoint_dir("Qwen3MoeForCausalLM"), tmp_path, block=(24, 32))
+    with pytest.raises(ValueError, match="do not fall on whole rows"):
+        LLM(str(quantized))
 
 
 def test_lm_head_logits_through_the_decode_gemv_equal_the_library_product():

@@ -67,13 +67,14 @@ def _quantization_kwargs(model_config: ModelConfig, cls: type, device: torch.dev
     quant_config = model_config.quant_config
     if quant_config is None:
         return {}
-    # Families that build their linears themselves, or their own feed-forward blocks (MoE experts), take no
-    # quantized weights yet.
+    # Families that build their linears themselves take no quantized weights; those with their own feed-forward
+    # blocks (MoE experts) take block-wise FP8 only (models/moe.py expert_format).
     takes_quant_config = "quant_config" in inspect.signature(cls.__init__).parameters
     own_mlp = issubclass(cls, LlamaForCausalLM) and cls.make_mlp is not LlamaForCausalLM.make_mlp
-    if not takes_quant_config or own_mlp:
+    if not takes_quant_config or (own_mlp and getattr(quant_config, "block", None) is None):
         raise ValueError(f"quantization ({quant_config.name}) is not supported for {model_config.architecture} "
-                         "(supported: the dense Llama family: Llama, Mistral, Qwen2, Qwen3)")
+                         "(supported: the dense Llama family: Llama, Mistral, Qwen2, Qwen3; and block-wise FP8 "
+                         "checkpoints, weight_block_size, of the mixture-of-experts families too)")
     quant_config.check_device(device)
     if device.type == "cpu":
         logger.info("quantized weights (%s) run on CPU through the torch references: each layer dequantizes its "
@@ -106,6 +107,8 @@ def load_model(model_config: ModelConfig, device: torch.device, max_positions: i
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.linear_method.process_weights_after_loading(module)
+        elif hasattr(module, "process_expert_weights"):  # models/moe.py FusedMoE: FP8 block scales -> group scales
+            module.process_expert_weights()
     if hasattr(model, "process_weights_after_loading"):  # the whole model's own step (e.g. the LM head's GEMV)
         model.process_weights_after_loading()
     return model.eval()

@@ -10,6 +10,11 @@ their sum when the family renormalises (Mixtral always; Qwen2/3-MoE when `norm_t
 
 Tensor parallelism: every rank holds every expert and its slice of the intermediate dimension (as vLLM shards
 them), read from tp_size() when the layer is built; the experts' partial outputs are summed over ranks.
+
+Quantized checkpoints: block-wise FP8 (Qwen3-30B-A3B-FP8's layout, quantization/fp8.py) for the experts and every
+other linear; the routers stay in the model dtype. The experts keep their e4m3 weights, their block scales become
+group scales per expert after loading (`FusedMoE.process_expert_weights`), and the fused kernels apply them per
+weight tile (kernels/moe.py). Other formats are refused for the experts at start-up.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from torch import nn
 from asyncengine import ops
 from asyncengine.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from asyncengine.models.layers import load_checkpoint_tensor
+from asyncengine.kernels.quant_reference import FP8_DTYPE
 from asyncengine.models.llama import MLP, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from asyncengine.quantization import set_weight_attrs
+from asyncengine.quantization import LinearMethod, set_weight_attrs
 
 
 class Router(nn.Module):
@@ -47,33 +53,72 @@ class FusedMoE(nn.Module):
     w13_weight: [E, 2 * I_rank, hidden] laid out [gate | up] per expert; w2_weight: [E, hidden, I_rank], with
     I_rank = intermediate / tp_size(). Checkpoint tensors arrive per expert (shard id (expert, "gate" | "up" |
     "down")) or stacked for all experts, the layout transformers 5 holds in memory (("all", "gate_up" | "down")).
+    block: (bn, bk) of a block-wise FP8 checkpoint: the weights in e4m3 and, per expert as the checkpoint stores
+    them, block scales w13_<scale_name> [E, 2 * I_rank / bn, ceil(hidden / bk)] and w2_<scale_name>
+    [E, ceil(hidden / bn), ceil(I_rank / bk)], turned into group scales after loading (process_expert_weights).
     """
 
     PER_EXPERT = ("gate", "up", "down")
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                 block: Optional[tuple[int, int]] = None, scale_name: str = "weight_scale_inv"):
         super().__init__()
         if intermediate % tp_size():
             raise ValueError(f"moe intermediate size {intermediate} is not divisible by tensor_parallel_size "
                              f"{tp_size()}")  # fmt: skip
-        self.num_experts, self.inter = num_experts, intermediate // tp_size()
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden, dtype=dtype),
+        self.num_experts, self.inter, self.block = num_experts, intermediate // tp_size(), block
+        weight_dtype = FP8_DTYPE if block else dtype
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden, dtype=weight_dtype),
                                        requires_grad=False)  # fmt: skip
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, self.inter, dtype=weight_dtype),
+                                      requires_grad=False)
         set_weight_attrs(self.w13_weight, output_dim=1, input_dim=2)
         set_weight_attrs(self.w2_weight, output_dim=1, input_dim=2)
+        self.w13_scale = self.w2_scale = self.group_size = None  # the group scales, once loaded (FP8 only)
+        if block:
+            self._create_block_scales(hidden, scale_name)
+
+    def _create_block_scales(self, hidden: int, scale_name: str) -> None:
+        (bn, bk), inter = self.block, self.inter
+        if inter % bn or (tp_size() > 1 and inter % bk):
+            raise ValueError(f"FP8 block-wise experts of intermediate size {inter} per rank: blocks [{bn}, {bk}] do "
+                             "not fall on whole rows of gate / up (and, split over ranks, on whole inputs of down)")
+        self.scale_names = (f"w13_{scale_name}", f"w2_{scale_name}")
+        shapes = ((2 * inter // bn, -(-hidden // bk)), (-(-hidden // bn), -(-inter // bk)))
+        for name, shape in zip(self.scale_names, shapes):
+            self.register_parameter(name, nn.Parameter(torch.empty(self.num_experts, *shape, dtype=torch.float32),
+                                                       requires_grad=False))
+
+    def process_expert_weights(self) -> None:
+        """Block scales -> group scales: w13_scale [E, ceil(hidden / bk), 2 I_rank], w2_scale [E, ceil(I_rank / bk),
+        hidden] (one per output row per group of bk inputs, what the fused kernels read). Nothing when unquantized."""
+        if not self.block:
+            return
+        bn, bk = self.block
+        group_scales = []
+        for name, weight in zip(self.scale_names, (self.w13_weight, self.w2_weight)):
+            rows = torch.arange(weight.shape[1], device=weight.device) // bn  # each output row's block row
+            group_scales.append(getattr(self, name).data[:, rows, :].transpose(1, 2).contiguous())
+            delattr(self, name)
+        self.w13_scale = nn.Parameter(group_scales[0], requires_grad=False)
+        self.w2_scale = nn.Parameter(group_scales[1], requires_grad=False)
+        self.group_size = bk
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], topk_* [T, K] -> [T, hidden], summed over ranks."""
-        return all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids))
+        return all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_scale,
+                                        self.w2_scale, self.group_size))
 
     def shard_ids(self, param_name: str) -> set:
         """The shard ids that fill `param_name` completely when loaded per expert (what the loader expects)."""
-        kinds = ("gate", "up") if param_name == "w13_weight" else ("down",)
+        kinds = ("gate", "up") if param_name.startswith("w13_") else ("down",)
         return {(e, kind) for e in range(self.num_experts) for kind in kinds}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         """Copy this rank's slice of the intermediate dimension; see the class docstring for shard ids."""
+        if self.block and any(param is getattr(self, name, None) for name in self.scale_names):
+            self._load_block_scales(param, loaded, shard_id)
+            return
         expert, kind = shard_id
         inter, rank = self.inter, tp_rank()
         if expert == "all":  # stacked: gate_up [E, 2I, hidden] or down [E, hidden, I]
@@ -91,20 +136,37 @@ class FusedMoE(nn.Module):
             offset = 0 if kind == "gate" else inter
             param.data[expert, offset : offset + inter].copy_(loaded[rank * inter : (rank + 1) * inter])
 
+    def _load_block_scales(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        """One expert's block scales: gate / up [I / bn, ceil(hidden / bk)] into its half of w13's rows, down
+        [ceil(hidden / bn), I / bk] (this rank's blocks of the intermediate dimension)."""
+        expert, kind = shard_id
+        if expert == "all":
+            raise ValueError("FP8 block scales stacked for all experts are not supported (supported: one tensor per "
+                             "expert, as FP8 checkpoints on the hub store them)")
+        (bn, bk), rank = self.block, tp_rank()
+        if kind == "down":
+            cols = param.shape[2]
+            param.data[expert].copy_(loaded[:, rank * cols : (rank + 1) * cols])
+            return
+        rows = self.inter // bn
+        offset = 0 if kind == "gate" else rows
+        param.data[expert, offset : offset + rows].copy_(loaded[rank * rows : (rank + 1) * rows])
+
 
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ the gated shared expert where the config has one): [T, hidden] -> [T, hidden]."""
 
     def __init__(self, cfg, dtype: torch.dtype, intermediate: int, renormalize: bool,
-                 shared_intermediate: int = 0):  # fmt: skip
+                 shared_intermediate: int = 0, linear_method: Optional[LinearMethod] = None):  # fmt: skip
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, renormalize
         num_experts = _num_experts(cfg)
         if not 0 < self.top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {num_experts}] (the number of experts)")
         self.gate = Router(cfg.hidden_size, num_experts, dtype)
-        self.experts = FusedMoE(num_experts, cfg.hidden_size, intermediate, dtype)
-        self.shared_expert = MLP(cfg, dtype, shared_intermediate) if shared_intermediate else None
+        self.experts = FusedMoE(num_experts, cfg.hidden_size, intermediate, dtype, *expert_format(linear_method))
+        self.shared_expert = (MLP(cfg, dtype, shared_intermediate, linear_method=linear_method)
+                              if shared_intermediate else None)
         self.shared_expert_gate = Router(cfg.hidden_size, 1, dtype) if shared_intermediate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,13 +178,26 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def expert_format(linear_method: Optional[LinearMethod]) -> tuple:
+    """FusedMoE's (block, scale_name) for the checkpoint's weight format: () unquantized, the block and the scale's
+    checkpoint name for block-wise FP8; ValueError for any other format (the fused kernels have no path for it)."""
+    if linear_method is None:
+        return ()
+    block = getattr(linear_method, "block", None)
+    if block is None:
+        raise ValueError(f"quantized mixture-of-experts weights ({type(linear_method).__name__}) are not supported "
+                         "(supported for the experts: block-wise FP8, weight_block_size, as Qwen3-30B-A3B-FP8)")
+    return block, linear_method.block_scale_name
+
+
 def _num_experts(cfg) -> int:
     return getattr(cfg, "num_local_experts", None) or cfg.num_experts  # Mixtral's name, then Qwen's
 
 
 # checkpoint names of expert weights: "<prefix>.experts.<e>.<proj>.weight" (per expert, as on the hub) or
 # "<prefix>.experts.gate_up_proj" / ".down_proj" (stacked, the layout transformers 5 holds in memory)
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\."
+                         r"(weight|weight_scale_inv|weight_scale)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
@@ -132,7 +207,7 @@ def expert_target(name: str) -> Optional[tuple[str, object]]:
     match = _PER_EXPERT.match(name)
     if match:
         kind = _KIND[match[3]]
-        return f"{match[1]}.{'w2' if kind == 'down' else 'w13'}_weight", (int(match[2]), kind)
+        return f"{match[1]}.{'w2' if kind == 'down' else 'w13'}_{match[4]}", (int(match[2]), kind)
     match = _STACKED.match(name)
     if match:
         kind = "gate_up" if match[2] == "gate_up_proj" else "down"
@@ -169,7 +244,7 @@ class MixtralForCausalLM(MoeLoadingMixin, LlamaForCausalLM):
     """Mixtral: every layer sparse (num_local_experts experts, top num_experts_per_tok, renormalised)."""
 
     def make_mlp(self, cfg, dtype: torch.dtype, layer_index: int) -> nn.Module:
-        return SparseMoeBlock(cfg, dtype, cfg.intermediate_size, renormalize=True)
+        return SparseMoeBlock(cfg, dtype, cfg.intermediate_size, renormalize=True, linear_method=self.linear_method)
 
 
 class QwenMoeMixin(MoeLoadingMixin):
@@ -181,9 +256,10 @@ class QwenMoeMixin(MoeLoadingMixin):
         sparse = (layer_index not in (getattr(cfg, "mlp_only_layers", None) or [])
                   and _num_experts(cfg) > 0 and (layer_index + 1) % step == 0)  # fmt: skip
         if not sparse:
-            return MLP(cfg, dtype)
+            return MLP(cfg, dtype, linear_method=self.linear_method)
         return SparseMoeBlock(cfg, dtype, cfg.moe_intermediate_size, bool(getattr(cfg, "norm_topk_prob", False)),
-                              getattr(cfg, "shared_expert_intermediate_size", 0) or 0)  # fmt: skip
+                              getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
+                              self.linear_method)  # fmt: skip
 
 
 class Qwen2MoeForCausalLM(QwenMoeMixin, Qwen2ForCausalLM):
