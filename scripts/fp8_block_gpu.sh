@@ -12,6 +12,7 @@ timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -m gpu tests/test_gpu_quant
   -rfE --tb=short 2>&1 | grep -v "rope_parameters\|Loading weights" > "$OUT/gpu_tests.log"
 tail -4 "$OUT/gpu_tests.log"
 grep -q " passed" "$OUT/gpu_tests.log" || echo "GPU TESTS: NONE PASSED (none selected, or all failed)"
+[[ ${FORMATS:-} == none ]] && exit 0
 read -r -a formats <<< "${FORMATS:-fp8 fp8-block}"
 timeout "${BENCH_TIMEOUT:-330}" python3 -m loadtest.bench_offline --quant --quick --quant-formats "${formats[@]}" \
   --out "$OUT" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" > "$OUT/bench.log"
