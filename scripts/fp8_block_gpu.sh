@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (issue 14, block-wise FP8): the GPU tests of block-wise FP8 (dense at the 8B sizes, the engine on
 # a block-wise checkpoint, FP8 experts at Mixtral / Qwen3-30B-A3B shapes) and of the FP8 decode GEMV paths they
-# share, then `bench_offline --quant --quick` on the formats in $FORMATS (default: fp8 fp8-block). Logs under $OUT.
+# share, then `bench_offline --quant --quick` on the formats in $FORMATS (default: fp8 fp8-block; none: tests only).
+# Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 bash scripts/gpu_run.sh none > /dev/null 2>&1
