@@ -100,6 +100,18 @@ def test_two_ranks_give_the_greedy_tokens_of_one(checkpoints, arch):
 
 
 @pytest.mark.slow
+def test_two_ranks_give_the_greedy_tokens_of_one_on_a_block_wise_fp8_mixture_of_experts(checkpoints, tmp_path):
+    """Qwen3-MoE in block-wise FP8 (16 x 16 blocks): each rank takes its blocks of the experts' intermediate
+    dimension (gate / up rows, down's inputs) and of the dense layers' slices, scales included."""
+    import quant_checkpoints as qc
+
+    folder, _ = qc.fp8_block_checkpoint(checkpoints["Qwen3MoeForCausalLM"], tmp_path, block=(16, 16))
+    one, _ = generate(folder, tp=1)
+    two, _ = generate(folder, tp=2)
+    assert_same_tokens(two, one)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", OTHERS)
 def test_two_ranks_give_the_greedy_tokens_of_one_for_the_other_families(checkpoints, arch):
     one, _ = generate(checkpoints[arch], tp=1)
