@@ -581,12 +581,13 @@ def build_moe_checkpoint(folder: Path, cfg: dict, device: str) -> Path:
     return folder
 
 
-def active_params(llm) -> int:
+def active_params(llm, in_bytes: bool = False) -> int:
     """Parameters one batch-1 decode token reads: every matrix but the embedding table, experts counted at
-    top_k / num_experts (the experts it is routed to)."""
+    top_k / num_experts (the experts it is routed to); in_bytes: their bytes as stored (FP8 experts and their
+    scales included)."""
     cfg = llm.engine.model_config.hf_config
     share = cfg.num_experts_per_tok / cfg.num_experts
-    return int(sum(p.numel() * (share if ".experts." in name else 1.0)
+    return int(sum(p.numel() * (p.element_size() if in_bytes else 1) * (share if ".experts." in name else 1.0)
                    for name, p in llm.engine.runner.model.named_parameters() if "embed" not in name))
 
 
@@ -721,7 +722,7 @@ def record_moe_w3(results: dict, llm, w3: dict, w3_shape: tuple, layers: int, fu
     n_active = active_params(llm)
     kv_bytes = (w3_shape[0] + w3_shape[1] // 2) * llm.engine.model_config.kv_bytes_per_token(torch.bfloat16)
     results["W3_active_params"] = n_active
-    results["W3_bytes_per_step"] = 2 * n_active + kv_bytes
+    results["W3_bytes_per_step"] = active_params(llm, in_bytes=True) + kv_bytes
     results["W3_roofline_ms"] = results["W3_bytes_per_step"] / (results["copy_bandwidth_GBps"] * 1e9) * 1e3
     if layers != full_layers:
         lm_head = llm.engine.runner.model.lm_head
@@ -743,6 +744,9 @@ def run_moe(args) -> int:
     stem = f"bench_offline_{args.family}{'_tiny' if args.tiny else ''}"
     if args.num_layers is not None:
         stem += f"_{cfg['num_hidden_layers']}l"
+    if args.moe_fp8_block and not args.skip_peers:
+        raise SystemExit("--moe-fp8-block measures the engine alone: add --skip-peers (transformers' peer run is "
+                         "the bf16 checkpoint's)")
 
     def save():
         (out_dir / f"{stem}{'' if part == 'all' else '_' + part}.json").write_text(json.dumps(results, indent=2))
@@ -750,6 +754,12 @@ def run_moe(args) -> int:
     results["copy_bandwidth_GBps"] = (measure_copy_bandwidth() if device == "cuda" else measure_cpu_copy_bandwidth()) / 1e9
     t0 = time.perf_counter()
     folder = build_moe_checkpoint(moe_folder(args, cfg), cfg, device)
+    if args.moe_fp8_block:  # the same weights in block-wise FP8, as Qwen3-30B-A3B-FP8 ships
+        from .bench_quant import build_fp8_block_checkpoint
+
+        block = (16, 32) if args.tiny else (128, 128)  # the tiny experts' 32 rows take no 128-row block
+        folder = build_fp8_block_checkpoint(folder, Path(f"{folder}-fp8-block{block[0]}x{block[1]}"), block, device)
+        stem += "_fp8_block"
     results["build_checkpoint_s"] = time.perf_counter() - t0
     print(f"checkpoint ({cfg['num_hidden_layers']} layers) ready in {results['build_checkpoint_s']:.0f} s", flush=True)
     if part == "build":
@@ -863,6 +873,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--quant", action="store_true",
                         help="the quantized formats instead: W3 per format with its roofline, W1 fp8 vs bf16")
+    parser.add_argument("--moe-fp8-block", action="store_true",
+                        help="MoE mode: the checkpoint's weights in block-wise FP8 (128 x 128, Qwen3-30B-A3B-FP8's "
+                             "layout), the engine alone (--skip-peers); W3's roofline counts the bytes as stored")
     parser.add_argument("--quant-formats", nargs="+", choices=["bf16", "fp8", "fp8-block", "awq"], default=None,
                         help="--quant on the GPU: only these formats (default: all; W1 fp8 / bf16 needs both)")
     parser.add_argument("--kv-cache-dtype", choices=["fp8"], default=None,
