@@ -250,6 +250,22 @@ def test_unsupported_checkpoint_formats_fail_at_start_up(llama_dir, tmp_path, qu
         LLM(str(folder))
 
 
+def test_checkpoints_may_leave_the_moe_routers_unquantized():
+    """llm-compressor's MoE checkpoints ignore the routers (`re:.*mlp.gate$`), Qwen's FP8 ones list every
+    mlp.gate in modules_to_not_convert: the engine never quantizes them, so both parse; a decoder layer does not."""
+    from asyncengine.quantization import quantization_config_for
+
+    block = {"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 128], "symmetric": True}
+    ct = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"],
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": block}}}
+    assert quantization_config_for(ct, None).block == (128, 128)
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128],
+           "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]}
+    assert quantization_config_for(fp8, None).block == (128, 128)
+    with pytest.raises(ValueError, match="ignore list .*mlp.gate_proj"):
+        quantization_config_for({**ct, "ignore": ["re:.*mlp.gate_proj$"]}, None)
+
+
 def test_fused_gptq_shards_with_different_act_orders_are_rejected(llama_dir, tmp_path):
     """q, k and v read the same input, so GPTQ gives them one g_idx; a checkpoint where they differ cannot be
     fused and must not load silently."""

@@ -30,8 +30,11 @@ def _unsupported(what: str) -> ValueError:
 
 
 def _check_ignore(ignore: list) -> None:
-    """Layers left unquantized: only the LM head (which the engine never quantizes) is allowed."""
-    others = [name for name in ignore or [] if not str(name).removeprefix("re:").strip(".*").endswith("lm_head")]
+    """Layers left unquantized: only the LM head and the MoE routers (which the engine never quantizes; llm-compressor
+    lists them as e.g. `re:.*mlp.gate$`) are allowed."""
+    never_quantized = ("lm_head", "mlp.gate", "shared_expert_gate")
+    others = [name for name in ignore or []
+              if not str(name).removeprefix("re:").strip(".*$").replace("\\.", ".").endswith(never_quantized)]
     if others:
         raise _unsupported(f"ignore list {others} (unquantized decoder layers)")
 
