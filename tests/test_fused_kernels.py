@@ -589,6 +589,18 @@ grouped_ptx = triton.compile(ASTSource(grouped, {a: "constexpr" if a.isupper() e
     A_ROW_DIV=8, MUL_WEIGHT=True, DOT_F32=False, PRECISION="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
     GROUP_SCALE=True)), target=target).asm["ptx"]
 print("moe grouped fp8 mma", "mma" in grouped_ptx)
+# block-wise FP8's other kernels: the GEMV's tl.dot path with group scales (M > 1) and the dequantize above it
+gemv_dot = dict(kernels[10][2], USE_DOT=True, FP8_WORDS=False, LOAD_AHEAD=False, E4M3_PTX=False, BLOCK_M=16,
+                BLOCK_K=128, GROUP_SCALE=True, EARLY_TILE=False)
+gemv_dot_ptx = triton.compile(ASTSource(quant_gemv._gemv_kernel, {a: "constexpr" if a in gemv_dot or a == "USE_PDL"
+                                                                  else kernels[10][1].get(a, "*bf16" if a.endswith("_ptr") else "i32")
+                                                                  for a in quant_gemv._gemv_kernel.arg_names},
+                                        dict(gemv_dot, USE_PDL=True)), target=target).asm["ptx"]
+dequant = quant_fp8._dequantize_groups_kernel
+dequant_ptx = triton.compile(ASTSource(dequant, {a: "constexpr" if a.startswith("BLOCK") else dict(w_ptr=fp8, scale_ptr=f32).get(
+    a, "*bf16" if a.endswith("_ptr") else "i32") for a in dequant.arg_names}, dict(BLOCK_N=32, BLOCK_K=128)),
+    target=target).asm["ptx"]
+print("fp8 group gemv dot mma", "mma" in gemv_dot_ptx, "dequantize", "st.global" in dequant_ptx)
 """
 
 
@@ -615,6 +627,7 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
                                                   .split("]")[0].split(","))
     assert int4_early > 0 and fp8_early > 0 and int4_late == fp8_late == 0, run.stdout[-3000:]
     assert "moe grouped fp8 mma True" in run.stdout, run.stdout[-3000:]
+    assert "fp8 group gemv dot mma True dequantize True" in run.stdout, run.stdout[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------------------------
