@@ -160,6 +160,20 @@ def dequantize_fp8_groups(w_fp8: torch.Tensor, group_scales: torch.Tensor, group
     return (w_fp8.float() * per_input).to(dtype)
 
 
+def quantize_fp8_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], group scales [ceil(K / group_size), N] float32): each output row's groups of
+    group_size inputs scaled by their own amax / 448 (the last group may be partial; an all-zero group gets the
+    floor scale), the inverse of `dequantize_fp8_groups`."""
+    n, k = w.shape
+    groups = -(-k // group_size)
+    padded = torch.zeros(n, groups * group_size, dtype=torch.float32, device=w.device)
+    padded[:, :k] = w.float()
+    amax = padded.view(n, groups, group_size).abs().amax(dim=2)  # [N, G]
+    scales = torch.clamp(amax / FP8_MAX, min=_MIN_SCALE)
+    w8 = (padded.view(n, groups, group_size) / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(n, -1)[:, :k]
+    return w8.to(FP8_DTYPE), scales.t().contiguous()
+
+
 def fp8_group_linear(x: torch.Tensor, w_fp8: torch.Tensor, group_scales: torch.Tensor, group_size: int,
                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Weight-only FP8 with group scales (block-wise checkpoints): x [M, K] @ dequantize_fp8_groups(...)^T (+ bias)

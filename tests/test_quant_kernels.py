@@ -622,3 +622,22 @@ def test_gemv_sweep_winner_line_keys_the_row_by_the_gpu_measured():
     assert line.startswith('    ("fp8", 6144, 4096, 1, "NVIDIA H100 80GB HBM3"): GemvConfig(32, 512, 2, 8, 3, False, '
                            'fp8_words=True),'), line
     assert bench_gemv.winner_line(result, 3000.0).startswith('    ("fp8", 6144, 4096, 1): GemvConfig(')
+
+
+def test_fp8_group_quantization_round_trips_within_e4m3_precision():
+    """quantize_fp8_groups (`--quantization fp8` of MoE experts): each output row's group of inputs at its own
+    scale, its largest magnitude on 448; dequantized within e4m3's half unit in the last place (2**-4 relative)
+    of each group's amax, a partial last group included, and an all-zero group stays zero."""
+    from asyncengine.kernels.quant_reference import dequantize_fp8_groups, quantize_fp8_groups
+
+    w = torch.randn(24, 200) * torch.logspace(-3, 3, 24)[:, None]  # rows of very different scales
+    w[5, 128:] = 0.0  # row 5's partial last group: all zero
+    w8, scales = quantize_fp8_groups(w, 128)
+    assert w8.dtype == torch.float8_e4m3fn and scales.shape == (2, 24)
+    assert w8.float().abs().view(24, -1)[:, :128].amax(dim=1).eq(448).all()
+    back = dequantize_fp8_groups(w8, scales, 128)
+    for g in range(2):
+        cols = slice(128 * g, min(128 * (g + 1), 200))
+        amax = w[:, cols].abs().amax(dim=1, keepdim=True)
+        assert ((back[:, cols] - w[:, cols]).abs() <= amax * 2.0**-4).all()
+    assert back[5, 128:].eq(0).all()

@@ -291,14 +291,37 @@ def test_cli_quantization_flag_reaches_the_engine_config_with_vllm_spelling():
         parser.parse_args(with_default_command(["serve", "--quantization", "bitsandbytes"]))
 
 
-def test_quantization_of_a_moe_family_is_refused_at_start_up(checkpoint_dir, tmp_path):
-    """MoE families build their own feed-forward blocks (the experts), which take block-wise FP8 only: online FP8
-    and int4 checkpoints are refused at start-up, saying what is supported."""
-    with pytest.raises(ValueError, match="not supported for MixtralForCausalLM .*block-wise FP8"):
-        LLM(str(checkpoint_dir("MixtralForCausalLM")), quantization="fp8")
+def test_int4_quantization_of_a_moe_family_is_refused_at_start_up(checkpoint_dir, tmp_path):
+    """MoE families build their own feed-forward blocks (the experts), which take FP8 only (block-wise checkpoints
+    or --quantization fp8): an int4 checkpoint is refused at start-up, saying what is supported."""
     quantized, _ = qc.gptq_checkpoint(checkpoint_dir("Qwen3MoeForCausalLM"), tmp_path)
-    with pytest.raises(ValueError, match="not supported for Qwen3MoeForCausalLM .*block-wise FP8"):
+    with pytest.raises(ValueError, match="not supported for Qwen3MoeForCausalLM .*block-wise FP8.*--quantization fp8"):
         LLM(str(quantized))
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_online_fp8_of_a_moe_family_matches_transformers_on_dequantized_weights(checkpoint_dir, tmp_path, arch):
+    """--quantization fp8 on a float mixture of experts: dense linears per output channel, each expert's rows per
+    group of 128 inputs (models/moe.py ONLINE_FP8_GROUP), the routers unquantized; transformers runs the same
+    roundings, dequantized."""
+    from asyncengine.kernels.quant_reference import dequantize_fp8_groups, quantize_fp8_groups
+    from asyncengine.models.moe import ONLINE_FP8_GROUP
+
+    src = checkpoint_dir(arch)
+    reference = tmp_path / "online-fp8-dequant"
+    shutil.copytree(src, reference)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, w in tensors.items():
+        if not qc._is_linear(name):
+            continue
+        if ".experts." in name:
+            w8, scales = quantize_fp8_groups(w.float(), ONLINE_FP8_GROUP)
+            tensors[name] = dequantize_fp8_groups(w8, scales, ONLINE_FP8_GROUP)
+        else:
+            scale = w.float().abs().amax(dim=1, keepdim=True) / 448.0
+            tensors[name] = (w.float() / scale).to(qc.FP8).float() * scale
+    save_file(tensors, str(reference / "model.safetensors"))
+    assert_same_greedy(src, reference, quantization="fp8")
 
 
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"])

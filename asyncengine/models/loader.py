@@ -68,13 +68,15 @@ def _quantization_kwargs(model_config: ModelConfig, cls: type, device: torch.dev
     if quant_config is None:
         return {}
     # Families that build their linears themselves take no quantized weights; those with their own feed-forward
-    # blocks (MoE experts) take block-wise FP8 only (models/moe.py expert_format).
+    # blocks (MoE experts) take FP8 only: block-wise checkpoints or online (models/moe.py expert_format).
     takes_quant_config = "quant_config" in inspect.signature(cls.__init__).parameters
     own_mlp = issubclass(cls, LlamaForCausalLM) and cls.make_mlp is not LlamaForCausalLM.make_mlp
-    if not takes_quant_config or (own_mlp and getattr(quant_config, "block", None) is None):
+    fp8_experts = getattr(quant_config, "block", None) is not None or getattr(quant_config, "serialized", True) is False
+    if not takes_quant_config or (own_mlp and not fp8_experts):
         raise ValueError(f"quantization ({quant_config.name}) is not supported for {model_config.architecture} "
-                         "(supported: the dense Llama family: Llama, Mistral, Qwen2, Qwen3; and block-wise FP8 "
-                         "checkpoints, weight_block_size, of the mixture-of-experts families too)")
+                         "(supported: the dense Llama family: Llama, Mistral, Qwen2, Qwen3; and for the "
+                         "mixture-of-experts families block-wise FP8 checkpoints, weight_block_size, and "
+                         "--quantization fp8)")
     quant_config.check_device(device)
     if device.type == "cpu":
         logger.info("quantized weights (%s) run on CPU through the torch references: each layer dequantizes its "

@@ -29,7 +29,7 @@ from torch import nn
 from asyncengine import ops
 from asyncengine.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from asyncengine.models.layers import load_checkpoint_tensor
-from asyncengine.kernels.quant_reference import FP8_DTYPE
+from asyncengine.kernels.quant_reference import FP8_DTYPE, quantize_fp8_groups
 from asyncengine.models.llama import MLP, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from asyncengine.quantization import LinearMethod, set_weight_attrs
 
@@ -56,17 +56,20 @@ class FusedMoE(nn.Module):
     block: (bn, bk) of a block-wise FP8 checkpoint: the weights in e4m3 and, per expert as the checkpoint stores
     them, block scales w13_<scale_name> [E, 2 * I_rank / bn, ceil(hidden / bk)] and w2_<scale_name>
     [E, ceil(hidden / bn), ceil(I_rank / bk)], turned into group scales after loading (process_expert_weights).
+    online_group: `--quantization fp8` of a model-dtype checkpoint: the experts quantized after loading, each output
+    row's groups of online_group inputs with their own scale (finer than a checkpoint's 128 x 128 blocks).
     """
 
     PER_EXPERT = ("gate", "up", "down")
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 block: Optional[tuple[int, int]] = None, scale_name: str = "weight_scale_inv"):
+                 block: Optional[tuple[int, int]] = None, scale_name: str = "weight_scale_inv", online_group: int = 0):
         super().__init__()
         if intermediate % tp_size():
             raise ValueError(f"moe intermediate size {intermediate} is not divisible by tensor_parallel_size "
                              f"{tp_size()}")  # fmt: skip
         self.num_experts, self.inter, self.block = num_experts, intermediate // tp_size(), block
+        self.online_group = online_group
         weight_dtype = FP8_DTYPE if block else dtype
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden, dtype=weight_dtype),
                                        requires_grad=False)  # fmt: skip
@@ -92,6 +95,9 @@ class FusedMoE(nn.Module):
     def process_expert_weights(self) -> None:
         """Block scales -> group scales: w13_scale [E, ceil(hidden / bk), 2 I_rank], w2_scale [E, ceil(I_rank / bk),
         hidden] (one per output row per group of bk inputs, what the fused kernels read). Nothing when unquantized."""
+        if self.online_group:
+            self._quantize_online()
+            return
         if not self.block:
             return
         bn, bk = self.block
@@ -103,6 +109,20 @@ class FusedMoE(nn.Module):
         self.w13_scale = nn.Parameter(group_scales[0], requires_grad=False)
         self.w2_scale = nn.Parameter(group_scales[1], requires_grad=False)
         self.group_size = bk
+
+    def _quantize_online(self) -> None:
+        """The loaded model-dtype experts -> e4m3 with group scales (quant_reference.quantize_fp8_groups), one expert
+        at a time so that the float32 temporaries stay one expert's size."""
+        for name in ("w13", "w2"):
+            weight = getattr(self, f"{name}_weight")
+            experts, n, k = weight.shape
+            w8 = torch.empty((experts, n, k), dtype=FP8_DTYPE, device=weight.device)
+            scales = torch.empty((experts, -(-k // self.online_group), n), dtype=torch.float32, device=weight.device)
+            for e in range(experts):
+                w8[e], scales[e] = quantize_fp8_groups(weight.data[e], self.online_group)
+            setattr(self, f"{name}_weight", nn.Parameter(w8, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
+        self.group_size = self.online_group
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], topk_* [T, K] -> [T, hidden], summed over ranks."""
@@ -164,7 +184,7 @@ class SparseMoeBlock(nn.Module):
         if not 0 < self.top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {num_experts}] (the number of experts)")
         self.gate = Router(cfg.hidden_size, num_experts, dtype)
-        self.experts = FusedMoE(num_experts, cfg.hidden_size, intermediate, dtype, *expert_format(linear_method))
+        self.experts = FusedMoE(num_experts, cfg.hidden_size, intermediate, dtype, **expert_format(linear_method))
         self.shared_expert = (MLP(cfg, dtype, shared_intermediate, linear_method=linear_method)
                               if shared_intermediate else None)
         self.shared_expert_gate = Router(cfg.hidden_size, 1, dtype) if shared_intermediate else None
@@ -178,16 +198,23 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-def expert_format(linear_method: Optional[LinearMethod]) -> tuple:
-    """FusedMoE's (block, scale_name) for the checkpoint's weight format: () unquantized, the block and the scale's
-    checkpoint name for block-wise FP8; ValueError for any other format (the fused kernels have no path for it)."""
+ONLINE_FP8_GROUP = 128  # `--quantization fp8`: the experts' inputs per scale (the fused kernels' K tiles divide it)
+
+
+def expert_format(linear_method: Optional[LinearMethod]) -> dict:
+    """FusedMoE's keyword arguments for the weight format: none unquantized; the block and the scale's checkpoint
+    name for block-wise FP8; online_group for `--quantization fp8` of a model-dtype checkpoint; ValueError for any
+    other format (the fused kernels have no path for it)."""
     if linear_method is None:
-        return ()
+        return {}
     block = getattr(linear_method, "block", None)
-    if block is None:
-        raise ValueError(f"quantized mixture-of-experts weights ({type(linear_method).__name__}) are not supported "
-                         "(supported for the experts: block-wise FP8, weight_block_size, as Qwen3-30B-A3B-FP8)")
-    return block, linear_method.block_scale_name
+    if block is not None:
+        return {"block": block, "scale_name": linear_method.block_scale_name}
+    if getattr(linear_method, "serialized", True) is False:  # Fp8LinearMethod of Fp8Config.online()
+        return {"online_group": ONLINE_FP8_GROUP}
+    raise ValueError(f"quantized mixture-of-experts weights ({type(linear_method).__name__}) are not supported "
+                     "(supported for the experts: block-wise FP8 checkpoints, weight_block_size, as "
+                     "Qwen3-30B-A3B-FP8, and --quantization fp8)")
 
 
 def _num_experts(cfg) -> int:
