@@ -93,8 +93,9 @@ class FusedMoE(nn.Module):
                                                        requires_grad=False))
 
     def process_expert_weights(self) -> None:
-        """Block scales -> group scales: w13_scale [E, ceil(hidden / bk), 2 I_rank], w2_scale [E, ceil(I_rank / bk),
-        hidden] (one per output row per group of bk inputs, what the fused kernels read). Nothing when unquantized."""
+        """The FP8 experts' group scales, what the fused kernels read: w13_scale [E, ceil(hidden / g), 2 I_rank],
+        w2_scale [E, ceil(I_rank / g), hidden], one per output row per group of g inputs (g = bk, from a block-wise
+        checkpoint's block scales; or online_group, quantizing the loaded experts). Nothing when unquantized."""
         if self.online_group:
             self._quantize_online()
             return
