@@ -540,7 +540,11 @@ kernels = [
      dict(BLOCK_H=4096, QUANT=True, FP8_MAX_VALUE=448.0)),
     (activation._silu_and_mul_kernel, dict(fp8_ptr=fp8, fp8_scale_ptr=f32, min_scale="fp32"),
      dict(BLOCK=16384, QUANT=True, FP8_MAX_VALUE=448.0)),
-    # the MoE decode kernels on FP8 experts with group scales (block-wise checkpoints)
+    # the MoE decode kernels on bf16 experts, and on FP8 experts with group scales (block-wise checkpoints)
+    (moe._gate_up_act_kernel, dict(ids_ptr=i64, scale_ptr=f32),
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, LOAD_AHEAD=True, GROUP_SCALE=False)),
+    (moe._down_reduce_kernel, dict(ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32, scale_ptr=f32),
+     dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False)),
     (moe._gate_up_act_kernel, dict(w13_ptr=fp8, ids_ptr=i64, scale_ptr=f32),
      dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128, LOAD_AHEAD=True, GROUP_SCALE=True)),
     (moe._down_reduce_kernel, dict(w2_ptr=fp8, ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32,
@@ -619,7 +623,7 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
-    assert "with griddepcontrol 17 of 17" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "with griddepcontrol 19 of 19" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     assert "barriers [True, True, True, True]" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     preloads = int(run.stdout.split("decode loads before its wait")[1].split()[0])
     assert preloads >= 4, run.stdout[-3000:]  # metadata, block table, K and V tiles
