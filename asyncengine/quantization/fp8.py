@@ -212,6 +212,8 @@ class Fp8Config(QuantizationConfig):
                     "weight-only: activations stay unquantized; above the decode GEMV's batch sizes each weight is "
                     "dequantized to the model's dtype for its product)")
         weights = "per-channel" if self.per_channel else "per-tensor"
+        if not self.serialized:
+            weights += " (mixture-of-experts experts: per row and group of 128 inputs)"
         acts = "static per-tensor" if self.static_input else "dynamic per-token"
         origin = "checkpoint" if self.serialized else "quantized at load time"
         return f"{self.name} fp8 e4m3 ({origin}; {weights} weight scales, {acts} activation scales)"
