@@ -2,7 +2,7 @@
 # One device call (issue 14, block-wise FP8): the GPU tests of block-wise FP8 (dense at the 8B sizes, the engine on
 # a block-wise checkpoint, FP8 experts at Mixtral / Qwen3-30B-A3B shapes) and of the FP8 decode GEMV paths they
 # share, then `bench_offline --quant --quick` on the formats in $FORMATS (default: fp8 fp8-block; none: tests only).
-# Logs under $OUT.
+# Optional MOE_LAYERS=N: the Qwen3-30B-A3B shape at N layers in bf16 and block-wise FP8 (below). Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 bash scripts/gpu_run.sh none > /dev/null 2>&1
@@ -13,8 +13,18 @@ timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -m gpu tests/test_gpu_quant
   -rfE --tb=short 2>&1 | grep -v "rope_parameters\|Loading weights" > "$OUT/gpu_tests.log"
 tail -4 "$OUT/gpu_tests.log"
 grep -q " passed" "$OUT/gpu_tests.log" || echo "GPU TESTS: NONE PASSED (none selected, or all failed)"
-[[ ${FORMATS:-} == none ]] && exit 0
-read -r -a formats <<< "${FORMATS:-fp8 fp8-block}"
-timeout "${BENCH_TIMEOUT:-330}" python3 -m loadtest.bench_offline --quant --quick --quant-formats "${formats[@]}" \
-  --out "$OUT" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" > "$OUT/bench.log"
-tail -8 "$OUT/bench.log"
+if [[ ${FORMATS:-} != none ]]; then
+  read -r -a formats <<< "${FORMATS:-fp8 fp8-block}"
+  timeout "${BENCH_TIMEOUT:-330}" python3 -m loadtest.bench_offline --quant --quick --quant-formats "${formats[@]}" \
+    --out "$OUT" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" > "$OUT/bench.log"
+  tail -8 "$OUT/bench.log"
+fi
+# Optional, MOE_LAYERS=N: W3 / W1 of the Qwen3-30B-A3B shape at N layers, bf16 then block-wise FP8, the engine alone
+if [[ -n ${MOE_LAYERS:-} ]]; then
+  for fp8 in "" --moe-fp8-block; do
+    timeout "${MOE_TIMEOUT:-240}" python3 -m loadtest.bench_offline --family qwen3-30b-a3b --num-layers "$MOE_LAYERS" \
+      --checkpoint "/dev/shm/q3-${MOE_LAYERS}l" --skip-peers --quick $fp8 --out "$OUT" 2>&1 \
+      | grep -v "rope_parameters\|Loading weights\|Writing model" > "$OUT/moe${fp8:+_fp8_block}.log"
+    grep "^W3\|^W1 (" "$OUT/moe${fp8:+_fp8_block}.log"
+  done
+fi
