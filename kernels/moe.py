@@ -51,6 +51,7 @@ import triton.language as tl
 from asyncengine.kernels import activation, arrival_counters, sm_count
 from asyncengine.kernels.attention import _dot_f32, _precision
 from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
+from asyncengine.kernels.quant_gemv import group_scale
 
 
 COUNTER_SLOTS = 1 << 14  # route's one counter, or down_reduce's T * cdiv(H, BLOCK_N)
@@ -182,8 +183,8 @@ def _grouped_gemm_kernel(
         else:
             part = tl.dot(a, b.to(a.dtype))  # e4m3 -> bf16 / fp16 exactly; a no-op for weights in a's dtype
         if GROUP_SCALE:  # a K tile lies in one group
-            part = part * _group_scales(scale_ptr + expert.to(tl.int64) * stride_se, k_start, group_size, n_out,
-                                        cols, col_valid)[None, :]
+            part = part * group_scale(scale_ptr + expert.to(tl.int64) * stride_se, k_start, cols, col_valid, n_out,
+                                      group_size)[None, :]
         acc += part
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -217,13 +218,6 @@ def _within_group(block_k: int, group_size: int) -> int:
     while group_size and group_size % block_k:
         block_k //= 2
     return block_k
-
-
-@triton.jit
-def _group_scales(expert_scales, k_start, group_size, n_out, cols, col_valid):
-    """The float32 scales [BLOCK_N] of columns `cols` in the group holding input k_start, from one expert's group
-    scales [G, n_out] (expert_scales points at them)."""
-    return tl.load(expert_scales + (k_start // group_size) * n_out + cols, mask=col_valid, other=0.0)
 
 
 # -- routing --------------------------------------------------------------------------------------------------
@@ -507,7 +501,7 @@ def _scaled(w, expert_scales, k_start, group_size, n_out, cols, col_valid, GROUP
     its group's scales when GROUP_SCALE (expert_scales: the expert's [G, n_out]; the tile lies in one group)."""
     w = w.to(tl.float32)
     if GROUP_SCALE:
-        w = w * _group_scales(expert_scales, k_start, group_size, n_out, cols, col_valid)[:, None]
+        w = w * group_scale(expert_scales, k_start, cols, col_valid, n_out, group_size)[:, None]
     return w
 
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .fp8_gemm import fp8_gemm
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
-from .quant_reference import FP8_DTYPE, FP8_MAX, _MIN_SCALE, Fp8Activation, taken_fp8_copy
+from .quant_reference import FP8_DTYPE, FP8_MAX, _MIN_SCALE, Fp8Activation, check_fp8_group_scales, taken_fp8_copy
 
 
 @triton.jit
@@ -148,9 +148,7 @@ def dequantize_groups(w_fp8: torch.Tensor, group_scales: torch.Tensor, group_siz
     n, k = w_fp8.shape
     if not w_fp8.is_contiguous():
         raise ValueError("FP8 dequantize: the weight must be contiguous")
-    if tuple(group_scales.shape) != (triton.cdiv(k, group_size), n):
-        raise ValueError(f"FP8 dequantize: group scales must be [{triton.cdiv(k, group_size)}, {n}] for a [{n}, {k}] "
-                         f"weight in groups of {group_size}, got {list(group_scales.shape)}")
+    check_fp8_group_scales(w_fp8, group_scales, group_size, "FP8 dequantize")
     out = torch.empty((n, k), device=w_fp8.device, dtype=dtype)
     block_n, block_k = 32, 128
     _dequantize_groups_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](

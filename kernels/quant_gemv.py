@@ -45,6 +45,7 @@ import triton.language as tl
 
 from . import arrival_counters, compute_capability, device_name, interpreting, sm_count
 from .pdl import enabled as pdl_enabled, wait_for_prior_grids
+from .quant_reference import check_fp8_group_scales
 
 MAX_M = 64
 # Weight bytes each program asks L2 for before its PDL wait: at two programs per SM (the split-K rule) about 8 MB
@@ -108,8 +109,9 @@ def _int4_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _group_scale(scale_ptr, k0, cols, col_mask, N, group_size):
-    """The float32 scales [BLOCK_N] of the group holding inputs k0 ... of a dense W with group scales [G, N]."""
+def group_scale(scale_ptr, k0, cols, col_mask, N, group_size):
+    """The float32 scales [BLOCK_N] of columns `cols` in the group holding inputs k0 ... of a dense W with group
+    scales [G, N] at scale_ptr (the MoE kernels read each expert's the same way)."""
     return tl.load(scale_ptr + (k0 // group_size) * N + cols, mask=col_mask, other=0.0)
 
 
@@ -183,7 +185,7 @@ def _dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_mask, cols, 
     else:
         part = tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32)  # e4m3 -> bf16 / fp16: exact
     if GROUP_SCALE:
-        part = part * _group_scale(scale_ptr, k0, cols, col_mask, N, group_size)[None, :]
+        part = part * group_scale(scale_ptr, k0, cols, col_mask, N, group_size)[None, :]
     return acc + part
 
 
@@ -466,7 +468,7 @@ def _fp8_words_math(acc, words, x_ptr, scale_ptr, k0, cols, col_mask, N, K, grou
     if GROUP_SCALE:
         words_sum = x0[:, None] * weights[0] + x1[:, None] * weights[1] + x2[:, None] * weights[2] \
             + x3[:, None] * weights[3]
-        return acc + words_sum * _group_scale(scale_ptr, k0, cols, col_mask, N, group_size)[None, :]
+        return acc + words_sum * group_scale(scale_ptr, k0, cols, col_mask, N, group_size)[None, :]
     acc += x0[:, None] * weights[0]
     acc += x1[:, None] * weights[1]
     acc += x2[:, None] * weights[2]
@@ -920,29 +922,18 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if config is None:
         config = config_for(weight_format(weight), x2.shape[0], n, k, _num_sms(x, num_sms), _gpu(x))
     if group_size is not None:
-        _check_group_scales(weight, w_scale, group_size)
+        check_fp8_group_scales(weight, w_scale, group_size, "dense_gemv")
         if x2.shape[0] == 1 and not config.dot and not config.fp8_words:  # the one FMA path with group scales
             words_ok = k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
             config = dataclasses.replace(config, fp8_words=words_ok, load_ahead=config.load_ahead and words_ok,
                                          dot=not words_ok)
-        scale = w_scale if w_scale.dtype == torch.float32 and w_scale.is_contiguous() else w_scale.float().contiguous()
+        scale = w_scale.float().contiguous()  # itself when already so
     elif w_scale is not None:  # [N] float32, or one value read with stride 0 (no copy per call)
         scale = w_scale.float().reshape(-1) if w_scale.numel() == n else w_scale.float().reshape(1).expand(n)
     else:
         scale = None
     out = _launch(x2, weight, n, scale, None, bias, group_size, config, int4=False)
     return out.reshape(*x.shape[:-1], n)
-
-
-def _check_group_scales(weight: torch.Tensor, scales: Optional[torch.Tensor], group_size: int) -> None:
-    """dense_gemv's group-scale conditions, each a ValueError naming what is wrong."""
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"dense_gemv: group scales apply to FP8 e4m3 weights, got {weight.dtype}")
-    n, k = weight.shape
-    groups = triton.cdiv(k, group_size)
-    if scales is None or tuple(scales.shape) != (groups, n):
-        raise ValueError(f"dense_gemv: group scales must be [{groups}, {n}] for a [{n}, {k}] weight in groups of "
-                         f"{group_size}, got {None if scales is None else list(scales.shape)}")
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

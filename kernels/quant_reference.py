@@ -139,23 +139,32 @@ def dequantize_fp8(w_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
 
 
 def fp8_group_scales(block_scales: torch.Tensor, block_n: int, n: int) -> torch.Tensor:
-    """Block-wise FP8 scales [ceil(N / bn), ceil(K / bk)] (one per [bn, bk] block of W, as checkpoints store them:
-    `weight_scale_inv`, compressed-tensors' block strategy) -> the group scales [ceil(K / bk), N] float32 that
-    `dequantize_fp8_groups` and the kernels read: each output column's scale per group of bk inputs (a row per
-    group, contiguous along N as the decode GEMV loads it)."""
+    """Block-wise FP8 scales [..., ceil(N / bn), ceil(K / bk)] (one per [bn, bk] block of W, as checkpoints store
+    them: `weight_scale_inv`, compressed-tensors' block strategy; leading dimensions, e.g. experts, kept) -> the
+    group scales [..., ceil(K / bk), N] float32 that `dequantize_fp8_groups` and the kernels read: each output
+    column's scale per group of bk inputs (a row per group, contiguous along N as the kernels load it)."""
     rows = torch.arange(n, device=block_scales.device) // block_n  # [N]: each output's block row
-    return block_scales.float()[rows].t().contiguous()
+    return block_scales.float()[..., rows, :].transpose(-1, -2).contiguous()
+
+
+def check_fp8_group_scales(w_fp8: torch.Tensor, group_scales: Optional[torch.Tensor], group_size: int,
+                           what: str) -> None:
+    """ValueError (naming `what`) unless w_fp8 [N, K] is e4m3 and group_scales is [ceil(K / group_size), N]."""
+    if w_fp8.dtype != FP8_DTYPE:
+        raise ValueError(f"{what}: group scales apply to FP8 e4m3 weights, got {w_fp8.dtype}")
+    n, k = w_fp8.shape
+    groups = -(-k // group_size)
+    if group_scales is None or tuple(group_scales.shape) != (groups, n):
+        raise ValueError(f"{what}: group scales must be [{groups}, {n}] for a [{n}, {k}] weight in groups of "
+                         f"{group_size}, got {None if group_scales is None else list(group_scales.shape)}")
 
 
 def dequantize_fp8_groups(w_fp8: torch.Tensor, group_scales: torch.Tensor, group_size: int,
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """w_fp8 [N, K] with group scales [G, N] (inputs g * group_size ... share scale row g; the last group may be
     partial) -> [N, K] in dtype, computed in float32 and rounded once."""
-    n, k = w_fp8.shape
-    groups = -(-k // group_size)
-    if group_scales.shape != (groups, n):
-        raise ValueError(f"FP8 group scales must be [{groups}, {n}] for a [{n}, {k}] weight in groups of "
-                         f"{group_size}, got {list(group_scales.shape)}")
+    check_fp8_group_scales(w_fp8, group_scales, group_size, "FP8 dequantize")
+    k = w_fp8.shape[1]
     per_input = group_scales.float().t().repeat_interleave(group_size, dim=1)[:, :k]  # [N, K]
     return (w_fp8.float() * per_input).to(dtype)
 

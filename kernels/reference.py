@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .quant_reference import dequantize_fp8_groups
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., H] (e.g. [T, H] or [T, heads, H]), weight: [H] -> x's shape in promote(x, weight) dtype, each
@@ -327,8 +329,6 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     w2_scale [E, ceil(I / g), H], g = group_size (quant_reference.dequantize_fp8_groups), each used expert's weights
     dequantized to hidden's dtype first.
     """
-    from .quant_reference import dequantize_fp8_groups
-
     def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         if w13_scale is None:
             return w13[e], w2[e]

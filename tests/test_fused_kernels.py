@@ -592,7 +592,7 @@ grouped_ptx = triton.compile(ASTSource(grouped, {a: "constexpr" if a.isupper() e
     a, "*bf16" if a.endswith("_ptr") else "i32") for a in grouped.arg_names}, dict(
     A_ROW_DIV=8, MUL_WEIGHT=True, DOT_F32=False, PRECISION="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
     GROUP_SCALE=True)), target=target).asm["ptx"]
-print("moe grouped fp8 mma", "mma" in grouped_ptx)
+print("moe grouped fp8 mma", "mma.sync" in grouped_ptx or "wgmma" in grouped_ptx)
 # block-wise FP8's other kernels: the GEMV's tl.dot path with group scales (M > 1) and the dequantize above it
 gemv_dot = dict(kernels[10][2], USE_DOT=True, FP8_WORDS=False, LOAD_AHEAD=False, E4M3_PTX=False, BLOCK_M=16,
                 BLOCK_K=128, GROUP_SCALE=True, EARLY_TILE=False)
@@ -604,7 +604,8 @@ dequant = quant_fp8._dequantize_groups_kernel
 dequant_ptx = triton.compile(ASTSource(dequant, {a: "constexpr" if a.startswith("BLOCK") else dict(w_ptr=fp8, scale_ptr=f32).get(
     a, "*bf16" if a.endswith("_ptr") else "i32") for a in dequant.arg_names}, dict(BLOCK_N=32, BLOCK_K=128)),
     target=target).asm["ptx"]
-print("fp8 group gemv dot mma", "mma" in gemv_dot_ptx, "dequantize", "st.global" in dequant_ptx)
+print("fp8 group gemv dot mma", "mma.sync" in gemv_dot_ptx or "wgmma" in gemv_dot_ptx, "dequantize",
+      "st.global" in dequant_ptx)
 """
 
 

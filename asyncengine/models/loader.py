@@ -17,6 +17,7 @@ from asyncengine.models import model_class_for
 from asyncengine.models.checkpoint_slice import CheckpointSlice
 from asyncengine.models.layers import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from asyncengine.models.llama import LlamaForCausalLM
+from asyncengine.models.moe import experts_take
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,7 @@ def _quantization_kwargs(model_config: ModelConfig, cls: type, device: torch.dev
     # blocks (MoE experts) take FP8 only: block-wise checkpoints or online (models/moe.py expert_format).
     takes_quant_config = "quant_config" in inspect.signature(cls.__init__).parameters
     own_mlp = issubclass(cls, LlamaForCausalLM) and cls.make_mlp is not LlamaForCausalLM.make_mlp
-    fp8_experts = getattr(quant_config, "block", None) is not None or getattr(quant_config, "serialized", True) is False
-    if not takes_quant_config or (own_mlp and not fp8_experts):
+    if not takes_quant_config or (own_mlp and not experts_take(quant_config.linear_method())):
         raise ValueError(f"quantization ({quant_config.name}) is not supported for {model_config.architecture} "
                          "(supported: the dense Llama family: Llama, Mistral, Qwen2, Qwen3; and for the "
                          "mixture-of-experts families block-wise FP8 checkpoints, weight_block_size, and "

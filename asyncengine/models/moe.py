@@ -29,7 +29,7 @@ from torch import nn
 from asyncengine import ops
 from asyncengine.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from asyncengine.models.layers import load_checkpoint_tensor
-from asyncengine.kernels.quant_reference import FP8_DTYPE, quantize_fp8_groups
+from asyncengine.kernels.quant_reference import FP8_DTYPE, fp8_group_scales, quantize_fp8_groups
 from asyncengine.models.llama import MLP, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from asyncengine.quantization import LinearMethod, set_weight_attrs
 
@@ -104,8 +104,7 @@ class FusedMoE(nn.Module):
         bn, bk = self.block
         group_scales = []
         for name, weight in zip(self.scale_names, (self.w13_weight, self.w2_weight)):
-            rows = torch.arange(weight.shape[1], device=weight.device) // bn  # each output row's block row
-            group_scales.append(getattr(self, name).data[:, rows, :].transpose(1, 2).contiguous())
+            group_scales.append(fp8_group_scales(getattr(self, name).data, bn, weight.shape[1]))
             delattr(self, name)
         self.w13_scale = nn.Parameter(group_scales[0], requires_grad=False)
         self.w2_scale = nn.Parameter(group_scales[1], requires_grad=False)
@@ -216,6 +215,15 @@ def expert_format(linear_method: Optional[LinearMethod]) -> dict:
     raise ValueError(f"quantized mixture-of-experts weights ({type(linear_method).__name__}) are not supported "
                      "(supported for the experts: block-wise FP8 checkpoints, weight_block_size, as "
                      "Qwen3-30B-A3B-FP8, and --quantization fp8)")
+
+
+def experts_take(linear_method: Optional[LinearMethod]) -> bool:
+    """Whether FusedMoE has a path for this weight format (the model loader asks before building the model)."""
+    try:
+        expert_format(linear_method)
+    except ValueError:
+        return False
+    return True
 
 
 def _num_experts(cfg) -> int:

@@ -21,8 +21,9 @@ from asyncengine.quantization.packed_int import PackedIntLinearMethod, int_param
 
 _SUPPORTED = ("FP8 W8A8 (format float-quantized, one config group targeting Linear, weights float 8-bit "
               "symmetric static per tensor or channel, input activations float 8-bit static per tensor or "
-              "dynamic per token; or weights per block, input activations dynamic or none) and W4A16 / W8A16 (format pack-quantized, weights int 4 or 8-bit, group or "
-              "channel strategy, no activation quantization, no actorder)")
+              "dynamic per token; or weights per block, input activations dynamic or none) and W4A16 / W8A16 "
+              "(format pack-quantized, weights int 4 or 8-bit, group or channel strategy, no activation "
+              "quantization, no actorder)")
 
 
 def _unsupported(what: str) -> ValueError:

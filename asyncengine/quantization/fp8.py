@@ -96,7 +96,6 @@ class Fp8LinearMethod(LinearMethod):
             key, lambda x, ws: ops.dense_gemv(x, ws[0], None, ws[1], group_size=block_k),
             lambda x, ws: ops.fp8_group_linear(x, ws[0], ws[1], block_k), (weight, layer.weight_scale),
             weight.shape[1], layer.activation_dtype, weight.device)
-        layer.gemm_max_m = layer.gemv_max_m
 
     def process_weights_after_loading(self, layer):
         if self.block is not None:
