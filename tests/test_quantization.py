@@ -324,6 +324,47 @@ def test_online_fp8_of_a_moe_family_matches_transformers_on_dequantized_weights(
     assert_same_greedy(src, reference, quantization="fp8")
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
+def test_online_fp8_quantizes_each_layer_before_the_next_layer_is_read(checkpoint_dir, monkeypatch, arch):
+    """--quantization fp8 processes (quantizes) every linear and every expert block as soon as its layer's tensors
+    are in, before the next layer's first tensor is read: the unquantized weights never wait for the whole model
+    (models/loader.py LayerwiseProcessing), which is what lets a bf16 model larger than the GPU load as FP8. The
+    checkpoint's tensors come layer after layer (safetensors orders names; the tiny models have < 10 layers)."""
+    from asyncengine.models import loader
+
+    events: list[tuple[str, object]] = []  # ("read", checkpoint name) or ("processed", module), in order
+    read, process = loader.iterate_weights, loader.process_module
+
+    def reading(folder):
+        for name, tensor in read(folder):
+            events.append(("read", name))
+            yield name, tensor
+
+    def processing(module):
+        if not getattr(module, "weights_processed", False) and hasattr(module, "weight_loader"):
+            events.append(("processed", module))
+        process(module)
+
+    monkeypatch.setattr(loader, "iterate_weights", reading)
+    monkeypatch.setattr(loader, "process_module", processing)
+    config = EngineConfig(model=str(checkpoint_dir(arch)), dtype="float32", device="cpu", quantization="fp8")
+    model = load_model(load_model_config(config, torch.device("cpu")), torch.device("cpu"), max_positions=64)
+    module_names = {id(m): n for n, m in model.named_modules()}
+    events = [(kind, x if kind == "read" else module_names[id(x)]) for kind, x in events]
+    layer_of = lambda name: re.search(r"layers\.(\d+)\.", name)  # noqa: E731
+    processed = [(i, name) for i, (kind, name) in enumerate(events) if kind == "processed" and layer_of(name)]
+    layers = {int(layer_of(name)[1]) for _, name in processed}
+    assert len(layers) == model.config.num_hidden_layers >= 2
+    if arch.startswith("Qwen3Moe"):
+        assert any(name.endswith(".mlp.experts") for _, name in processed)
+    for index, name in processed:
+        layer = int(layer_of(name)[1])
+        next_layer_first = next((i for i, (kind, n) in enumerate(events) if kind == "read" and layer_of(n)
+                                 and int(layer_of(n)[1]) == layer + 1), len(events))
+        assert index < next_layer_first, f"{name} waited for layer {layer + 1}'s tensors"
+    assert not [n for n, p in model.named_parameters() if hasattr(p, "target_device")]  # every staged weight replaced
+
+
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"])
 def test_fp8_block_checkpoints_of_moe_families_match_transformers(checkpoint_dir, tmp_path, arch):
     """Block-wise FP8 mixtures of experts (Qwen3-30B-A3B-FP8's layout: every expert's gate / up / down with its

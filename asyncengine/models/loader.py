@@ -96,37 +96,89 @@ def load_model(model_config: ModelConfig, device: torch.device, max_positions: i
     with torch.device(device):
         model = cls(model_config.hf_config, model_config.dtype, max_positions, **quant)
     if load_format == "dummy":
-        fill_random(model, seed)
+        fill_random(model, seed, device)
     else:
         weights = iterate_weights(Path(model_config.path))
         if quant:  # tensors the format does not need (e.g. compressed-tensors' weight_shape)
             skipped = quant["quant_config"].skipped_checkpoint_tensors()
             weights = ((name, t) for name, t in weights if not (skipped and name.endswith(skipped)))
-        loaded = model.load_weights(weights)
-        missing = sorted(f"{n}" + (f"[{s}]" if s is not None else "") for n, s in _expected_shards(model) - loaded)
+        processing = LayerwiseProcessing(model)
+        for item in weights:  # one tensor at a time, so that each layer is processed as soon as it is complete
+            processing.record(model.load_weights([item]))
+        missing = processing.missing()
         if missing:
             raise ValueError(f"checkpoint {model_config.path} lacks weights for: {', '.join(missing[:10])}")
     for module in model.modules():
-        if isinstance(module, LinearBase):
-            module.linear_method.process_weights_after_loading(module)
-        elif hasattr(module, "process_expert_weights"):  # models/moe.py FusedMoE: FP8 block scales -> group scales
-            module.process_expert_weights()
+        process_module(module)
     if hasattr(model, "process_weights_after_loading"):  # the whole model's own step (e.g. the LM head's GEMV)
         model.process_weights_after_loading()
     return model.eval()
 
 
+def process_module(module: torch.nn.Module) -> None:
+    """Once a module's weights are all loaded, what its format does with them (repacking, FP8 scales, quantizing
+    online); a second call does nothing."""
+    if getattr(module, "weights_processed", False):
+        return
+    if isinstance(module, LinearBase):
+        module.linear_method.process_weights_after_loading(module)
+    elif hasattr(module, "process_expert_weights"):  # models/moe.py FusedMoE: FP8 block scales -> group scales
+        module.process_expert_weights()
+    module.weights_processed = True
+
+
+class LayerwiseProcessing:
+    """Processes each module (process_module) as soon as every shard of its parameters is loaded, instead of after
+    the whole checkpoint. With `--quantization fp8` the model-dtype weights wait in host memory
+    (quantization.base.quantized_after_loading) only until their layer is complete, so neither the accelerator nor
+    the host holds the unquantized model whole: a bf16 model larger than the GPU loads as FP8."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.expected = _expected_shards(model)
+        self.loaded: set[tuple[str, object]] = set()
+        self.waiting: dict[str, set] = {}  # module name -> its parameters' shards not loaded yet
+        for param_name, shard in self.expected:
+            self.waiting.setdefault(_owner(param_name), set()).add((param_name, shard))
+
+    def record(self, written: set[tuple[str, object]]) -> None:
+        """`written`: the (parameter name, shard id) pairs one load_weights call wrote."""
+        self.loaded |= written
+        for param_name, shard in written:
+            owner = _owner(param_name)
+            waiting = self.waiting.get(owner)
+            if waiting is None:
+                continue
+            waiting.discard((param_name, shard))
+            if not waiting:
+                del self.waiting[owner]
+                process_module(self.model.get_submodule(owner))
+
+    def missing(self) -> list[str]:
+        """The shards no tensor filled, named for the error message."""
+        return sorted(n + (f"[{s}]" if s is not None else "") for n, s in self.expected - self.loaded)
+
+
+def _owner(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
 @torch.no_grad()
-def fill_random(model: torch.nn.Module, seed: int) -> None:
-    """Random weights where they live (each rank draws its own slices on its device): matrices N(0, 0.02), the
-    LM head N(0, 0.25) so logits are peaked like a trained model's, vectors (norms) 1, integer (packed) tensors
-    left as allocated."""
-    device = next(model.parameters()).device
+def fill_random(model: torch.nn.Module, seed: int, device: torch.device) -> None:
+    """Random weights drawn on `device` (each rank its own slices): matrices N(0, 0.02), the LM head N(0, 0.25) so
+    logits are peaked like a trained model's, vectors (norms) 1, integer (packed) tensors left as allocated. Each
+    module is processed (process_module) once filled, so weights waiting in host memory to be quantized
+    (quantization.base.quantized_after_loading) are drawn on `device` and quantized one layer at a time."""
     generator = torch.Generator(device=device).manual_seed(seed * 1000 + tp_rank())
-    for name, param in model.named_parameters():
-        if not param.dtype.is_floating_point:
-            continue
-        if param.dim() == 1:
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, 0.25 if name.startswith("lm_head") else 0.02, generator=generator)
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if not param.dtype.is_floating_point:
+                continue
+            if hasattr(param, "target_device"):  # waits in host memory: drawn where it will be quantized
+                param.data = torch.empty_like(param, device=param.target_device)
+            if param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                param.normal_(0.0, 0.25 if name.startswith("lm_head") else 0.02, generator=generator)
+        process_module(module)

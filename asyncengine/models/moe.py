@@ -32,6 +32,7 @@ from asyncengine.models.layers import load_checkpoint_tensor
 from asyncengine.kernels.quant_reference import FP8_DTYPE, fp8_group_scales, quantize_fp8_groups
 from asyncengine.models.llama import MLP, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from asyncengine.quantization import LinearMethod, set_weight_attrs
+from asyncengine.quantization.base import quantized_after_loading
 
 
 class Router(nn.Module):
@@ -70,16 +71,19 @@ class FusedMoE(nn.Module):
                              f"{tp_size()}")  # fmt: skip
         self.num_experts, self.inter, self.block = num_experts, intermediate // tp_size(), block
         self.online_group = online_group
-        weight_dtype = FP8_DTYPE if block else dtype
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden, dtype=weight_dtype),
-                                       requires_grad=False)  # fmt: skip
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, self.inter, dtype=weight_dtype),
-                                      requires_grad=False)
-        set_weight_attrs(self.w13_weight, output_dim=1, input_dim=2)
-        set_weight_attrs(self.w2_weight, output_dim=1, input_dim=2)
+        self.w13_weight = self._expert_weights(num_experts, 2 * self.inter, hidden, dtype)
+        self.w2_weight = self._expert_weights(num_experts, hidden, self.inter, dtype)
         self.w13_scale = self.w2_scale = self.group_size = None  # the group scales, once loaded (FP8 only)
         if block:
             self._create_block_scales(hidden, scale_name)
+
+    def _expert_weights(self, num_experts: int, rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
+        """[E, rows, cols]: e4m3 from a block-wise checkpoint; in the model dtype otherwise, in host memory until
+        processed when quantized online (quantization.base.quantized_after_loading)."""
+        if self.online_group:
+            return quantized_after_loading(num_experts, rows, cols, dtype=dtype, output_dim=1, input_dim=2)
+        weight = torch.empty(num_experts, rows, cols, dtype=FP8_DTYPE if self.block else dtype)
+        return set_weight_attrs(nn.Parameter(weight, requires_grad=False), output_dim=1, input_dim=2)
 
     def _create_block_scales(self, hidden: int, scale_name: str) -> None:
         (bn, bk), inter = self.block, self.inter
@@ -111,15 +115,17 @@ class FusedMoE(nn.Module):
         self.group_size = bk
 
     def _quantize_online(self) -> None:
-        """The loaded model-dtype experts -> e4m3 with group scales (quant_reference.quantize_fp8_groups), one expert
-        at a time so that the float32 temporaries stay one expert's size."""
+        """The loaded model-dtype experts (in host memory) -> e4m3 with group scales on the target device
+        (quant_reference.quantize_fp8_groups), one expert at a time so that the copies and float32 temporaries on
+        the device stay one expert's size."""
         for name in ("w13", "w2"):
             weight = getattr(self, f"{name}_weight")
             experts, n, k = weight.shape
-            w8 = torch.empty((experts, n, k), dtype=FP8_DTYPE, device=weight.device)
-            scales = torch.empty((experts, -(-k // self.online_group), n), dtype=torch.float32, device=weight.device)
+            device = weight.target_device
+            w8 = torch.empty((experts, n, k), dtype=FP8_DTYPE, device=device)
+            scales = torch.empty((experts, -(-k // self.online_group), n), dtype=torch.float32, device=device)
             for e in range(experts):
-                w8[e], scales[e] = quantize_fp8_groups(weight.data[e], self.online_group)
+                w8[e], scales[e] = quantize_fp8_groups(weight.data[e].to(device), self.online_group)
             setattr(self, f"{name}_weight", nn.Parameter(w8, requires_grad=False))
             setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
         self.group_size = self.online_group

@@ -27,6 +27,22 @@ def set_weight_attrs(param: nn.Parameter, **attrs) -> nn.Parameter:
     return param
 
 
+def quantized_after_loading(*shape: int, dtype: torch.dtype, **dims) -> nn.Parameter:
+    """A model-dtype weight that is quantized once loaded (`--quantization fp8`). It waits in host memory, whatever
+    device the model is built on (the default device when called, kept as the parameter's `target_device`), so that
+    the unquantized model never has to fit on the accelerator: the loader processes each layer as soon as its
+    shards are in (models/loader.py LayerwiseProcessing), and processing moves the weight to `target_device` and
+    quantizes it there. Its pages stay uncommitted until loading writes them, so the host holds little more than
+    the layers being loaded."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype, device="cpu"), requires_grad=False)
+    return set_weight_attrs(param, target_device=torch.get_default_device(), **dims)
+
+
+def to_target_device(weight: nn.Parameter) -> torch.Tensor:
+    """The data of a `quantized_after_loading` weight on the device it is quantized for."""
+    return weight.data.to(weight.target_device)
+
+
 class LinearMethod(ABC):
     """Creates and applies one linear layer's weights in some format."""
 

@@ -36,7 +36,8 @@ from asyncengine import ops
 from asyncengine.distributed.parallel_state import tp_size
 from asyncengine.kernels.quant_reference import (FP8_DTYPE, Fp8Activation, dequantize_fp8, fp8_group_scales,
                                                  quantize_fp8)
-from asyncengine.quantization.base import LinearMethod, QuantizationConfig, set_weight_attrs
+from asyncengine.quantization.base import (LinearMethod, QuantizationConfig, quantized_after_loading,
+                                           set_weight_attrs, to_target_device)
 
 
 def _param(*shape: int, dtype: torch.dtype, **dims) -> nn.Parameter:
@@ -59,9 +60,9 @@ class Fp8LinearMethod(LinearMethod):
         if self.block is not None:
             self._create_block_weights(layer, in_per_rank, out_per_rank)
             return
-        if not self.serialized:
-            layer.register_parameter("weight", _param(out_per_rank, in_per_rank, dtype=dtype, output_dim=0,
-                                                      input_dim=1))
+        if not self.serialized:  # waits in host memory until its layer is loaded and quantized
+            layer.register_parameter("weight", quantized_after_loading(out_per_rank, in_per_rank, dtype=dtype,
+                                                                       output_dim=0, input_dim=1))
             return
         layer.register_parameter("weight", _param(out_per_rank, in_per_rank, dtype=FP8_DTYPE, output_dim=0,
                                                   input_dim=1))
@@ -102,7 +103,7 @@ class Fp8LinearMethod(LinearMethod):
             self._process_block_weights(layer)
             return
         if not self.serialized:
-            weight, scale = quantize_fp8(layer.weight.data, dim=-1)  # [N, K] fp8, [N, 1]
+            weight, scale = quantize_fp8(to_target_device(layer.weight), dim=-1)  # [N, K] fp8, [N, 1]
         else:  # per-tensor scales stay per row: fused shards keep their own (exact, no requantization)
             weight, scale = layer.weight.data, layer.weight_scale.data
             if torch.all(scale == scale[0]):  # one value after all: kernels may take the per-tensor form
