@@ -10,7 +10,10 @@ A plugin is a callable registered in a package's metadata under the group `async
 `registry.register_model(architecture, model_class)`: `architecture` is the name a checkpoint's config.json lists
 under "architectures"; `model_class(hf_config, dtype, max_positions)` must build an nn.Module with the interface of
 `asyncengine.models.llama.LlamaForCausalLM` (forward over a flat batch with paged KV, compute_logits(hidden,
-out=None) writing float32 logits into `out` when given, load_weights). A plugin that raises is reported by name and skipped; it never stops the engine from starting.
+out=None) writing float32 logits into `out` when given, load_weights(weights, loaded=None); `loaded` is optional: a
+family that takes it adds each written (parameter name, shard id) pair as it is written, so that its layers are
+processed, e.g. quantized, as soon as each is complete). A plugin that raises is reported by name and skipped; it
+never stops the engine from starting.
 """
 
 from __future__ import annotations

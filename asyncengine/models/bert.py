@@ -150,10 +150,11 @@ class BertModel(nn.Module):
         ".output.LayerNorm.": (".output_norm.", None),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
-        """Load (HF name, tensor) pairs; returns the (parameter name, shard id) pairs that were written."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     loaded: Optional[set[tuple[str, object]]] = None) -> set[tuple[str, object]]:
+        """As LlamaForCausalLM.load_weights: each written (parameter name, shard id) pair into `loaded`, returned."""
         params = dict(self.named_parameters())
-        loaded: set[tuple[str, object]] = set()
+        loaded = set() if loaded is None else loaded
         for hf_name, tensor in weights:
             name = _our_name(hf_name.removeprefix("bert."))
             if name is None:
@@ -208,10 +209,13 @@ class BertForSequenceClassification(nn.Module):
         """[B, hidden] [CLS] states -> [B, num_labels] logits (no activation: see pooler.score_activation)."""
         return self.classifier(torch.tanh(self.pooler(cls_hidden)))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
-        """`bert.*` into the encoder, `bert.pooler.dense.*` and `classifier.*` into the head."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     loaded: Optional[set[tuple[str, object]]] = None) -> set[tuple[str, object]]:
+        """`bert.*` into the encoder, `bert.pooler.dense.*` and `classifier.*` into the head (the encoder's pairs
+        reach `loaded` after the whole checkpoint)."""
         params = dict(self.named_parameters())
-        encoder_weights, loaded = [], set()
+        encoder_weights = []
+        loaded = set() if loaded is None else loaded
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("bert.")
             if name.startswith("pooler.dense.") or name.startswith("classifier."):
@@ -220,5 +224,5 @@ class BertForSequenceClassification(nn.Module):
                 loaded.add((name, None))
             else:
                 encoder_weights.append((hf_name, tensor))
-        loaded |= {(f"bert.{name}", shard) for name, shard in self.bert.load_weights(encoder_weights)}
+        loaded.update((f"bert.{name}", shard) for name, shard in self.bert.load_weights(encoder_weights))
         return loaded

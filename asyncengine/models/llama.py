@@ -222,10 +222,13 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
-        """Load (HF name, tensor) pairs; returns the (parameter name, shard id) pairs that were written."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     loaded: Optional[set[tuple[str, object]]] = None) -> set[tuple[str, object]]:
+        """Load (HF name, tensor) pairs. Each (parameter name, shard id) pair written is added to `loaded` (a new set
+        if None) as soon as it is written (the model loader passes a LayerwiseProcessing, which acts on them), and
+        `loaded` is returned."""
         params = dict(self.named_parameters())
-        loaded: set[tuple[str, object]] = set()
+        loaded = set() if loaded is None else loaded
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):

@@ -102,9 +102,11 @@ def load_model(model_config: ModelConfig, device: torch.device, max_positions: i
         if quant:  # tensors the format does not need (e.g. compressed-tensors' weight_shape)
             skipped = quant["quant_config"].skipped_checkpoint_tensors()
             weights = ((name, t) for name, t in weights if not (skipped and name.endswith(skipped)))
-        processing = LayerwiseProcessing(model)
-        for item in weights:  # one tensor at a time, so that each layer is processed as soon as it is complete
-            processing.record(model.load_weights([item]))
+        processing = LayerwiseProcessing(model)  # each layer processed as soon as it is complete
+        if "loaded" in inspect.signature(model.load_weights).parameters:
+            model.load_weights(weights, loaded=processing)
+        else:  # a plugin's family with load_weights(weights) alone: its layers are processed after the checkpoint
+            processing.update(model.load_weights(weights))
         missing = processing.missing()
         if missing:
             raise ValueError(f"checkpoint {model_config.path} lacks weights for: {', '.join(missing[:10])}")
@@ -127,36 +129,39 @@ def process_module(module: torch.nn.Module) -> None:
     module.weights_processed = True
 
 
-class LayerwiseProcessing:
-    """Processes each module (process_module) as soon as every shard of its parameters is loaded, instead of after
-    the whole checkpoint. With `--quantization fp8` the model-dtype weights wait in host memory
-    (quantization.base.quantized_after_loading) only until their layer is complete, so neither the accelerator nor
-    the host holds the unquantized model whole: a bf16 model larger than the GPU loads as FP8."""
+class LayerwiseProcessing(set):
+    """The set of (parameter name, shard id) pairs loaded so far, handed to the model's load_weights, which adds each
+    pair (`add` or `update`) as soon as it is written. Each module is processed (process_module) once every shard of
+    its parameters is in, instead of after the whole checkpoint. With `--quantization fp8` the model-dtype weights
+    wait in host memory (quantization.base.quantized_after_loading) only until their layer is complete, so neither
+    the accelerator nor the host holds the unquantized model whole: a bf16 model larger than the GPU loads as FP8."""
 
     def __init__(self, model: torch.nn.Module):
+        super().__init__()
         self.model = model
         self.expected = _expected_shards(model)
-        self.loaded: set[tuple[str, object]] = set()
         self.waiting: dict[str, set] = {}  # module name -> its parameters' shards not loaded yet
         for param_name, shard in self.expected:
             self.waiting.setdefault(_owner(param_name), set()).add((param_name, shard))
 
-    def record(self, written: set[tuple[str, object]]) -> None:
-        """`written`: the (parameter name, shard id) pairs one load_weights call wrote."""
-        self.loaded |= written
-        for param_name, shard in written:
-            owner = _owner(param_name)
-            waiting = self.waiting.get(owner)
-            if waiting is None:
-                continue
-            waiting.discard((param_name, shard))
+    def add(self, pair: tuple[str, object]) -> None:
+        super().add(pair)
+        owner = _owner(pair[0])
+        waiting = self.waiting.get(owner)
+        if waiting is not None:
+            waiting.discard(pair)
             if not waiting:
                 del self.waiting[owner]
                 process_module(self.model.get_submodule(owner))
 
+    def update(self, *pairs_iterables) -> None:
+        for pairs in pairs_iterables:
+            for pair in pairs:
+                self.add(pair)
+
     def missing(self) -> list[str]:
         """The shards no tensor filled, named for the error message."""
-        return sorted(n + (f"[{s}]" if s is not None else "") for n, s in self.expected - self.loaded)
+        return sorted(n + (f"[{s}]" if s is not None else "") for n, s in self.expected - self)
 
 
 def _owner(param_name: str) -> str:

@@ -260,9 +260,11 @@ def expert_target(name: str) -> Optional[tuple[str, object]]:
 class MoeLoadingMixin:
     """Loads expert weights itself and hands every other tensor to the Llama family's loader."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     loaded: Optional[set[tuple[str, object]]] = None) -> set[tuple[str, object]]:
+        """As LlamaForCausalLM.load_weights (`loaded` receives each written pair as it is written)."""
         params = dict(self.named_parameters())
-        loaded: set[tuple[str, object]] = set()
+        loaded = set() if loaded is None else loaded
 
         def dense_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for hf_name, tensor in weights:
@@ -278,8 +280,7 @@ class MoeLoadingMixin:
                 else:
                     loaded.add(target)
 
-        dense = super().load_weights(dense_weights())
-        return loaded | dense
+        return super().load_weights(dense_weights(), loaded)
 
 
 class MixtralForCausalLM(MoeLoadingMixin, LlamaForCausalLM):

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -22,8 +22,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"partial_rotary_factor {partial} is not supported for Phi-3 (only 1.0)")
         super().__init__(cfg, dtype, max_positions)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
-        return super().load_weights(self._split_fused(weights))
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     loaded: Optional[set[tuple[str, object]]] = None) -> set[tuple[str, object]]:
+        return super().load_weights(self._split_fused(weights), loaded)
 
     def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """Cut the fused qkv_proj / gate_up_proj tensors into the per-projection tensors llama's loader takes."""
