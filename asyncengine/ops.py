@@ -89,11 +89,12 @@ def rotary_embedding(positions, q, k, cos_sin_cache, head_dim: int):
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
-              group_size=None) -> torch.Tensor:
+              group_size=None, w13_zeros=None, w2_zeros=None) -> torch.Tensor:
     """Top-k mixture of gated-MLP experts (see reference.fused_moe): hidden [T, H] -> [T, H]; FP8 experts with
-    group scales when w13_scale / w2_scale are given. CPU takes the reference, which already groups the tokens by
-    expert."""
-    return _impl(hidden, "moe").fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_size)
+    group scales when w13_scale / w2_scale are given, int4 experts (int32 words) with scales and zero points. CPU
+    takes the reference, which already groups the tokens by expert."""
+    return _impl(hidden, "moe").fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_size,
+                                          w13_zeros, w2_zeros)
 
 
 def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool):

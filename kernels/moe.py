@@ -128,7 +128,8 @@ def _grouped_gemm_kernel(
     b_ptr,  # [E, N_OUT, K_DIM]: w13 or w2
     c_ptr,  # [N, N_OUT], row = assignment
     weights_ptr,  # [N] float32 routing weights (read when MUL_WEIGHT)
-    scale_ptr,  # [E, G, N_OUT] float32 group scales of an FP8 b (read when GROUP_SCALE)
+    scale_ptr,  # [E, G, N_OUT] group scales of an FP8 b (float32) or an int4 b (a's dtype)
+    zero_ptr,  # [E, G, N_OUT] zero points of an int4 b, in its scales' dtype (read when INT4)
     sorted_ids_ptr,  # [P] int32
     block_expert_ptr,  # [P / BLOCK_M] int32
     num_m_blocks,  # P / BLOCK_M
@@ -150,6 +151,7 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     GROUP_SCALE: tl.constexpr,  # b in FP8 e4m3 with group scales: each K tile's product times its group's scales
+    INT4: tl.constexpr,  # b packed int4 [E, N_OUT, K_DIM / 8] int32: each tile dequantized before its product
 ):
     """One [BLOCK_M, BLOCK_N] tile of C: BLOCK_M assignments of one expert times that expert's weight columns."""
     # Programs run in groups of GROUP_M row blocks sweeping the columns together, so an expert's weight tile is
@@ -172,12 +174,19 @@ def _grouped_gemm_kernel(
     col_valid = cols < n_out
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None]
+    b_cols = b_ptr + expert.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn  # [1, BLOCK_N]
+    b_ptrs = b_cols + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, k_dim, BLOCK_K):
         k_valid = ks < k_dim - k_start
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if INT4:  # each input's word, dequantized as the reference's weight, in a's dtype
+            b = _weight_tile(b_cols, k_start, k_dim, col_valid[None, :], ks[:, None], INT4)  # [BLOCK_K, BLOCK_N]
+            b = _dequantized(b, ks[:, None], scale_ptr + expert.to(tl.int64) * stride_se,
+                             zero_ptr + expert.to(tl.int64) * stride_se, k_start, group_size, n_out,
+                             cols[None, :], col_valid[None, :]).to(a.dtype)
+        else:
+            b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if DOT_F32:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
         else:
@@ -196,19 +205,23 @@ def _grouped_gemm_kernel(
 
 
 def _grouped_gemm(a, b, c, weights, sorted_ids, block_expert, a_row_div: int, tiles: TileConfig,
-                  scales: Optional[torch.Tensor] = None, group_size: int = 0) -> None:
+                  scales: Optional[torch.Tensor] = None, group_size: int = 0,
+                  zeros: Optional[torch.Tensor] = None) -> None:
     """c[i] = a[i // a_row_div] @ b[expert of i]^T (* weights[i] when given), for every assignment i; b in FP8
-    with group scales [E, G, N_OUT] when `scales` is given."""
-    n_out, k_dim = b.shape[1], b.shape[2]
+    with group scales [E, G, N_OUT] when `scales` is given, or packed int4 (int32 [E, N_OUT, K / 8]) with scales
+    and `zeros`."""
+    int4 = b.dtype == torch.int32
+    n_out, k_dim = b.shape[1], b.shape[2] * (8 if int4 else 1)
     grid = (block_expert.numel() * triton.cdiv(n_out, tiles.block_n),)
     _grouped_gemm_kernel[grid](
-        a, b, c, weights if weights is not None else c, scales if scales is not None else c, sorted_ids,
-        block_expert, block_expert.numel(), c.shape[0], n_out, k_dim,
+        a, b, c, weights if weights is not None else c, scales if scales is not None else c,
+        zeros if zeros is not None else c, sorted_ids, block_expert, block_expert.numel(), c.shape[0], n_out, k_dim,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0), scales.stride(0) if scales is not None else 0,
         group_size or 1,
         A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, DOT_F32=_dot_f32(a), PRECISION=_precision(),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=_within_group(tiles.block_k, group_size), GROUP_M=8,
-        GROUP_SCALE=scales is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        GROUP_SCALE=scales is not None and not int4, INT4=int4, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
@@ -488,17 +501,36 @@ def decode_config(hidden_size: int, inter: int, top_k: int, tokens: int) -> Deco
 
 
 @triton.jit
-def _weight_tile(rows, k_start, k_dim, row_valid, BLOCK_K: tl.constexpr):
-    """rows: [BLOCK_N, 1] pointers to weight rows -> their [BLOCK_N, BLOCK_K] tile at inputs k_start ... (zeros
-    past k_dim or outside the valid rows), in the weight's dtype."""
-    ks = k_start + tl.arange(0, BLOCK_K)
-    return tl.load(rows + ks[None, :], mask=row_valid[:, None] & (ks < k_dim)[None, :], other=0.0)
+def _weight_tile(rows, k_start, k_dim, row_valid, ks, INT4: tl.constexpr):
+    """rows: pointers to weight rows (one per output column), row_valid alike; ks: the tile's input offsets
+    0 .. BLOCK_K - 1, broadcast against them -> the tile at inputs k_start + ks (zeros past k_dim or outside the
+    valid rows), in the weight's dtype. INT4: rows of packed int32 words (8 inputs a word), each input's word
+    (_dequantized takes its nibble)."""
+    k = k_start + ks
+    offsets = k // 8 if INT4 else k
+    return tl.load(rows + offsets, mask=row_valid & (k < k_dim), other=0.0)
 
 
 @triton.jit
-def _scaled(w, expert_scales, k_start, group_size, n_out, cols, col_valid, GROUP_SCALE: tl.constexpr):
-    """A weight tile [BLOCK_N, BLOCK_K] (rows `cols` of a [n_out, ...] weight, inputs k_start ...) in float32, times
-    its group's scales when GROUP_SCALE (expert_scales: the expert's [G, n_out]; the tile lies in one group)."""
+def _dequantized(words, ks, expert_scales, expert_zeros, k_start, group_size, n_out, cols, col_valid):
+    """An int4 tile of _weight_tile (the words at input offsets ks; cols and col_valid shaped to broadcast against
+    them) -> (q - zero) * scale in float32, with its group's scales and zero points ([G, n_out] of the expert; the
+    tile lies in one group)."""
+    q = ((words >> ((ks % 8) * 4)) & 0xF).to(tl.float32)
+    scale = group_scale(expert_scales, k_start, cols, col_valid, n_out, group_size).to(tl.float32)
+    zero = group_scale(expert_zeros, k_start, cols, col_valid, n_out, group_size).to(tl.float32)
+    return (q - zero) * scale
+
+
+@triton.jit
+def _scaled(w, ks, expert_scales, expert_zeros, k_start, group_size, n_out, cols, col_valid,
+            GROUP_SCALE: tl.constexpr, INT4: tl.constexpr):
+    """A weight tile [BLOCK_N, BLOCK_K] (rows `cols` of a [n_out, ...] weight, inputs k_start + ks) in float32:
+    times its group's scales when GROUP_SCALE (FP8; expert_scales: the expert's [G, n_out]; the tile lies in one
+    group), dequantized when INT4 (_dequantized)."""
+    if INT4:
+        return _dequantized(w, ks, expert_scales, expert_zeros, k_start, group_size, n_out, cols[:, None],
+                            col_valid[:, None])
     w = w.to(tl.float32)
     if GROUP_SCALE:
         w = w * group_scale(expert_scales, k_start, cols, col_valid, n_out, group_size)[:, None]
@@ -508,10 +540,11 @@ def _scaled(w, expert_scales, k_start, group_size, n_out, cols, col_valid, GROUP
 @triton.jit
 def _gate_up_act_kernel(
     x_ptr,  # [T, H]
-    w13_ptr,  # [E, 2I, H]
+    w13_ptr,  # [E, 2I, H], or int4 [E, 2I, H / 8] int32 (INT4)
     ids_ptr,  # [N] expert of each assignment (topk_ids flattened)
     act_ptr,  # [N, I]
-    scale_ptr,  # [E, G, 2I] float32 group scales of an FP8 w13 (GROUP_SCALE)
+    scale_ptr,  # [E, G, 2I] group scales of an FP8 w13 (GROUP_SCALE, float32) or an int4 one (INT4)
+    zero_ptr,  # [E, G, 2I] zero points of an int4 w13 (INT4)
     hidden_size,
     inter,
     stride_x,
@@ -526,6 +559,7 @@ def _gate_up_act_kernel(
     LOAD_AHEAD: tl.constexpr,  # GemvTiles.load_ahead
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and x
     GROUP_SCALE: tl.constexpr,  # w13 in FP8 e4m3: each weight tile times its group's scales (BLOCK_K divides one)
+    INT4: tl.constexpr,  # w13 packed int4: each weight tile dequantized with its group's scales and zero points
 ):
     """act[i, cols] for assignment i = (token i // TOP_K, expert ids[i]) and one block of intermediate columns."""
     wait_for_prior_grids(USE_PDL)
@@ -542,21 +576,26 @@ def _gate_up_act_kernel(
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     # With LOAD_AHEAD the loop carries the next step's weight tiles: their loads are issued before this step's
     # math, two steps in flight per thread (Triton does not software-pipeline loads that feed no tl.dot).
+    tile_ks = tl.arange(0, BLOCK_K)[None, :]
+    valid = col_valid[:, None]
     if LOAD_AHEAD:
-        gate_w = _weight_tile(gate_rows, 0, hidden_size, col_valid, BLOCK_K)
-        up_w = _weight_tile(up_rows, 0, hidden_size, col_valid, BLOCK_K)
+        gate_w = _weight_tile(gate_rows, 0, hidden_size, valid, tile_ks, INT4)
+        up_w = _weight_tile(up_rows, 0, hidden_size, valid, tile_ks, INT4)
     scales = scale_ptr + expert * stride_se  # this expert's [G, 2I]
+    zeros = zero_ptr + expert * stride_se
     for k_start in range(0, hidden_size, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < hidden_size, other=0.0).to(tl.float32)[None, :]
         if LOAD_AHEAD:
-            next_gate = _weight_tile(gate_rows, k_start + BLOCK_K, hidden_size, col_valid, BLOCK_K)
-            next_up = _weight_tile(up_rows, k_start + BLOCK_K, hidden_size, col_valid, BLOCK_K)
+            next_gate = _weight_tile(gate_rows, k_start + BLOCK_K, hidden_size, valid, tile_ks, INT4)
+            next_up = _weight_tile(up_rows, k_start + BLOCK_K, hidden_size, valid, tile_ks, INT4)
         else:
-            gate_w = _weight_tile(gate_rows, k_start, hidden_size, col_valid, BLOCK_K)
-            up_w = _weight_tile(up_rows, k_start, hidden_size, col_valid, BLOCK_K)
-        gate += _scaled(gate_w, scales, k_start, group_size, 2 * inter, cols, col_valid, GROUP_SCALE) * x
-        up += _scaled(up_w, scales, k_start, group_size, 2 * inter, inter + cols, col_valid, GROUP_SCALE) * x
+            gate_w = _weight_tile(gate_rows, k_start, hidden_size, valid, tile_ks, INT4)
+            up_w = _weight_tile(up_rows, k_start, hidden_size, valid, tile_ks, INT4)
+        gate += _scaled(gate_w, tile_ks, scales, zeros, k_start, group_size, 2 * inter, cols, col_valid, GROUP_SCALE,
+                        INT4) * x
+        up += _scaled(up_w, tile_ks, scales, zeros, k_start, group_size, 2 * inter, inter + cols, col_valid,
+                      GROUP_SCALE, INT4) * x
         if LOAD_AHEAD:
             gate_w, up_w = next_gate, next_up
     # Rounded where the reference rounds: the projections' outputs, then silu(gate) (as activation.silu_and_mul).
@@ -570,13 +609,14 @@ def _gate_up_act_kernel(
 @triton.jit
 def _down_reduce_kernel(
     act_ptr,  # [N, I]
-    w2_ptr,  # [E, H, I]
+    w2_ptr,  # [E, H, I], or int4 [E, H, I / 8] int32 (INT4)
     ids_ptr,  # [N]
     weights_ptr,  # [N] float32
     partial_ptr,  # [N, H] float32 workspace: each assignment's weighted output
     counter_ptr,  # [T * cdiv(H, BLOCK_N)] int32 arrival counters, zero before and after every call
     out_ptr,  # [T, H]
-    scale_ptr,  # [E, G, H] float32 group scales of an FP8 w2 (GROUP_SCALE)
+    scale_ptr,  # [E, G, H] group scales of an FP8 w2 (GROUP_SCALE, float32) or an int4 one (INT4)
+    zero_ptr,  # [E, G, H] zero points of an int4 w2 (INT4)
     hidden_size,
     inter,
     stride_act,
@@ -591,6 +631,7 @@ def _down_reduce_kernel(
     LOAD_AHEAD: tl.constexpr,  # GemvTiles.load_ahead
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and act
     GROUP_SCALE: tl.constexpr,  # w2 in FP8 e4m3, as gate_up_act's w13
+    INT4: tl.constexpr,  # w2 packed int4, as gate_up_act's w13
 ):
     """partial[i, cols] = weight[i] * (act[i] @ w2[ids[i]]^T)[cols] for one assignment i; the last of a token's
     TOP_K programs on these columns to arrive sums its partials in the order k = 0 .. TOP_K - 1 (so the result
@@ -605,17 +646,21 @@ def _down_reduce_kernel(
     rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     act_row = act_ptr + assignment.to(tl.int64) * stride_act
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
+    tile_js = tl.arange(0, BLOCK_K)[None, :]
+    valid = col_valid[:, None]
     if LOAD_AHEAD:  # each step's tile loaded a step ahead, as in gate_up_act
-        w = _weight_tile(rows, 0, inter, col_valid, BLOCK_K)
+        w = _weight_tile(rows, 0, inter, valid, tile_js, INT4)
     scales = scale_ptr + expert * stride_se  # this expert's [G, H]
+    zeros = zero_ptr + expert * stride_se
     for j_start in range(0, inter, BLOCK_K):
         js = j_start + tl.arange(0, BLOCK_K)
         a = tl.load(act_row + js, mask=js < inter, other=0.0).to(tl.float32)[None, :]
         if LOAD_AHEAD:
-            next_w = _weight_tile(rows, j_start + BLOCK_K, inter, col_valid, BLOCK_K)
+            next_w = _weight_tile(rows, j_start + BLOCK_K, inter, valid, tile_js, INT4)
         else:
-            w = _weight_tile(rows, j_start, inter, col_valid, BLOCK_K)
-        acc += _scaled(w, scales, j_start, group_size, hidden_size, cols, col_valid, GROUP_SCALE) * a
+            w = _weight_tile(rows, j_start, inter, valid, tile_js, INT4)
+        acc += _scaled(w, tile_js, scales, zeros, j_start, group_size, hidden_size, cols, col_valid, GROUP_SCALE,
+                       INT4) * a
         if LOAD_AHEAD:
             w = next_w
     # the expert's output rounds to the dtype (as the reference's projection), then weighs in float32
@@ -636,12 +681,13 @@ def _down_reduce_kernel(
 
 
 def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optional[DecodeConfig] = None,
-                      w13_scale=None, w2_scale=None, group_size: int = 0):
+                      w13_scale=None, w2_scale=None, group_size: int = 0, w13_zeros=None, w2_zeros=None):
     """weights, ids: [N] flattened routing. Two launches whatever the routing; config: tiles for this call
     (default: `decode_config`; with group scales each K tile cut to divide the group). Calls must not overlap on
     two streams (they share the arrival counters)."""
+    int4 = w13.dtype == torch.int32
     tokens, size = hidden.shape
-    num, inter = ids.numel(), w2.shape[2]
+    num, inter = ids.numel(), w2.shape[2] * (8 if int4 else 1)
     config = config or decode_config(size, inter, top_k, tokens)
     up, down = config.gate_up, config.down
     col_blocks = triton.cdiv(size, down.block_n)
@@ -653,87 +699,115 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)
     grouped = w13_scale is not None
     _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
-        hidden, w13, ids, act, w13_scale if grouped else act, size, inter, hidden.stride(0), w13.stride(0),
-        w13.stride(1), act.stride(0), w13_scale.stride(0) if grouped else 0, group_size or 1,
-        TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=_within_group(up.block_k, group_size), LOAD_AHEAD=up.load_ahead,
-        USE_PDL=pdl, GROUP_SCALE=grouped, num_warps=up.num_warps, launch_pdl=pdl,
+        hidden, w13, ids, act, w13_scale if grouped else act, w13_zeros if int4 else act, size, inter,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), w13_scale.stride(0) if grouped else 0,
+        group_size or 1, TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=_within_group(up.block_k, group_size),
+        LOAD_AHEAD=up.load_ahead, USE_PDL=pdl, GROUP_SCALE=grouped and not int4, INT4=int4, num_warps=up.num_warps,
+        launch_pdl=pdl,
     )  # fmt: skip
     partial = torch.empty((num, size), dtype=torch.float32, device=hidden.device)
     out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
     _down_reduce_kernel[(num, col_blocks)](
-        act, w2, ids, weights, partial, arrivals, out, w2_scale if grouped else out, size, inter, act.stride(0),
-        w2.stride(0), w2.stride(1), out.stride(0), w2_scale.stride(0) if grouped else 0, group_size or 1,
-        TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=_within_group(down.block_k, group_size),
-        LOAD_AHEAD=down.load_ahead, USE_PDL=pdl, GROUP_SCALE=grouped, num_warps=down.num_warps, launch_pdl=pdl,
+        act, w2, ids, weights, partial, arrivals, out, w2_scale if grouped else out, w2_zeros if int4 else out,
+        size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        w2_scale.stride(0) if grouped else 0, group_size or 1, TOP_K=top_k, BLOCK_N=down.block_n,
+        BLOCK_K=_within_group(down.block_k, group_size), LOAD_AHEAD=down.load_ahead, USE_PDL=pdl,
+        GROUP_SCALE=grouped and not int4, INT4=int4, num_warps=down.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
 
-def _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, group_size=None) -> None:
+def expert_shapes(w13: torch.Tensor, w2: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The logical shapes [E, 2I, H] and [E, H, I] of the experts' weights (packed int4, int32, holds 8 inputs a
+    word along its last dimension)."""
+    def logical(w):
+        return (*w.shape[:-1], w.shape[-1] * 8) if w.dtype == torch.int32 else tuple(w.shape)
+
+    return logical(w13), logical(w2)
+
+
+def _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, group_size=None,
+                  w13_zeros=None, w2_zeros=None) -> None:
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("hidden must be [T, H], w13 [E, 2I, H] and w2 [E, H, I]")
-    experts, two_inter, size = w13.shape
-    if size != hidden.shape[1] or two_inter % 2 or w2.shape != (experts, size, two_inter // 2):
+    (experts, two_inter, size), w2_shape = expert_shapes(w13, w2)
+    if size != hidden.shape[1] or two_inter % 2 or w2_shape != (experts, size, two_inter // 2):
         raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit hidden "
-                         f"{tuple(hidden.shape)}: need w13 [E, 2I, H] and w2 [E, H, I]")  # fmt: skip
+                         f"{tuple(hidden.shape)}: need w13 [E, 2I, H] and w2 [E, H, I] (int4: the last "
+                         "dimension packed 8 a word)")  # fmt: skip
     if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != hidden.shape[0]:
         raise ValueError("topk_weights and topk_ids must both be [T, K] for hidden [T, H]")
     contiguous = hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
-    if w13_scale is not None:
-        _check_group_scales(w13, w2, w13_scale, w2_scale, group_size)
+    if w13.dtype == torch.int32 or w2.dtype == torch.int32:
+        _check_group_scales(w13, w2, w13_scale, w2_scale, group_size, torch.int32, hidden.dtype)
+        _check_group_scales(w13, w2, w13_zeros, w2_zeros, group_size, torch.int32, hidden.dtype, "zeros")
+    elif w13_scale is not None:
+        _check_group_scales(w13, w2, w13_scale, w2_scale, group_size, torch.float8_e4m3fn, torch.float32)
     elif not w13.dtype == hidden.dtype == w2.dtype:
-        raise ValueError("hidden and the expert weights need one dtype (or FP8 weights with group scales)")
+        raise ValueError("hidden and the expert weights need one dtype (or FP8 or int4 weights with group scales)")
     if not contiguous:
         raise ValueError("hidden and the expert weights need contiguous last dimensions")
 
 
-def _check_group_scales(w13, w2, w13_scale, w2_scale, group_size) -> None:
-    """FP8 experts: e4m3 weights, float32 group scales w13 [E, ceil(H / g), 2I] and w2 [E, ceil(I / g), H], g a
-    multiple of 16; each a ValueError naming what is wrong."""
-    experts, two_inter, size = w13.shape
-    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"group scales apply to FP8 e4m3 expert weights, got {w13.dtype} / {w2.dtype}")
+def _check_group_scales(w13, w2, w13_scale, w2_scale, group_size, weight_dtype, scale_dtype,
+                        what: str = "scale") -> None:
+    """Quantized experts: weights in weight_dtype (e4m3, or int32 words of packed int4), group scales (or int4's
+    zero points) in scale_dtype, w13 [E, ceil(H / g), 2I] and w2 [E, ceil(I / g), H], g a multiple of 16; each a
+    ValueError naming what is wrong."""
+    (experts, two_inter, size), _ = expert_shapes(w13, w2)
+    if w13.dtype != weight_dtype or w2.dtype != weight_dtype:
+        kind = "FP8 e4m3" if weight_dtype == torch.float8_e4m3fn else "int4 (int32 words)"
+        raise ValueError(f"group {what}s apply to {kind} expert weights, got {w13.dtype} / {w2.dtype}")
     if not group_size or group_size % 16:
         raise ValueError(f"the experts' scale group size must be a multiple of 16, got {group_size}")
-    expected = {"w13_scale": (experts, triton.cdiv(size, group_size), two_inter),
-                "w2_scale": (experts, triton.cdiv(two_inter // 2, group_size), size)}
-    for name, scales in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-        if scales is None or tuple(scales.shape) != expected[name] or scales.dtype != torch.float32 \
+    expected = {f"w13_{what}": (experts, triton.cdiv(size, group_size), two_inter),
+                f"w2_{what}": (experts, triton.cdiv(two_inter // 2, group_size), size)}
+    for name, scales in ((f"w13_{what}", w13_scale), (f"w2_{what}", w2_scale)):
+        if scales is None or tuple(scales.shape) != expected[name] or scales.dtype != scale_dtype \
                 or not scales.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 {list(expected[name])}, got "
+            raise ValueError(f"{name} must be contiguous {str(scale_dtype).removeprefix('torch.')} "
+                             f"{list(expected[name])}, got "
                              f"{None if scales is None else (list(scales.shape), scales.dtype)}")
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-              w2_scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None) -> torch.Tensor:
+              w2_scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None,
+              w13_zeros: Optional[torch.Tensor] = None, w2_zeros: Optional[torch.Tensor] = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H] ([gate | up]), w2 [E, H, I], topk_weights / topk_ids [T, K] -> new [T, H]:
     the decode kernels up to DECODE_MAX_TOKENS tokens, the grouped GEMMs above. FP8 experts: w13 / w2 in e4m3 with
-    group scales (reference.fused_moe), applied per weight tile, x unquantized."""
-    _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_size)
+    group scales (reference.fused_moe), applied per weight tile, x unquantized. Int4 experts: w13 / w2 packed
+    int4 (int32 [E, 2I, H / 8] and [E, H, I / 8]) with group scales and zero points in hidden's dtype
+    (reference.fused_moe), each weight tile dequantized in the kernel."""
+    _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_size, w13_zeros, w2_zeros)
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.empty((0, hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
     if tokens <= DECODE_MAX_TOKENS:
         weights = topk_weights.reshape(-1).float().contiguous()  # [N]
         return _fused_moe_decode(hidden, w13, w2, weights, topk_ids.reshape(-1).contiguous(), top_k, None,
-                                 w13_scale, w2_scale, group_size or 0)
-    return fused_moe_grouped(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_size)
+                                 w13_scale, w2_scale, group_size or 0, w13_zeros, w2_zeros)
+    return fused_moe_grouped(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, group_size, w13_zeros,
+                             w2_zeros)
 
 
 def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-                      w2_scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None) -> torch.Tensor:
+                      w2_scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None,
+                      w13_zeros: Optional[torch.Tensor] = None, w2_zeros: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
     """As fused_moe, through the grouped GEMMs whatever the batch size (inputs checked by the caller)."""
     tokens, top_k = topk_ids.shape
-    num_experts, inter, size = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
+    (num_experts, two_inter, size), _ = expert_shapes(w13, w2)
+    inter = two_inter // 2
     num = tokens * top_k
     weights = topk_weights.reshape(-1).float().contiguous()  # [N]
     tiles = tile_config(num, num_experts, hidden.element_size())
     sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tiles.block_m)
     gate_up = torch.empty((num, 2 * inter), dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(hidden, w13, gate_up, None, sorted_ids, block_expert, top_k, tiles, w13_scale, group_size or 0)
+    _grouped_gemm(hidden, w13, gate_up, None, sorted_ids, block_expert, top_k, tiles, w13_scale, group_size or 0,
+                  w13_zeros)
     act = activation.silu_and_mul(gate_up)  # [N, I]
     down = torch.empty((num, size), dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(act, w2, down, weights, sorted_ids, block_expert, 1, tiles, w2_scale, group_size or 0)
+    _grouped_gemm(act, w2, down, weights, sorted_ids, block_expert, 1, tiles, w2_scale, group_size or 0, w2_zeros)
     return down.view(tokens, top_k, size).sum(dim=1)  # [T, H]; sum accumulates in float32, rounds once

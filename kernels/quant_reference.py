@@ -66,6 +66,13 @@ def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
     return ((q.to(scales.dtype) - zeros[group]) * scales[group]).to(scales.dtype)
 
 
+def dequantize_packed_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                           bits: int = 4) -> torch.Tensor:
+    """W as rows [N, K] in the scales' dtype from qweight [N, K // pack] (each row's inputs packed along it: the
+    module docstring's layout transposed, as the fused MoE kernels read each expert) and scales / zeros [G, N]."""
+    return dequantize_packed(qweight.t(), scales, zeros, group_size, bits).t()
+
+
 def int_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       group_size: int, bits: int = 4, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x: [M, K] -> x @ W (+ bias): [M, N] in x's dtype (products summed in float32)."""

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .quant_reference import dequantize_fp8_groups
+from .quant_reference import dequantize_fp8_groups, dequantize_packed_rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -317,7 +317,8 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
-              w2_scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None) -> torch.Tensor:
+              w2_scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None,
+              w13_zeros: Optional[torch.Tensor] = None, w2_zeros: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Mixture of gated-MLP experts: each token through its top-k experts, outputs summed with routing weights.
 
     hidden: [T, H]; w13: [E, 2I, H] laid out as [gate | up] along dim 1; w2: [E, H, I];
@@ -328,8 +329,15 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     FP8 experts (block-wise checkpoints): w13 / w2 in e4m3 with group scales w13_scale [E, ceil(H / g), 2I] and
     w2_scale [E, ceil(I / g), H], g = group_size (quant_reference.dequantize_fp8_groups), each used expert's weights
     dequantized to hidden's dtype first.
+    Int4 experts (GPTQ / AWQ checkpoints): w13 [E, 2I, H / 8] and w2 [E, H, I / 8] int32, each row's inputs packed
+    8 a word (quant_reference's packed layout along the rows: dequantize_packed_rows), with group scales and zero
+    points w13_zeros / w2_zeros of the same shapes as FP8's scales (in hidden's dtype in the kernels), each used
+    expert's weights dequantized in the scales' dtype, then cast to hidden's.
     """
     def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if w13_zeros is not None:
+            return (dequantize_packed_rows(w13[e], w13_scale[e], w13_zeros[e], group_size).to(hidden.dtype),
+                    dequantize_packed_rows(w2[e], w2_scale[e], w2_zeros[e], group_size).to(hidden.dtype))
         if w13_scale is None:
             return w13[e], w2[e]
         return (dequantize_fp8_groups(w13[e], w13_scale[e], group_size, hidden.dtype),

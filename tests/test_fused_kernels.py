@@ -540,16 +540,21 @@ kernels = [
      dict(BLOCK_H=4096, QUANT=True, FP8_MAX_VALUE=448.0)),
     (activation._silu_and_mul_kernel, dict(fp8_ptr=fp8, fp8_scale_ptr=f32, min_scale="fp32"),
      dict(BLOCK=16384, QUANT=True, FP8_MAX_VALUE=448.0)),
-    # the MoE decode kernels on bf16 experts, and on FP8 experts with group scales (block-wise checkpoints)
+    # the MoE decode kernels on bf16 experts, on FP8 experts with group scales (block-wise checkpoints), and on
+    # int4 experts (GPTQ / AWQ)
     (moe._gate_up_act_kernel, dict(ids_ptr=i64, scale_ptr=f32),
-     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, LOAD_AHEAD=True, GROUP_SCALE=False)),
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, LOAD_AHEAD=True, GROUP_SCALE=False, INT4=False)),
     (moe._down_reduce_kernel, dict(ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32, scale_ptr=f32),
-     dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False)),
+     dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=False)),
     (moe._gate_up_act_kernel, dict(w13_ptr=fp8, ids_ptr=i64, scale_ptr=f32),
-     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128, LOAD_AHEAD=True, GROUP_SCALE=True)),
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128, LOAD_AHEAD=True, GROUP_SCALE=True, INT4=False)),
     (moe._down_reduce_kernel, dict(w2_ptr=fp8, ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32,
                                    scale_ptr=f32), dict(TOP_K=8, BLOCK_N=32, BLOCK_K=128, LOAD_AHEAD=False,
-                                                        GROUP_SCALE=True)),
+                                                        GROUP_SCALE=True, INT4=False)),
+    (moe._gate_up_act_kernel, dict(w13_ptr=i32, ids_ptr=i64),
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128, LOAD_AHEAD=True, GROUP_SCALE=False, INT4=True)),
+    (moe._down_reduce_kernel, dict(w2_ptr=i32, ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32),
+     dict(TOP_K=8, BLOCK_N=32, BLOCK_K=128, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=True)),
 ]
 ok = [compile_kernel(*k) for k in kernels]
 print("with griddepcontrol", sum(ok), "of", len(ok))
@@ -585,14 +590,17 @@ def gemv_loads_before_wait(entry, early):
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     return sum("ld.global" in line for line in lines[:wait])
 print("gemv loads before its wait", [gemv_loads_before_wait(kernels[i], early) for i in (8, 10) for early in (True, False)])
-# the MoE grouped GEMM (prefill; no PDL) on FP8 experts with group scales
+# the MoE grouped GEMM (prefill; no PDL) on FP8 experts with group scales, and on int4 experts
 grouped = moe._grouped_gemm_kernel
-grouped_ptx = triton.compile(ASTSource(grouped, {a: "constexpr" if a.isupper() else dict(
-    b_ptr=fp8, weights_ptr=f32, scale_ptr=f32, sorted_ids_ptr=i32, block_expert_ptr=i32).get(
-    a, "*bf16" if a.endswith("_ptr") else "i32") for a in grouped.arg_names}, dict(
-    A_ROW_DIV=8, MUL_WEIGHT=True, DOT_F32=False, PRECISION="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
-    GROUP_SCALE=True)), target=target).asm["ptx"]
-print("moe grouped fp8 mma", "mma.sync" in grouped_ptx or "wgmma" in grouped_ptx)
+def grouped_ptx(weight_type, scale_type, **constants):
+    return triton.compile(ASTSource(grouped, {a: "constexpr" if a.isupper() else dict(
+        b_ptr=weight_type, weights_ptr=f32, scale_ptr=scale_type, sorted_ids_ptr=i32, block_expert_ptr=i32).get(
+        a, "*bf16" if a.endswith("_ptr") else "i32") for a in grouped.arg_names}, dict(
+        A_ROW_DIV=8, MUL_WEIGHT=True, DOT_F32=False, PRECISION="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
+        GROUP_M=8, **constants)), target=target).asm["ptx"]
+for name, ptx in (("fp8", grouped_ptx(fp8, f32, GROUP_SCALE=True, INT4=False)),
+                  ("int4", grouped_ptx(i32, bf16, GROUP_SCALE=False, INT4=True))):
+    print(f"moe grouped {name} mma", "mma.sync" in ptx or "wgmma" in ptx)
 # block-wise FP8's other kernels: the GEMV's tl.dot path with group scales (M > 1) and the dequantize above it
 gemv_dot = dict(kernels[10][2], USE_DOT=True, FP8_WORDS=False, LOAD_AHEAD=False, E4M3_PTX=False, BLOCK_M=16,
                 BLOCK_K=128, GROUP_SCALE=True, EARLY_TILE=False)
@@ -617,21 +625,21 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     pdl.EARLY_LAUNCH_KERNELS names (rule 3; those writing an FP8 copy excepted) and after it elsewhere; the GEMV
     prefetches; the GEMV's FMA paths load their first weight tile before the wait (and none without
     EARLY_TILE); and a bar.sync separates the stores and loads of one program that other threads of it read back
-    (run 51 found the one-split merge without it); the MoE kernels on FP8 experts with group scales compile (the
-    grouped GEMM's product on the tensor cores). About a minute on 2 loaded cores (a fresh Triton cache)."""
+    (run 51 found the one-split merge without it); the MoE kernels on FP8 experts with group scales and on int4
+    experts compile (the grouped GEMM's product on the tensor cores). About a minute on 2 loaded cores (a fresh Triton cache)."""
     import subprocess
     import sys
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
-    assert "with griddepcontrol 19 of 19" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "with griddepcontrol 21 of 21" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     assert "barriers [True, True, True, True]" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     preloads = int(run.stdout.split("decode loads before its wait")[1].split()[0])
     assert preloads >= 4, run.stdout[-3000:]  # metadata, block table, K and V tiles
     int4_early, int4_late, fp8_early, fp8_late = (int(v) for v in run.stdout.split("gemv loads before its wait [")[1]
                                                   .split("]")[0].split(","))
     assert int4_early > 0 and fp8_early > 0 and int4_late == fp8_late == 0, run.stdout[-3000:]
-    assert "moe grouped fp8 mma True" in run.stdout, run.stdout[-3000:]
+    assert "moe grouped fp8 mma True" in run.stdout and "moe grouped int4 mma True" in run.stdout, run.stdout[-3000:]
     assert "fp8 group gemv dot mma True dequantize True" in run.stdout, run.stdout[-3000:]
 
 

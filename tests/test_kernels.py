@@ -863,6 +863,53 @@ def test_fused_moe_checks_fp8_experts_group_scales_by_name():
         moe.fused_moe(x, w13.float(), w2.float(), weights, ids, s13, s2, group)
 
 
+def make_int4_moe(tokens, experts, top_k, hidden, inter, group, dtype=torch.float32, device=DEVICE,
+                  symmetric=False):
+    """make_moe's inputs with the experts in packed int4 (GPTQ / AWQ checkpoints after loading: each row's inputs 8
+    a word, int32 [E, N, K / 8]; scales and zero points [E, G, N] in `dtype`, quant_reference.quantize_int_weight):
+    (x, w13, w2, weights, ids, w13_scale, w2_scale, group, w13_zeros, w2_zeros)."""
+    from asyncengine.kernels.quant_reference import quantize_int_weight
+
+    x, w13, w2, weights, ids = make_moe(tokens, experts, top_k, hidden, inter, torch.float32, device)
+
+    def quantize(w):  # [E, N, K] -> (int32 [E, N, K / 8], scales [E, G, N], zeros [E, G, N])
+        parts = [quantize_int_weight(w[e].t(), group, symmetric=symmetric) for e in range(w.shape[0])]
+        q = torch.stack([p[0].t().contiguous() for p in parts])
+        return q, torch.stack([p[1] for p in parts]).to(dtype), torch.stack([p[2] for p in parts]).to(dtype)
+
+    (w13, s13, z13), (w2, s2, z2) = quantize(w13), quantize(w2)
+    return x.to(dtype), w13, w2, weights, ids, s13, s2, group, z13, z2
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("path, case", [("grouped", "few-tokens-many-experts"), ("decode", "few-tokens-many-experts"),
+                                        ("grouped", "prefill-tiles"), ("decode", "decode-top2")])
+@pytest.mark.parametrize("group, symmetric", [(16, False), (32, True)])
+def test_fused_moe_with_int4_experts_matches_reference(dtype, path, case, group, symmetric, monkeypatch):
+    """Int4 experts (GPTQ / AWQ mixtures of experts) through the grouped GEMMs and the decode kernels, each weight
+    tile dequantized with its group's scales and zero points, against the reference dequantizing each expert;
+    asymmetric groups of 16 and symmetric ones of 32 inputs."""
+    from asyncengine.kernels import moe, reference
+
+    force_moe_path(monkeypatch, path)
+    args = make_int4_moe(*MOE_CASES[case], group, dtype, symmetric=symmetric)  # H, I: multiples of 8, not of 32
+    out, ref = moe.fused_moe(*args), reference.fused_moe(*args)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert rel_error(out, ref) < (1e-5 if dtype == torch.float32 else MOE_BF16_REL_ERROR)
+
+
+def test_fused_moe_checks_int4_experts_scales_and_zeros_by_name():
+    from asyncengine.kernels import moe
+
+    x, w13, w2, weights, ids, s13, s2, group, z13, z2 = make_int4_moe(3, 4, 2, 32, 16, 16)
+    with pytest.raises(ValueError, match="w2_zeros must be contiguous"):
+        moe.fused_moe(x, w13, w2, weights, ids, s13, s2, group, z13, None)
+    with pytest.raises(ValueError, match="w13_scale must be contiguous float32"):
+        moe.fused_moe(x, w13, w2, weights, ids, s13.half(), s2, group, z13, z2)
+    with pytest.raises(ValueError, match="do not fit hidden"):
+        moe.fused_moe(x, w13[:, :, :2].contiguous(), w2, weights, ids, s13, s2, group, z13, z2)
+
+
 def test_fused_moe_rejects_mismatched_shapes():
     from asyncengine.kernels import moe
 
