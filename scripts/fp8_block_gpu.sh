@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ ${TESTS:-} != none ]]; then
   timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -m gpu tests/test_gpu_quant.py tests/test_kernels.py -k \
-    "block_wise or decode_gemv or fp8_words or online_fp8 or fp8_experts or fused_moe_at_real or never_holds" \
+    "block_wise or decode_gemv or fp8_words or online_fp8 or fp8_experts or int4_experts or fused_moe_at_real or never_holds" \
     -p no:cacheprovider -rfE --tb=short 2>&1 | grep -v "rope_parameters\|Loading weights" > "$OUT/gpu_tests.log"
   tail -4 "$OUT/gpu_tests.log"
   grep -q " passed" "$OUT/gpu_tests.log" || echo "GPU TESTS: NONE PASSED (none selected, or all failed)"

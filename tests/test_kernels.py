@@ -967,6 +967,24 @@ def test_gpu_fused_moe_with_fp8_experts_at_real_expert_shapes(shape, tokens):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
+@pytest.mark.parametrize("tokens", [1, 8, 16, 64, 1000])  # the decode kernels, then the grouped GEMMs
+def test_gpu_fused_moe_with_int4_experts_at_real_expert_shapes(shape, tokens):
+    """Int4 experts (GPTQ / AWQ, groups of 128, asymmetric), bf16 activations, scales and zero points, against the
+    reference dequantizing each expert and multiplying in float32."""
+    from asyncengine.kernels import moe, reference
+
+    experts, top_k, hidden, inter = MOE_SHAPES[shape]
+    x, w13, w2, weights, ids, s13, s2, group, z13, z2 = make_int4_moe(tokens, experts, top_k, hidden, inter, 128,
+                                                                      torch.bfloat16, "cuda")
+    out = moe.fused_moe(x, w13, w2, weights, ids, s13, s2, group, z13, z2)
+    assert out.shape == x.shape and out.dtype == x.dtype and not out.isnan().any(), "unwritten or NaN outputs"
+    ref = reference.fused_moe(x.float(), w13, w2, weights, ids, s13, s2, group, z13, z2)
+    assert rel_error(out, ref) < 1e-2, rel_error(out, ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
 def test_gpu_fused_moe_with_tied_router_logits(shape):
     """Tied router probabilities (all logits equal, or pairs equal): the routing kernel picks distinct experts
     (the lowest index first among ties) and the MoE kernel computes exactly that routing."""
