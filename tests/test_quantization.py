@@ -291,11 +291,40 @@ def test_cli_quantization_flag_reaches_the_engine_config_with_vllm_spelling():
         parser.parse_args(with_default_command(["serve", "--quantization", "bitsandbytes"]))
 
 
-def test_int4_quantization_of_a_moe_family_is_refused_at_start_up(checkpoint_dir, tmp_path):
-    """MoE families build their own feed-forward blocks (the experts), which take FP8 only (block-wise checkpoints
-    or --quantization fp8): an int4 checkpoint is refused at start-up, saying what is supported."""
-    quantized, _ = qc.gptq_checkpoint(checkpoint_dir("Qwen3MoeForCausalLM"), tmp_path)
-    with pytest.raises(ValueError, match="not supported for Qwen3MoeForCausalLM .*block-wise FP8.*--quantization fp8"):
+MOE_INT4_FORMATS = {
+    "gptq4-sym": lambda src, out: qc.gptq_checkpoint(src, out, bits=4, sym=True),
+    "gptq4-asym-group16": lambda src, out: qc.gptq_checkpoint(src, out, bits=4, sym=False, group_size=16),
+    "awq-autoawq": lambda src, out: qc.awq_checkpoint(src, out),
+}
+
+
+@pytest.mark.parametrize("fmt", list(MOE_INT4_FORMATS))
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"])
+def test_int4_checkpoints_of_moe_families_match_transformers(checkpoint_dir, tmp_path, arch, fmt):
+    """GPTQ and AWQ mixtures of experts (every expert's gate / up / down packed as a linear layer is, as the hub's
+    Qwen3-30B-A3B-GPTQ-Int4 and Mixtral AWQ checkpoints store them; routers unquantized; Qwen2-MoE's shared expert
+    and dense layer quantized too): greedy tokens against transformers on the dequantized weights, with prefix
+    caching off and on. The experts' tensors go through each format's own conversion (the dense layers'), then
+    the fused MoE reference on CPU."""
+    if fmt.startswith("awq"):
+        pytest.importorskip("awq", reason="AutoAWQ (the test extra) packs the AWQ checkpoint")
+    quantized, dequantized = MOE_INT4_FORMATS[fmt](checkpoint_dir(arch), tmp_path)
+    names = load_file(str(quantized / "model.safetensors"))
+    assert any(re.search(r"\.experts\.3\.(down_proj|w2)\.qweight$", n) for n in names)
+    assert not any(".mlp.gate.q" in n for n in names)
+    assert_same_greedy(quantized, dequantized)
+    assert_same_greedy(quantized, dequantized, enable_prefix_caching=True)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda src, out: qc.gptq_checkpoint(src, out, bits=8), "int8 mixture-of-experts weights"),
+    (lambda src, out: qc.gptq_checkpoint(src, out, desc_act=True), "act-order .* not supported for the experts"),
+    (lambda src, out: qc.gptq_checkpoint(src, out, group_size=8), "group size 8"),
+], ids=["gptq8", "act-order", "group-8"])
+def test_int4_moe_checkpoints_the_experts_cannot_take_are_refused_at_start_up(checkpoint_dir, tmp_path, make, match):
+    """8-bit GPTQ, act-order and groups the fused kernels cannot tile fail at start-up, saying what is supported."""
+    quantized, _ = make(checkpoint_dir("Qwen3MoeForCausalLM"), tmp_path)
+    with pytest.raises(ValueError, match=match):
         LLM(str(quantized))
 
 

@@ -112,6 +112,26 @@ def test_two_ranks_give_the_greedy_tokens_of_one_on_a_block_wise_fp8_mixture_of_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "LlamaForCausalLM"])
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_two_ranks_give_the_greedy_tokens_of_one_on_int4_checkpoints(checkpoints, tmp_path, fmt, arch):
+    """Qwen3-MoE and Llama in GPTQ (asymmetric) and AWQ int4, groups of 16: each rank takes its words and groups
+    of the experts' intermediate dimension (gate / up outputs, down's inputs) and of the dense layers' slices;
+    GPTQ's g_idx of a row-parallel slice counts groups from the rank's first (rank 1 refused it before)."""
+    import quant_checkpoints as qc
+
+    src = checkpoints[arch]
+    if fmt == "awq":
+        pytest.importorskip("awq", reason="AutoAWQ (the test extra) packs the AWQ checkpoint")
+        folder, _ = qc.awq_checkpoint(src, tmp_path, group_size=16)
+    else:
+        folder, _ = qc.gptq_checkpoint(src, tmp_path, sym=False, group_size=16)
+    one, _ = generate(folder, tp=1)
+    two, _ = generate(folder, tp=2)
+    assert_same_tokens(two, one)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", OTHERS)
 def test_two_ranks_give_the_greedy_tokens_of_one_for_the_other_families(checkpoints, arch):
     one, _ = generate(checkpoints[arch], tp=1)

@@ -17,7 +17,7 @@ from asyncengine.models import model_class_for
 from asyncengine.models.checkpoint_slice import CheckpointSlice
 from asyncengine.models.layers import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from asyncengine.models.llama import LlamaForCausalLM
-from asyncengine.models.moe import experts_take
+from asyncengine.models.moe import expert_format
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +69,19 @@ def _quantization_kwargs(model_config: ModelConfig, cls: type, device: torch.dev
     if quant_config is None:
         return {}
     # Families that build their linears themselves take no quantized weights; those with their own feed-forward
-    # blocks (MoE experts) take FP8 only: block-wise checkpoints or online (models/moe.py expert_format).
+    # blocks (MoE experts) take the formats models/moe.py expert_format names (FP8 block-wise or online, int4).
     takes_quant_config = "quant_config" in inspect.signature(cls.__init__).parameters
     own_mlp = issubclass(cls, LlamaForCausalLM) and cls.make_mlp is not LlamaForCausalLM.make_mlp
-    if not takes_quant_config or (own_mlp and not experts_take(quant_config.linear_method())):
+    if not takes_quant_config:
         raise ValueError(f"quantization ({quant_config.name}) is not supported for {model_config.architecture} "
                          "(supported: the dense Llama family: Llama, Mistral, Qwen2, Qwen3; and for the "
-                         "mixture-of-experts families block-wise FP8 checkpoints, weight_block_size, and "
-                         "--quantization fp8)")
+                         "mixture-of-experts families block-wise FP8 checkpoints, weight_block_size; "
+                         "--quantization fp8; GPTQ and AWQ int4)")
+    if own_mlp:
+        try:
+            expert_format(quant_config.linear_method())
+        except ValueError as error:
+            raise ValueError(f"quantization ({quant_config.name}) of {model_config.architecture}: {error}") from None
     quant_config.check_device(device)
     if device.type == "cpu":
         logger.info("quantized weights (%s) run on CPU through the torch references: each layer dequantizes its "

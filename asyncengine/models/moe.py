@@ -11,10 +11,15 @@ their sum when the family renormalises (Mixtral always; Qwen2/3-MoE when `norm_t
 Tensor parallelism: every rank holds every expert and its slice of the intermediate dimension (as vLLM shards
 them), read from tp_size() when the layer is built; the experts' partial outputs are summed over ranks.
 
-Quantized checkpoints: block-wise FP8 (Qwen3-30B-A3B-FP8's layout, quantization/fp8.py) for the experts and every
-other linear; the routers stay in the model dtype. The experts keep their e4m3 weights, their block scales become
-group scales per expert after loading (`FusedMoE.process_expert_weights`), and the fused kernels apply them per
-weight tile (kernels/moe.py). Other formats are refused for the experts at start-up.
+Quantized checkpoints (`expert_format` says which the experts take; the routers stay in the model dtype):
+- block-wise FP8 (Qwen3-30B-A3B-FP8's layout, quantization/fp8.py): the experts keep their e4m3 weights, their block
+  scales become group scales per expert after loading (`FusedMoE.process_expert_weights`), and the fused kernels
+  apply them per weight tile (kernels/moe.py); `--quantization fp8` quantizes the experts so at load;
+- GPTQ and AWQ int4 (Qwen3-30B-A3B-GPTQ-Int4's and Mixtral AWQ's layout: every expert's projections packed as a
+  linear layer is): each expert's tensors load as stored, go through the format's own conversion (the dense
+  layers') and are stacked as rows of packed inputs ([E, N, K / 8] int32) with scales and zero points [E, G, N];
+  the fused kernels dequantize each weight tile. 8-bit GPTQ, act-order and groups that are not a multiple of 16
+  are refused at start-up.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ from asyncengine.models.layers import load_checkpoint_tensor
 from asyncengine.kernels.quant_reference import FP8_DTYPE, fp8_group_scales, quantize_fp8_groups
 from asyncengine.models.llama import MLP, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from asyncengine.quantization import LinearMethod, set_weight_attrs
+from asyncengine.quantization.awq import AWQLinearMethod
 from asyncengine.quantization.base import quantized_after_loading
+from asyncengine.quantization.gptq import GPTQLinearMethod
+from asyncengine.quantization.packed_int import PackedIntLinearMethod, int_param
 
 
 class Router(nn.Module):
@@ -59,21 +67,29 @@ class FusedMoE(nn.Module):
     [E, ceil(hidden / bn), ceil(I_rank / bk)], turned into group scales after loading (process_expert_weights).
     online_group: `--quantization fp8` of a model-dtype checkpoint: the experts quantized after loading, each output
     row's groups of online_group inputs with their own scale (finer than a checkpoint's 128 x 128 blocks).
+    int4: the GPTQ / AWQ method of an int4 checkpoint: its tensors per expert, stacked (`_create_int4_tensors`), then
+    converted (`_convert_int4`) to w13_weight [E, 2 I_rank, hidden / 8] and w2_weight [E, hidden, I_rank / 8] int32
+    with scales and zero points (w13_scale, w13_zeros, ...) [E, G, N].
     """
 
     PER_EXPERT = ("gate", "up", "down")
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 block: Optional[tuple[int, int]] = None, scale_name: str = "weight_scale_inv", online_group: int = 0):
+                 block: Optional[tuple[int, int]] = None, scale_name: str = "weight_scale_inv", online_group: int = 0,
+                 int4: Optional[PackedIntLinearMethod] = None):
         super().__init__()
         if intermediate % tp_size():
             raise ValueError(f"moe intermediate size {intermediate} is not divisible by tensor_parallel_size "
                              f"{tp_size()}")  # fmt: skip
-        self.num_experts, self.inter, self.block = num_experts, intermediate // tp_size(), block
-        self.online_group = online_group
+        self.num_experts, self.hidden, self.inter, self.block = num_experts, hidden, intermediate // tp_size(), block
+        self.online_group, self.int4 = online_group, int4
+        # the group scales (FP8, int4) and zero points (int4), once processed
+        self.w13_scale = self.w2_scale = self.w13_zeros = self.w2_zeros = self.group_size = None
+        if int4 is not None:
+            self._create_int4_tensors(dtype)
+            return
         self.w13_weight = self._expert_weights(num_experts, 2 * self.inter, hidden, dtype)
         self.w2_weight = self._expert_weights(num_experts, hidden, self.inter, dtype)
-        self.w13_scale = self.w2_scale = self.group_size = None  # the group scales, once loaded (FP8 only)
         if block:
             self._create_block_scales(hidden, scale_name)
 
@@ -96,12 +112,31 @@ class FusedMoE(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(self.num_experts, *shape, dtype=torch.float32),
                                                        requires_grad=False))
 
+    def _create_int4_tensors(self, dtype: torch.dtype) -> None:
+        """The int4 checkpoint's tensors stacked per expert, as the format stores one layer's (w13: gate's then
+        up's outputs of this rank; w2: this rank's inputs): w13_<name> [E, *tensor of a [2 I_rank, hidden] layer],
+        w2_<name> [E, *tensor of a [hidden, I_rank] layer]; each keeps its input_dim / output_dim (shifted by the
+        expert dimension)."""
+        group = self.int4.group_size
+        if self.inter % 8 or self.inter % group:
+            raise ValueError(f"int4 experts of intermediate size {self.inter} per rank: groups of {group} inputs and "
+                             "8 outputs a word must not straddle ranks (or gate and up)")
+        for prefix, (k, n) in (("w13", (self.hidden, 2 * self.inter)), ("w2", (self.inter, self.hidden))):
+            for name, (shape, tensor_dtype, input_dim, output_dim) in self.int4.checkpoint_tensors(k, n, dtype).items():
+                param = int_param(self.num_experts, *shape, dtype=tensor_dtype,
+                                  input_dim=None if input_dim is None else input_dim + 1,
+                                  output_dim=None if output_dim is None else output_dim + 1)
+                self.register_parameter(f"{prefix}_{name}", param)
+
     def process_expert_weights(self) -> None:
         """The FP8 experts' group scales, what the fused kernels read: w13_scale [E, ceil(hidden / g), 2 I_rank],
         w2_scale [E, ceil(I_rank / g), hidden], one per output row per group of g inputs (g = bk, from a block-wise
         checkpoint's block scales; or online_group, quantizing the loaded experts). Nothing when unquantized."""
         if self.online_group:
             self._quantize_online()
+            return
+        if self.int4 is not None:
+            self._convert_int4()
             return
         if not self.block:
             return
@@ -113,6 +148,29 @@ class FusedMoE(nn.Module):
         self.w13_scale = nn.Parameter(group_scales[0], requires_grad=False)
         self.w2_scale = nn.Parameter(group_scales[1], requires_grad=False)
         self.group_size = bk
+
+    def _convert_int4(self) -> None:
+        """The checkpoint's int4 tensors -> what the fused kernels read: w13_weight [E, 2 I_rank, hidden / 8] and
+        w2_weight [E, hidden, I_rank / 8] int32 (each row's inputs 8 a word), scales and zero points [E, G, N] in
+        the scales' dtype, one expert at a time through the format's own conversion (the dense layers')."""
+        for prefix, k in (("w13", self.hidden), ("w2", self.inter)):
+            names = [f"{prefix}_{name}" for name in self.int4.checkpoint_names()]
+            rows, scales, zeros = [], [], []
+            for e in range(self.num_experts):
+                tensors = {name.split("_", 1)[1]: getattr(self, name).data[e] for name in names}
+                qweight, scale, zero, perm = self.int4.convert(tensors, k)
+                if perm is not None:
+                    raise ValueError("GPTQ act-order (desc_act: g_idx not in group order) is not supported for the "
+                                     "experts (supported: desc_act false)")
+                rows.append(qweight.t().contiguous())  # [K / 8, N] packed along K -> [N, K / 8]
+                scales.append(scale)
+                zeros.append(zero.to(scale.dtype))
+            for name in names:
+                delattr(self, name)
+            setattr(self, f"{prefix}_weight", nn.Parameter(torch.stack(rows), requires_grad=False))
+            setattr(self, f"{prefix}_scale", nn.Parameter(torch.stack(scales).contiguous(), requires_grad=False))
+            setattr(self, f"{prefix}_zeros", nn.Parameter(torch.stack(zeros).contiguous(), requires_grad=False))
+        self.group_size = self.int4.group_size
 
     def _quantize_online(self) -> None:
         """The loaded model-dtype experts (in host memory) -> e4m3 with group scales on the target device
@@ -133,7 +191,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], topk_* [T, K] -> [T, hidden], summed over ranks."""
         return all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_scale,
-                                        self.w2_scale, self.group_size))
+                                        self.w2_scale, self.group_size, self.w13_zeros, self.w2_zeros))
 
     def shard_ids(self, param_name: str) -> set:
         """The shard ids that fill `param_name` completely when loaded per expert (what the loader expects)."""
@@ -144,6 +202,9 @@ class FusedMoE(nn.Module):
         """Copy this rank's slice of the intermediate dimension; see the class docstring for shard ids."""
         if self.block and any(param is getattr(self, name, None) for name in self.scale_names):
             self._load_block_scales(param, loaded, shard_id)
+            return
+        if self.int4 is not None:
+            self._load_int4_tensor(param, loaded, shard_id)
             return
         expert, kind = shard_id
         inter, rank = self.inter, tp_rank()
@@ -161,6 +222,27 @@ class FusedMoE(nn.Module):
         else:  # gate or up: [I, hidden]
             offset = 0 if kind == "gate" else inter
             param.data[expert, offset : offset + inter].copy_(loaded[rank * inter : (rank + 1) * inter])
+
+    def _load_int4_tensor(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        """One expert's int4 tensor as the format stores a layer's: gate / up cut to this rank's outputs and placed
+        at their half of w13's (along the tensor's output dimension, in its own units: packed words, groups), down
+        cut to this rank's inputs (GPTQ's g_idx then counts groups from the rank's first: its conversion rebases
+        them)."""
+        expert, kind = shard_id
+        if expert == "all":
+            raise ValueError("int4 expert tensors stacked for all experts are not supported (supported: one tensor "
+                             "per expert, as GPTQ and AWQ checkpoints store them)")
+        dim = param.output_dim if kind != "down" else param.input_dim
+        if dim is None:  # gate's and up's g_idx [hidden] (no output dimension): one slot, checked at conversion
+            param.data[expert].copy_(loaded)
+            return
+        dim -= 1  # the checkpoint tensor has no expert dimension
+        part = loaded.shape[dim] // tp_size()
+        if part * tp_size() != loaded.shape[dim]:
+            raise ValueError(f"int4 expert tensor of shape {tuple(loaded.shape)} does not split over {tp_size()} "
+                             f"ranks along dimension {dim}")
+        loaded = loaded.narrow(dim, tp_rank() * part, part)
+        param.data[expert].narrow(dim, part if kind == "up" else 0, part).copy_(loaded)
 
     def _load_block_scales(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         """One expert's block scales: gate / up [I / bn, ceil(hidden / bk)] into its half of w13's rows, down
@@ -218,18 +300,15 @@ def expert_format(linear_method: Optional[LinearMethod]) -> dict:
         return {"block": block, "scale_name": linear_method.block_scale_name}
     if getattr(linear_method, "serialized", True) is False:  # Fp8LinearMethod of Fp8Config.online()
         return {"online_group": ONLINE_FP8_GROUP}
+    if isinstance(linear_method, (GPTQLinearMethod, AWQLinearMethod)):
+        if linear_method.bits != 4 or linear_method.group_size < 16 or linear_method.group_size % 16:
+            raise ValueError(f"int{linear_method.bits} mixture-of-experts weights of group size "
+                             f"{linear_method.group_size} are not supported (supported for the experts: 4 bits, "
+                             "groups of a multiple of 16 inputs)")
+        return {"int4": linear_method}
     raise ValueError(f"quantized mixture-of-experts weights ({type(linear_method).__name__}) are not supported "
                      "(supported for the experts: block-wise FP8 checkpoints, weight_block_size, as "
-                     "Qwen3-30B-A3B-FP8, and --quantization fp8)")
-
-
-def experts_take(linear_method: Optional[LinearMethod]) -> bool:
-    """Whether FusedMoE has a path for this weight format (the model loader asks before building the model)."""
-    try:
-        expert_format(linear_method)
-    except ValueError:
-        return False
-    return True
+                     "Qwen3-30B-A3B-FP8; --quantization fp8; GPTQ and AWQ int4)")
 
 
 def _num_experts(cfg) -> int:
@@ -239,7 +318,7 @@ def _num_experts(cfg) -> int:
 # checkpoint names of expert weights: "<prefix>.experts.<e>.<proj>.weight" (per expert, as on the hub) or
 # "<prefix>.experts.gate_up_proj" / ".down_proj" (stacked, the layout transformers 5 holds in memory)
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\."
-                         r"(weight|weight_scale_inv|weight_scale)$")
+                         r"(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 

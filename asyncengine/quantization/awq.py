@@ -9,31 +9,29 @@ Checkpoint tensors of a linear layer with K inputs, N outputs and group size g:
 
 from __future__ import annotations
 
+import torch
+
 from asyncengine.kernels.quant_reference import pack_int32, unpack_int32
 from asyncengine.quantization.base import QuantizationConfig
-from asyncengine.quantization.packed_int import PackedIntLinearMethod, int_param
+from asyncengine.quantization.packed_int import PackedIntLinearMethod
 
 AWQ_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # AWQ_ORDER[i]: the nibble slot holding logical column i of a word
 
 
 class AWQLinearMethod(PackedIntLinearMethod):
-    def create_weights(self, layer, in_per_rank, out_per_rank, dtype):
-        g = self.layer_group_size(in_per_rank)
-        if in_per_rank % g or out_per_rank % self.pack:
-            raise ValueError(f"AWQ layer of {in_per_rank} inputs and {out_per_rank} outputs does not fit group size "
+    def checkpoint_tensors(self, in_features, out_features, dtype):
+        g = self.layer_group_size(in_features)
+        if in_features % g or out_features % self.pack:
+            raise ValueError(f"AWQ layer of {in_features} inputs and {out_features} outputs does not fit group size "
                              f"{g} (inputs must be a multiple) and 8 outputs per int32")
-        layer.register_parameter("qweight", int_param(in_per_rank, out_per_rank // 8, input_dim=0, output_dim=1))
-        layer.register_parameter("qzeros", int_param(in_per_rank // g, out_per_rank // 8, input_dim=0, output_dim=1))
-        layer.register_parameter("scales", int_param(in_per_rank // g, out_per_rank, dtype=dtype, input_dim=0,
-                                                     output_dim=1))
+        return {"qweight": ((in_features, out_features // 8), torch.int32, 0, 1),
+                "qzeros": ((in_features // g, out_features // 8), torch.int32, 0, 1),
+                "scales": ((in_features // g, out_features), dtype, 0, 1)}
 
-    def checkpoint_names(self):
-        return ("qweight", "qzeros", "scales")
-
-    def convert(self, layer):
-        q = unpack_int32(layer.qweight.data, 4, dim=1, order=AWQ_ORDER)  # [K, N]
-        zeros = unpack_int32(layer.qzeros.data, 4, dim=1, order=AWQ_ORDER)  # [G, N]
-        return pack_int32(q, 4, dim=0), layer.scales.data, zeros, None
+    def convert(self, tensors, in_features):
+        q = unpack_int32(tensors["qweight"], 4, dim=1, order=AWQ_ORDER)  # [K, N]
+        zeros = unpack_int32(tensors["qzeros"], 4, dim=1, order=AWQ_ORDER)  # [G, N]
+        return pack_int32(q, 4, dim=0), tensors["scales"], zeros, None
 
 
 class AWQConfig(QuantizationConfig):

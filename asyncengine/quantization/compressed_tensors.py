@@ -17,7 +17,7 @@ import torch
 from asyncengine.kernels.quant_reference import pack_int32, unpack_int32
 from asyncengine.quantization.base import QuantizationConfig
 from asyncengine.quantization.fp8 import Fp8Config, parse_block
-from asyncengine.quantization.packed_int import PackedIntLinearMethod, int_param
+from asyncengine.quantization.packed_int import PackedIntLinearMethod
 
 _SUPPORTED = ("FP8 W8A8 (format float-quantized, one config group targeting Linear, weights float 8-bit "
               "symmetric static per tensor or channel, input activations float 8-bit static per tensor or "
@@ -76,29 +76,24 @@ class WNA16LinearMethod(PackedIntLinearMethod):
         super().__init__(bits, group_size)
         self.symmetric = symmetric
 
-    def create_weights(self, layer, in_per_rank, out_per_rank, dtype):
-        if in_per_rank % self.pack or out_per_rank % self.pack:
-            raise ValueError(f"compressed-tensors {self.bits}-bit layer of {in_per_rank} inputs and {out_per_rank} "
+    def checkpoint_tensors(self, in_features, out_features, dtype):
+        if in_features % self.pack or out_features % self.pack:
+            raise ValueError(f"compressed-tensors {self.bits}-bit layer of {in_features} inputs and {out_features} "
                              f"outputs: both must be multiples of {self.pack} (values per int32)")
-        groups = -(-in_per_rank // self.layer_group_size(in_per_rank))
-        layer.register_parameter("weight_packed", int_param(out_per_rank, in_per_rank // self.pack, output_dim=0,
-                                                            input_dim=1))
-        layer.register_parameter("weight_scale", int_param(out_per_rank, groups, dtype=dtype, output_dim=0,
-                                                           input_dim=1))
+        groups = -(-in_features // self.layer_group_size(in_features))
+        tensors = {"weight_packed": ((out_features, in_features // self.pack), torch.int32, 1, 0),
+                   "weight_scale": ((out_features, groups), dtype, 1, 0)}
         if not self.symmetric:
-            layer.register_parameter("weight_zero_point", int_param(out_per_rank // self.pack, groups, output_dim=0,
-                                                                    input_dim=1))
+            tensors["weight_zero_point"] = ((out_features // self.pack, groups), torch.int32, 1, 0)
+        return tensors
 
-    def checkpoint_names(self):
-        return ("weight_packed", "weight_scale") + (() if self.symmetric else ("weight_zero_point",))
-
-    def convert(self, layer):
-        q = unpack_int32(layer.weight_packed.data, self.bits, dim=1)  # [N, K], unsigned
-        scales = layer.weight_scale.data.t()  # [G, N]
+    def convert(self, tensors, in_features):
+        q = unpack_int32(tensors["weight_packed"], self.bits, dim=1)  # [N, K], unsigned
+        scales = tensors["weight_scale"].t()  # [G, N]
         if self.symmetric:
             zeros = torch.full_like(scales, float(2 ** (self.bits - 1)))
         else:
-            zeros = unpack_int32(layer.weight_zero_point.data, self.bits, dim=0).t()  # [G, N]
+            zeros = unpack_int32(tensors["weight_zero_point"], self.bits, dim=0).t()  # [G, N]
         return pack_int32(q.t(), self.bits, dim=0), scales, zeros, None
 
 

@@ -15,7 +15,7 @@ import torch
 
 from asyncengine.kernels.quant_reference import pack_int32, unpack_int32
 from asyncengine.quantization.base import QuantizationConfig
-from asyncengine.quantization.packed_int import PackedIntLinearMethod, int_param
+from asyncengine.quantization.packed_int import PackedIntLinearMethod
 
 
 class GPTQLinearMethod(PackedIntLinearMethod):
@@ -23,36 +23,34 @@ class GPTQLinearMethod(PackedIntLinearMethod):
         super().__init__(bits, group_size)
         self.zeros_minus_one = zeros_minus_one
 
-    def create_weights(self, layer, in_per_rank, out_per_rank, dtype):
-        if in_per_rank % self.pack or out_per_rank % self.pack:
-            raise ValueError(f"GPTQ {self.bits}-bit layer of {in_per_rank} inputs and {out_per_rank} outputs: both "
+    def checkpoint_tensors(self, in_features, out_features, dtype):
+        if in_features % self.pack or out_features % self.pack:
+            raise ValueError(f"GPTQ {self.bits}-bit layer of {in_features} inputs and {out_features} outputs: both "
                              f"must be multiples of {self.pack} (values per int32)")
-        groups = -(-in_per_rank // self.layer_group_size(in_per_rank))
-        layer.register_parameter("qweight", int_param(in_per_rank // self.pack, out_per_rank, input_dim=0,
-                                                      output_dim=1))
-        layer.register_parameter("qzeros", int_param(groups, out_per_rank // self.pack, input_dim=0, output_dim=1))
-        layer.register_parameter("scales", int_param(groups, out_per_rank, dtype=dtype, input_dim=0, output_dim=1))
-        layer.register_parameter("g_idx", int_param(in_per_rank, input_dim=0))
+        groups = -(-in_features // self.layer_group_size(in_features))
+        return {"qweight": ((in_features // self.pack, out_features), torch.int32, 0, 1),
+                "qzeros": ((groups, out_features // self.pack), torch.int32, 0, 1),
+                "scales": ((groups, out_features), dtype, 0, 1),
+                "g_idx": ((in_features,), torch.int32, 0, None)}
 
-    def checkpoint_names(self):
-        return ("qweight", "qzeros", "scales", "g_idx")
-
-    def convert(self, layer):
-        q = layer.qweight.data
-        zeros = unpack_int32(layer.qzeros.data, self.bits, dim=1)  # [G, N]
+    def convert(self, tensors, in_features):
+        q = tensors["qweight"]
+        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1)  # [G, N]
         if self.zeros_minus_one:
             zeros = zeros + 1
-        g_idx = layer.g_idx.data.long()
-        group_size = self.layer_group_size(layer.in_per_rank)
+        g_idx = tensors["g_idx"].long()
+        if g_idx.numel() and bool((g_idx.diff() >= 0).all()):  # in group order: a rank's slice of the inputs
+            g_idx = g_idx - g_idx[0]  # counts groups from its first (tensor parallelism: its scales' first row)
+        group_size = self.layer_group_size(in_features)
         contiguous = torch.arange(g_idx.numel(), device=g_idx.device) // group_size
         if torch.equal(g_idx, contiguous):
-            return q, layer.scales.data, zeros, None
+            return q, tensors["scales"], zeros, None
         # act-order: sort the inputs by group so each group's rows are contiguous again; x is gathered alike.
         perm = torch.argsort(g_idx, stable=True)
         if not torch.equal(g_idx[perm], contiguous):
             raise ValueError(f"GPTQ g_idx with groups of unequal size is not supported (group size {group_size})")
         q = pack_int32(unpack_int32(q, self.bits, dim=0)[perm], self.bits, dim=0)
-        return q, layer.scales.data, zeros, perm
+        return q, tensors["scales"], zeros, perm
 
 
 class GPTQConfig(QuantizationConfig):

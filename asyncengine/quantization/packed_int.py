@@ -36,16 +36,31 @@ class PackedIntLinearMethod(LinearMethod):
         return in_per_rank if self.group_size == -1 else self.group_size
 
     @abstractmethod
-    def convert(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """The loaded tensors -> (qweight [K / pack, N] int32, scales [G, N], zeros [G, N], input_perm [K] or
-        None)."""
+    def checkpoint_tensors(self, in_features: int, out_features: int, dtype: torch.dtype) -> dict[str, tuple]:
+        """The checkpoint's tensors of one [out_features, in_features] layer, as stored: name -> (shape, dtype,
+        input_dim, output_dim), a dimension None where the tensor does not span it. ValueError for a layer the
+        format cannot hold."""
 
     @abstractmethod
+    def convert(self, tensors: dict[str, torch.Tensor], in_features: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """One layer's loaded checkpoint tensors (by name) -> (qweight [K / pack, N] int32, scales [G, N], zeros
+        [G, N], input_perm [K] or None)."""
+
     def checkpoint_names(self) -> tuple[str, ...]:
-        """The names of the parameters `create_weights` registered (removed after conversion)."""
+        """The names of the checkpoint's tensors of a layer (parameters until converted)."""
+        size = self.pack * max(self.group_size, 1)  # a layer every format can hold: whole words, whole groups
+        return tuple(self.checkpoint_tensors(size, size, torch.float16))
+
+    def create_weights(self, layer, in_per_rank, out_per_rank, dtype):
+        for name, (shape, tensor_dtype, input_dim, output_dim) in self.checkpoint_tensors(
+                in_per_rank, out_per_rank, dtype).items():
+            layer.register_parameter(name, int_param(*shape, dtype=tensor_dtype, input_dim=input_dim,
+                                                     output_dim=output_dim))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        qweight, scales, zeros, perm = self.convert(layer)
+        tensors = {name: getattr(layer, name).data for name in self.checkpoint_names()}
+        qweight, scales, zeros, perm = self.convert(tensors, layer.in_per_rank)
         for name in self.checkpoint_names():
             delattr(layer, name)
         layer.qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
