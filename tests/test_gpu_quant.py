@@ -171,6 +171,18 @@ def test_gpu_engine_int4_greedy_matches_transformers_on_dequantized_weights(llam
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_gpu_engine_int4_experts_greedy_matches_transformers_on_dequantized_weights(checkpoint_dir, tmp_path, arch):
+    """The whole engine on CUDA in float32 on a GPTQ mixture of experts (groups of 16, asymmetric): the fused MoE
+    kernels on int4 experts (decode kernels and grouped GEMMs), the int4 kernels on the dense layers."""
+    import quant_checkpoints as qc
+    from test_quantization import assert_same_greedy
+
+    assert_same_greedy(*qc.gptq_checkpoint(checkpoint_dir(arch), tmp_path, sym=False, group_size=16), device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_engine_online_fp8_generates_and_chose_its_decode_kernels(llama_dir):
     from asyncengine import LLM, SamplingParams
     from asyncengine.models.layers import LinearBase
