@@ -583,11 +583,15 @@ def build_moe_checkpoint(folder: Path, cfg: dict, device: str) -> Path:
 
 def active_params(llm, in_bytes: bool = False) -> int:
     """Parameters one batch-1 decode token reads: every matrix but the embedding table, experts counted at
-    top_k / num_experts (the experts it is routed to); in_bytes: their bytes as stored (FP8 experts and their
-    scales included)."""
+    top_k / num_experts (the experts it is routed to); in_bytes: their bytes as stored (FP8 and int4 experts with
+    their scales and zero points included); else int4 words count their 8 weights each."""
     cfg = llm.engine.model_config.hf_config
     share = cfg.num_experts_per_tok / cfg.num_experts
-    return int(sum(p.numel() * (p.element_size() if in_bytes else 1) * (share if ".experts." in name else 1.0)
+
+    def size(p):
+        return p.numel() * (p.element_size() if in_bytes else 8 if p.dtype == torch.int32 else 1)
+
+    return int(sum(size(p) * (share if ".experts." in name else 1.0)
                    for name, p in llm.engine.runner.model.named_parameters() if "embed" not in name))
 
 
@@ -744,9 +748,11 @@ def run_moe(args) -> int:
     stem = f"bench_offline_{args.family}{'_tiny' if args.tiny else ''}"
     if args.num_layers is not None:
         stem += f"_{cfg['num_hidden_layers']}l"
-    if args.moe_fp8_block and not args.skip_peers:
-        raise SystemExit("--moe-fp8-block measures the engine alone: add --skip-peers (transformers' peer run is "
-                         "the bf16 checkpoint's)")
+    if (args.moe_fp8_block or args.moe_awq) and not args.skip_peers:
+        raise SystemExit("--moe-fp8-block and --moe-awq measure the engine alone: add --skip-peers (transformers' "
+                         "peer run is the bf16 checkpoint's)")
+    if args.moe_fp8_block and args.moe_awq:
+        raise SystemExit("--moe-fp8-block and --moe-awq: one format a run")
 
     def save():
         (out_dir / f"{stem}{'' if part == 'all' else '_' + part}.json").write_text(json.dumps(results, indent=2))
@@ -760,6 +766,12 @@ def run_moe(args) -> int:
         block = (16, 32) if args.tiny else (128, 128)  # the tiny experts' 32 rows take no 128-row block
         folder = build_fp8_block_checkpoint(folder, Path(f"{folder}-fp8-block{block[0]}x{block[1]}"), block, device)
         stem += "_fp8_block"
+    if args.moe_awq:  # the same weights in AWQ int4, groups of 128 (32 for the tiny experts' 32 inputs)
+        from .bench_quant import build_awq_checkpoint
+
+        group = 32 if args.tiny else 128
+        folder = build_awq_checkpoint(folder, Path(f"{folder}-awq-g{group}"), group, device)
+        stem += "_awq"
     results["build_checkpoint_s"] = time.perf_counter() - t0
     print(f"checkpoint ({cfg['num_hidden_layers']} layers) ready in {results['build_checkpoint_s']:.0f} s", flush=True)
     if part == "build":
@@ -876,6 +888,9 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-fp8-block", action="store_true",
                         help="MoE mode: the checkpoint's weights in block-wise FP8 (128 x 128, Qwen3-30B-A3B-FP8's "
                              "layout), the engine alone (--skip-peers); W3's roofline counts the bytes as stored")
+    parser.add_argument("--moe-awq", action="store_true",
+                        help="MoE mode: the checkpoint's weights in AWQ int4, groups of 128 (round to nearest), the "
+                             "engine alone (--skip-peers); W3's roofline counts the bytes as stored")
     parser.add_argument("--quant-formats", nargs="+", choices=["bf16", "fp8", "fp8-block", "awq"], default=None,
                         help="--quant on the GPU: only these formats (default: all; W1 fp8 / bf16 needs both)")
     parser.add_argument("--kv-cache-dtype", choices=["fp8"], default=None,

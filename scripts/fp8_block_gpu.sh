@@ -3,7 +3,8 @@
 # a block-wise checkpoint, FP8 experts at Mixtral / Qwen3-30B-A3B shapes) and of the FP8 decode GEMV paths they
 # share, and online FP8's peak GPU memory while loading (TESTS=none: skipped); then `bench_offline --quant --quick`
 # on the formats in $FORMATS (default: fp8 fp8-block; none: tests only).
-# Optional MOE_LAYERS=N: the Qwen3-30B-A3B shape at N layers in bf16 and block-wise FP8 (below). Logs under $OUT.
+# Optional MOE_LAYERS=N: the Qwen3-30B-A3B shape at N layers in the formats of $MOE_FORMATS (default: bf16 fp8-block;
+# awq too), the engine alone. Logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 bash scripts/gpu_run.sh none > /dev/null 2>&1
@@ -22,12 +23,13 @@ if [[ ${FORMATS:-} != none ]]; then
     --out "$OUT" 2>&1 | grep -v "rope_parameters\|Loading weights\|Writing model" > "$OUT/bench.log"
   tail -8 "$OUT/bench.log"
 fi
-# Optional, MOE_LAYERS=N: W3 / W1 of the Qwen3-30B-A3B shape at N layers, bf16 then block-wise FP8, the engine alone
+# Optional, MOE_LAYERS=N: W3 / W1 of the Qwen3-30B-A3B shape at N layers per format, the engine alone
 if [[ -n ${MOE_LAYERS:-} ]]; then
-  for fp8 in "" --moe-fp8-block; do
+  for fmt in ${MOE_FORMATS:-bf16 fp8-block}; do
+    flag=$([[ $fmt == bf16 ]] || echo "--moe-$fmt")
     timeout "${MOE_TIMEOUT:-240}" python3 -m loadtest.bench_offline --family qwen3-30b-a3b --num-layers "$MOE_LAYERS" \
-      --checkpoint "/dev/shm/q3-${MOE_LAYERS}l" --skip-peers --quick $fp8 --out "$OUT" 2>&1 \
-      | grep -v "rope_parameters\|Loading weights\|Writing model" > "$OUT/moe${fp8:+_fp8_block}.log"
-    grep "^W3\|^W1 (" "$OUT/moe${fp8:+_fp8_block}.log"
+      --checkpoint "/dev/shm/q3-${MOE_LAYERS}l" --skip-peers --quick $flag --out "$OUT" 2>&1 \
+      | grep -v "rope_parameters\|Loading weights\|Writing model" > "$OUT/moe_$fmt.log"
+    echo "$fmt"; grep "^W3\|^W1 (" "$OUT/moe_$fmt.log"
   done
 fi
