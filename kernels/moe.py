@@ -515,7 +515,8 @@ def _weight_tile(rows, k_start, k_dim, row_valid, ks, INT4: tl.constexpr):
 def _dequantized(words, ks, expert_scales, expert_zeros, k_start, group_size, n_out, cols, col_valid):
     """An int4 tile of _weight_tile (the words at input offsets ks; cols and col_valid shaped to broadcast against
     them) -> (q - zero) * scale in float32, with its group's scales and zero points ([G, n_out] of the expert; the
-    tile lies in one group)."""
+    tile lies in one group). The grouped GEMM's (each input's word loaded for its nibble: 8 loads of a word, from
+    L1 after the first; the decode kernels load whole words, _int4_rows_times_x)."""
     q = ((words >> ((ks % 8) * 4)) & 0xF).to(tl.float32)
     scale = group_scale(expert_scales, k_start, cols, col_valid, n_out, group_size).to(tl.float32)
     zero = group_scale(expert_zeros, k_start, cols, col_valid, n_out, group_size).to(tl.float32)
@@ -523,18 +524,37 @@ def _dequantized(words, ks, expert_scales, expert_zeros, k_start, group_size, n_
 
 
 @triton.jit
-def _scaled(w, ks, expert_scales, expert_zeros, k_start, group_size, n_out, cols, col_valid,
-            GROUP_SCALE: tl.constexpr, INT4: tl.constexpr):
-    """A weight tile [BLOCK_N, BLOCK_K] (rows `cols` of a [n_out, ...] weight, inputs k_start + ks) in float32:
-    times its group's scales when GROUP_SCALE (FP8; expert_scales: the expert's [G, n_out]; the tile lies in one
-    group), dequantized when INT4 (_dequantized)."""
-    if INT4:
-        return _dequantized(w, ks, expert_scales, expert_zeros, k_start, group_size, n_out, cols[:, None],
-                            col_valid[:, None])
+def _scaled(w, expert_scales, k_start, group_size, n_out, cols, col_valid, GROUP_SCALE: tl.constexpr):
+    """A weight tile [BLOCK_N, BLOCK_K] (rows `cols` of a [n_out, ...] weight, inputs k_start ...) in float32, times
+    its group's scales when GROUP_SCALE (expert_scales: the expert's [G, n_out]; the tile lies in one group)."""
     w = w.to(tl.float32)
     if GROUP_SCALE:
         w = w * group_scale(expert_scales, k_start, cols, col_valid, n_out, group_size)[:, None]
     return w
+
+
+@triton.jit
+def _int4_rows_times_x(w_expert, rows, row_valid, stride_row, x_row, k_dim, expert_scales, expert_zeros, group_size,
+                       n_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum over k of W[rows, k] * x[k] -> [BLOCK_N] float32, for an int4 expert weight (w_expert: its int32
+    [n_out, k_dim / 8], each row's inputs 8 a word; scales and zero points [G, n_out], groups a multiple of
+    BLOCK_K). Each loop step loads whole words [BLOCK_N, BLOCK_K / 8] and unpacks them in registers into
+    [BLOCK_N, BLOCK_K / 8, 8] (input 8 w + j is word w's nibble j), so no word is loaded twice; the products are
+    summed in-thread and reduced once at the end, as the other formats' tiles."""
+    words_k = tl.arange(0, BLOCK_K // 8)
+    nibbles = tl.arange(0, 8)
+    row_words = w_expert + rows.to(tl.int64)[:, None] * stride_row  # [BLOCK_N, 1]
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 8, 8), dtype=tl.float32)
+    for k_start in range(0, k_dim, BLOCK_K):
+        word = k_start // 8 + words_k  # [BLOCK_K / 8]
+        words = tl.load(row_words + word[None, :], mask=row_valid[:, None] & (word * 8 < k_dim)[None, :], other=0)
+        ks = word[:, None] * 8 + nibbles[None, :]  # [BLOCK_K / 8, 8]
+        x = tl.load(x_row + ks, mask=ks < k_dim, other=0.0).to(tl.float32)
+        q = ((words[:, :, None] >> (nibbles * 4)[None, None, :]) & 0xF).to(tl.float32)
+        scale = group_scale(expert_scales, k_start, rows, row_valid, n_out, group_size).to(tl.float32)
+        zero = group_scale(expert_zeros, k_start, rows, row_valid, n_out, group_size).to(tl.float32)
+        acc += (q - zero[:, None, None]) * scale[:, None, None] * x[None, :, :]
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -568,40 +588,46 @@ def _gate_up_act_kernel(
     col_valid = cols < inter
     expert = tl.load(ids_ptr + assignment).to(tl.int64)
     x_row = x_ptr + (assignment // TOP_K).to(tl.int64) * stride_x
-    gate_rows = w13_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    up_rows = gate_rows + inter * stride_wn
-    # Products summed in-thread over the loop into [BLOCK_N, BLOCK_K] tiles and reduced across threads once at
-    # the end: a reduction per step would stall every step on shuffles instead of the next loads.
-    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # With LOAD_AHEAD the loop carries the next step's weight tiles: their loads are issued before this step's
-    # math, two steps in flight per thread (Triton does not software-pipeline loads that feed no tl.dot).
-    tile_ks = tl.arange(0, BLOCK_K)[None, :]
-    valid = col_valid[:, None]
-    if LOAD_AHEAD:
-        gate_w = _weight_tile(gate_rows, 0, hidden_size, valid, tile_ks, INT4)
-        up_w = _weight_tile(up_rows, 0, hidden_size, valid, tile_ks, INT4)
     scales = scale_ptr + expert * stride_se  # this expert's [G, 2I]
-    zeros = zero_ptr + expert * stride_se
-    for k_start in range(0, hidden_size, BLOCK_K):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + ks, mask=ks < hidden_size, other=0.0).to(tl.float32)[None, :]
+    if INT4:  # whole words unpacked in registers; no load-ahead
+        zeros = zero_ptr + expert * stride_se
+        w_expert = w13_ptr + expert * stride_we
+        gate_sum = _int4_rows_times_x(w_expert, cols, col_valid, stride_wn, x_row, hidden_size, scales, zeros,
+                                      group_size, 2 * inter, BLOCK_N, BLOCK_K)
+        up_sum = _int4_rows_times_x(w_expert, inter + cols, col_valid, stride_wn, x_row, hidden_size, scales, zeros,
+                                    group_size, 2 * inter, BLOCK_N, BLOCK_K)
+    else:
+        gate_rows = w13_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        up_rows = gate_rows + inter * stride_wn
+        # Products summed in-thread over the loop into [BLOCK_N, BLOCK_K] tiles and reduced across threads once at
+        # the end: a reduction per step would stall every step on shuffles instead of the next loads.
+        gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        # With LOAD_AHEAD the loop carries the next step's weight tiles: their loads are issued before this step's
+        # math, two steps in flight per thread (Triton does not software-pipeline loads that feed no tl.dot).
+        tile_ks = tl.arange(0, BLOCK_K)[None, :]
+        valid = col_valid[:, None]
         if LOAD_AHEAD:
-            next_gate = _weight_tile(gate_rows, k_start + BLOCK_K, hidden_size, valid, tile_ks, INT4)
-            next_up = _weight_tile(up_rows, k_start + BLOCK_K, hidden_size, valid, tile_ks, INT4)
-        else:
-            gate_w = _weight_tile(gate_rows, k_start, hidden_size, valid, tile_ks, INT4)
-            up_w = _weight_tile(up_rows, k_start, hidden_size, valid, tile_ks, INT4)
-        gate += _scaled(gate_w, tile_ks, scales, zeros, k_start, group_size, 2 * inter, cols, col_valid, GROUP_SCALE,
-                        INT4) * x
-        up += _scaled(up_w, tile_ks, scales, zeros, k_start, group_size, 2 * inter, inter + cols, col_valid,
-                      GROUP_SCALE, INT4) * x
-        if LOAD_AHEAD:
-            gate_w, up_w = next_gate, next_up
+            gate_w = _weight_tile(gate_rows, 0, hidden_size, valid, tile_ks, False)
+            up_w = _weight_tile(up_rows, 0, hidden_size, valid, tile_ks, False)
+        for k_start in range(0, hidden_size, BLOCK_K):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + ks, mask=ks < hidden_size, other=0.0).to(tl.float32)[None, :]
+            if LOAD_AHEAD:
+                next_gate = _weight_tile(gate_rows, k_start + BLOCK_K, hidden_size, valid, tile_ks, False)
+                next_up = _weight_tile(up_rows, k_start + BLOCK_K, hidden_size, valid, tile_ks, False)
+            else:
+                gate_w = _weight_tile(gate_rows, k_start, hidden_size, valid, tile_ks, False)
+                up_w = _weight_tile(up_rows, k_start, hidden_size, valid, tile_ks, False)
+            gate += _scaled(gate_w, scales, k_start, group_size, 2 * inter, cols, col_valid, GROUP_SCALE) * x
+            up += _scaled(up_w, scales, k_start, group_size, 2 * inter, inter + cols, col_valid, GROUP_SCALE) * x
+            if LOAD_AHEAD:
+                gate_w, up_w = next_gate, next_up
+        gate_sum, up_sum = tl.sum(gate, axis=1), tl.sum(up, axis=1)
     # Rounded where the reference rounds: the projections' outputs, then silu(gate) (as activation.silu_and_mul).
     dtype = act_ptr.dtype.element_ty
-    gate_out = tl.sum(gate, axis=1).to(dtype).to(tl.float32)  # [BLOCK_N]
-    up_out = tl.sum(up, axis=1).to(dtype).to(tl.float32)
+    gate_out = gate_sum.to(dtype).to(tl.float32)  # [BLOCK_N]
+    up_out = up_sum.to(dtype).to(tl.float32)
     silu = (gate_out / (1.0 + tl.exp(-gate_out))).to(dtype).to(tl.float32)
     tl.store(act_ptr + assignment.to(tl.int64) * stride_act + cols, (silu * up_out).to(dtype), mask=col_valid)
 
@@ -643,28 +669,31 @@ def _down_reduce_kernel(
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < hidden_size
     expert = tl.load(ids_ptr + assignment).to(tl.int64)
-    rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     act_row = act_ptr + assignment.to(tl.int64) * stride_act
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
-    tile_js = tl.arange(0, BLOCK_K)[None, :]
-    valid = col_valid[:, None]
-    if LOAD_AHEAD:  # each step's tile loaded a step ahead, as in gate_up_act
-        w = _weight_tile(rows, 0, inter, valid, tile_js, INT4)
     scales = scale_ptr + expert * stride_se  # this expert's [G, H]
-    zeros = zero_ptr + expert * stride_se
-    for j_start in range(0, inter, BLOCK_K):
-        js = j_start + tl.arange(0, BLOCK_K)
-        a = tl.load(act_row + js, mask=js < inter, other=0.0).to(tl.float32)[None, :]
-        if LOAD_AHEAD:
-            next_w = _weight_tile(rows, j_start + BLOCK_K, inter, valid, tile_js, INT4)
-        else:
-            w = _weight_tile(rows, j_start, inter, valid, tile_js, INT4)
-        acc += _scaled(w, tile_js, scales, zeros, j_start, group_size, hidden_size, cols, col_valid, GROUP_SCALE,
-                       INT4) * a
-        if LOAD_AHEAD:
-            w = next_w
+    if INT4:  # as gate_up_act
+        out_sum = _int4_rows_times_x(w2_ptr + expert * stride_we, cols, col_valid, stride_wn, act_row, inter, scales,
+                                     zero_ptr + expert * stride_se, group_size, hidden_size, BLOCK_N, BLOCK_K)
+    else:
+        rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
+        tile_js = tl.arange(0, BLOCK_K)[None, :]
+        valid = col_valid[:, None]
+        if LOAD_AHEAD:  # each step's tile loaded a step ahead, as in gate_up_act
+            w = _weight_tile(rows, 0, inter, valid, tile_js, False)
+        for j_start in range(0, inter, BLOCK_K):
+            js = j_start + tl.arange(0, BLOCK_K)
+            a = tl.load(act_row + js, mask=js < inter, other=0.0).to(tl.float32)[None, :]
+            if LOAD_AHEAD:
+                next_w = _weight_tile(rows, j_start + BLOCK_K, inter, valid, tile_js, False)
+            else:
+                w = _weight_tile(rows, j_start, inter, valid, tile_js, False)
+            acc += _scaled(w, scales, j_start, group_size, hidden_size, cols, col_valid, GROUP_SCALE) * a
+            if LOAD_AHEAD:
+                w = next_w
+        out_sum = tl.sum(acc, axis=1)
     # the expert's output rounds to the dtype (as the reference's projection), then weighs in float32
-    part = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + assignment)
+    part = out_sum.to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + assignment)
     row_offsets = cols.to(tl.int64)  # [BLOCK_N] within one [H] row of partial
     tl.store(partial_ptr + assignment.to(tl.int64) * hidden_size + row_offsets, part, mask=col_valid)
     tl.debug_barrier()  # every thread's partials stored before the (release) atomic below

@@ -129,9 +129,10 @@ class FusedMoE(nn.Module):
                 self.register_parameter(f"{prefix}_{name}", param)
 
     def process_expert_weights(self) -> None:
-        """The FP8 experts' group scales, what the fused kernels read: w13_scale [E, ceil(hidden / g), 2 I_rank],
-        w2_scale [E, ceil(I_rank / g), hidden], one per output row per group of g inputs (g = bk, from a block-wise
-        checkpoint's block scales; or online_group, quantizing the loaded experts). Nothing when unquantized."""
+        """The quantized experts' group scales, what the fused kernels read: w13_scale [E, ceil(hidden / g), 2 I_rank],
+        w2_scale [E, ceil(I_rank / g), hidden], one per output row per group of g inputs (FP8: g = bk, from a
+        block-wise checkpoint's block scales, or online_group, quantizing the loaded experts; int4: the checkpoint's
+        groups, with zero points alike, `_convert_int4`). Nothing when unquantized."""
         if self.online_group:
             self._quantize_online()
             return
