@@ -147,10 +147,12 @@ def gptq_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int = 32
 
 # -- AWQ (packed by AutoAWQ) --------------------------------------------------------------------------------
 
-def awq_checkpoint(src: Path, out: Path, *, group_size: int = 32) -> tuple[Path, Path]:
+def awq_checkpoint(src: Path, out: Path, *, group_size: int = 32,
+                   modules_to_not_convert: list | None = None) -> tuple[Path, Path]:
     """AutoAWQ's WQLinear_GEMM.from_linear packs (qweight [K, N/8], qzeros [K/g, N/8], scales [K/g, N] fp16) from
     weights we round to its grid first (from_linear rounds without clamping, as AutoAWQ's search hands it
-    weights already on the grid). The reference dequantizes the packed tensors with AutoAWQ's order."""
+    weights already on the grid). The reference dequantizes the packed tensors with AutoAWQ's order.
+    modules_to_not_convert: written into the config as given (AutoAWQ's Mixtral checkpoints list ["gate"])."""
     from awq.modules.linear.gemm import WQLinear_GEMM
 
     def quantize_one(name, w):
@@ -167,6 +169,8 @@ def awq_checkpoint(src: Path, out: Path, *, group_size: int = 32) -> tuple[Path,
         return {"qweight": packed.qweight, "qzeros": packed.qzeros, "scales": packed.scales}, w_deq
 
     cfg = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    if modules_to_not_convert is not None:
+        cfg["modules_to_not_convert"] = modules_to_not_convert
     return _quantized_pair(src, out, f"awq-g{group_size}", quantize_one, cfg)
 
 

@@ -264,6 +264,11 @@ def test_checkpoints_may_leave_the_moe_routers_unquantized():
     assert quantization_config_for(fp8, None).block == (128, 128)
     with pytest.raises(ValueError, match="ignore list .*mlp.gate_proj"):
         quantization_config_for({**ct, "ignore": ["re:.*mlp.gate_proj$"]}, None)
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    for routers in (["gate"], ["block_sparse_moe.gate"], ["mlp.gate", "shared_expert_gate", "lm_head"]):
+        assert quantization_config_for({**awq, "modules_to_not_convert": routers}, None).group_size == 128
+    with pytest.raises(ValueError, match=r"modules_to_not_convert \['q_proj'\]"):
+        quantization_config_for({**awq, "modules_to_not_convert": ["gate", "q_proj"]}, None)
 
 
 def test_fused_gptq_shards_with_different_act_orders_are_rejected(llama_dir, tmp_path):
@@ -295,6 +300,8 @@ MOE_INT4_FORMATS = {
     "gptq4-sym": lambda src, out: qc.gptq_checkpoint(src, out, bits=4, sym=True),
     "gptq4-asym-group16": lambda src, out: qc.gptq_checkpoint(src, out, bits=4, sym=False, group_size=16),
     "awq-autoawq": lambda src, out: qc.awq_checkpoint(src, out),
+    # as casperhansen/mixtral-instruct-awq: the routers listed as modules AutoAWQ did not convert
+    "awq-autoawq-routers-not-converted": lambda src, out: qc.awq_checkpoint(src, out, modules_to_not_convert=["gate"]),
 }
 
 

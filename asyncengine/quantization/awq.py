@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from asyncengine.kernels.quant_reference import pack_int32, unpack_int32
-from asyncengine.quantization.base import QuantizationConfig
+from asyncengine.quantization.base import QuantizationConfig, decoder_layers_left_unquantized
 from asyncengine.quantization.packed_int import PackedIntLinearMethod
 
 AWQ_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # AWQ_ORDER[i]: the nibble slot holding logical column i of a word
@@ -56,9 +56,10 @@ class AWQConfig(QuantizationConfig):
         if bits is None or group_size is None:
             raise ValueError("quantization_config of an AWQ checkpoint needs bits (w_bit) and group_size "
                              "(q_group_size)")
-        if cfg.get("modules_to_not_convert"):
-            raise ValueError(f"AWQ modules_to_not_convert {cfg['modules_to_not_convert']} is not supported "
-                             "(supported: every linear layer of the decoder quantized)")
+        kept = decoder_layers_left_unquantized(cfg.get("modules_to_not_convert"))
+        if kept:  # Mixtral's AWQ checkpoints list its routers ("gate"), which the engine never quantizes
+            raise ValueError(f"AWQ modules_to_not_convert {kept} is not supported "
+                             "(supported: every linear layer of the decoder quantized; the LM head and MoE routers may be listed)")
         return cls(int(bits), int(group_size), bool(cfg.get("zero_point", True)), str(cfg.get("version", "gemm")))
 
     def linear_method(self):

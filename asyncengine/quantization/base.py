@@ -27,6 +27,21 @@ def set_weight_attrs(param: nn.Parameter, **attrs) -> nn.Parameter:
     return param
 
 
+NEVER_QUANTIZED = ("lm_head", "gate", "shared_expert_gate")  # the LM head and the MoE routers, by their last name
+
+
+def decoder_layers_left_unquantized(entries) -> list:
+    """The entries of a checkpoint's list of unquantized modules (modules_to_not_convert, ignored_layers,
+    compressed-tensors' ignore: names, suffixes or `re:` patterns) that name anything but the LM head and the MoE
+    routers (Mixtral's `block_sparse_moe.gate`, which AutoAWQ lists as `gate`; Qwen's `mlp.gate` and
+    `shared_expert_gate`), which the engine never quantizes: layers a format would misread if they were left in the
+    model dtype."""
+    def last_name(entry) -> str:
+        return str(entry).removeprefix("re:").strip(".*$").replace("\\.", ".").rsplit(".", 1)[-1]
+
+    return [entry for entry in entries or [] if last_name(entry) not in NEVER_QUANTIZED]
+
+
 def quantized_after_loading(*shape: int, dtype: torch.dtype, **dims) -> nn.Parameter:
     """A model-dtype weight that is quantized once loaded (`--quantization fp8`). It waits in host memory, whatever
     device the model is built on (the default device when called, kept as the parameter's `target_device`), so that

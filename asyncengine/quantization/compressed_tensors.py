@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from asyncengine.kernels.quant_reference import pack_int32, unpack_int32
-from asyncengine.quantization.base import QuantizationConfig
+from asyncengine.quantization.base import QuantizationConfig, decoder_layers_left_unquantized
 from asyncengine.quantization.fp8 import Fp8Config, parse_block
 from asyncengine.quantization.packed_int import PackedIntLinearMethod
 
@@ -33,9 +33,7 @@ def _unsupported(what: str) -> ValueError:
 def _check_ignore(ignore: list) -> None:
     """Layers left unquantized: only the LM head and the MoE routers (which the engine never quantizes; llm-compressor
     lists them as e.g. `re:.*mlp.gate$`) are allowed."""
-    never_quantized = ("lm_head", "mlp.gate", "shared_expert_gate")
-    others = [name for name in ignore or []
-              if not str(name).removeprefix("re:").strip(".*$").replace("\\.", ".").endswith(never_quantized)]
+    others = decoder_layers_left_unquantized(ignore)
     if others:
         raise _unsupported(f"ignore list {others} (unquantized decoder layers)")
 

@@ -36,8 +36,8 @@ from asyncengine import ops
 from asyncengine.distributed.parallel_state import tp_size
 from asyncengine.kernels.quant_reference import (FP8_DTYPE, Fp8Activation, dequantize_fp8, fp8_group_scales,
                                                  quantize_fp8)
-from asyncengine.quantization.base import (LinearMethod, QuantizationConfig, quantized_after_loading,
-                                           set_weight_attrs, to_target_device)
+from asyncengine.quantization.base import (LinearMethod, QuantizationConfig, decoder_layers_left_unquantized,
+                                           quantized_after_loading, set_weight_attrs, to_target_device)
 
 
 def _param(*shape: int, dtype: torch.dtype, **dims) -> nn.Parameter:
@@ -174,10 +174,7 @@ class Fp8Config(QuantizationConfig):
     @classmethod
     def from_config(cls, cfg: dict) -> "Fp8Config":
         """quant_method "fp8" (as written by llm-compressor's predecessors and transformers' FP8 configs)."""
-        # the LM head and the MoE routers (mlp.gate, shared_expert_gate) are never quantized here; anything else
-        # left in the model dtype is a layer this format would misread
-        kept = [m for m in cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []
-                if not str(m).endswith(("lm_head", ".mlp.gate", "shared_expert_gate"))]
+        kept = decoder_layers_left_unquantized(cfg.get("modules_to_not_convert") or cfg.get("ignored_layers"))
         if kept:
             raise ValueError(f"FP8 checkpoint with unquantized decoder layers {kept[:5]} (modules_to_not_convert) is "
                              "not supported (supported: every decoder linear in FP8; the LM head and MoE routers "
