@@ -180,11 +180,10 @@ def _grouped_gemm_kernel(
     for k_start in range(0, k_dim, BLOCK_K):
         k_valid = ks < k_dim - k_start
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        if INT4:  # each input's word, dequantized as the reference's weight, in a's dtype
-            b = _weight_tile(b_cols, k_start, k_dim, col_valid[None, :], ks[:, None], INT4)  # [BLOCK_K, BLOCK_N]
-            b = _dequantized(b, ks[:, None], scale_ptr + expert.to(tl.int64) * stride_se,
-                             zero_ptr + expert.to(tl.int64) * stride_se, k_start, group_size, n_out,
-                             cols[None, :], col_valid[None, :]).to(a.dtype)
+        if INT4:  # dequantized as the reference's weight, in a's dtype
+            b = _int4_tile(b_cols, k_start, k_dim, cols, col_valid, scale_ptr + expert.to(tl.int64) * stride_se,
+                           zero_ptr + expert.to(tl.int64) * stride_se, group_size, n_out, BLOCK_K,
+                           BLOCK_N).to(a.dtype)
         else:
             b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if DOT_F32:
@@ -501,26 +500,28 @@ def decode_config(hidden_size: int, inter: int, top_k: int, tokens: int) -> Deco
 
 
 @triton.jit
-def _weight_tile(rows, k_start, k_dim, row_valid, ks, INT4: tl.constexpr):
-    """rows: pointers to weight rows (one per output column), row_valid alike; ks: the tile's input offsets
-    0 .. BLOCK_K - 1, broadcast against them -> the tile at inputs k_start + ks (zeros past k_dim or outside the
-    valid rows), in the weight's dtype. INT4: rows of packed int32 words (8 inputs a word), each input's word
-    (_dequantized takes its nibble)."""
-    k = k_start + ks
-    offsets = k // 8 if INT4 else k
-    return tl.load(rows + offsets, mask=row_valid & (k < k_dim), other=0.0)
+def _weight_tile(rows, k_start, k_dim, row_valid, BLOCK_K: tl.constexpr):
+    """rows: [BLOCK_N, 1] pointers to weight rows -> their [BLOCK_N, BLOCK_K] tile at inputs k_start ... (zeros
+    past k_dim or outside the valid rows), in the weight's dtype."""
+    ks = k_start + tl.arange(0, BLOCK_K)
+    return tl.load(rows + ks[None, :], mask=row_valid[:, None] & (ks < k_dim)[None, :], other=0.0)
 
 
 @triton.jit
-def _dequantized(words, ks, expert_scales, expert_zeros, k_start, group_size, n_out, cols, col_valid):
-    """An int4 tile of _weight_tile (the words at input offsets ks; cols and col_valid shaped to broadcast against
-    them) -> (q - zero) * scale in float32, with its group's scales and zero points ([G, n_out] of the expert; the
-    tile lies in one group). The grouped GEMM's (each input's word loaded for its nibble: 8 loads of a word, from
-    L1 after the first; the decode kernels load whole words, _int4_rows_times_x)."""
-    q = ((words >> ((ks % 8) * 4)) & 0xF).to(tl.float32)
+def _int4_tile(col_words, k_start, k_dim, cols, col_valid, expert_scales, expert_zeros, group_size, n_out,
+               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The grouped GEMM's int4 weight tile [BLOCK_K, BLOCK_N] at inputs k_start ... in float32: (q - zero) * scale
+    with its group's scales and zero points ([G, n_out] of the expert; the tile lies in one group). col_words:
+    [1, BLOCK_N] pointers to the columns' packed rows (8 inputs a word). Whole words are loaded [BLOCK_K / 8,
+    BLOCK_N] and unpacked in registers ([BLOCK_K / 8, 8, BLOCK_N], then rows 8 w + j), so no word is loaded twice."""
+    word = k_start // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]
+    words = tl.load(col_words + word[:, None], mask=(word * 8 < k_dim)[:, None] & col_valid[None, :], other=0)
+    nibbles = tl.arange(0, 8)
+    q = (words[:, None, :] >> (nibbles * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
+    q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
     scale = group_scale(expert_scales, k_start, cols, col_valid, n_out, group_size).to(tl.float32)
     zero = group_scale(expert_zeros, k_start, cols, col_valid, n_out, group_size).to(tl.float32)
-    return (q - zero) * scale
+    return (q - zero[None, :]) * scale[None, :]
 
 
 @triton.jit
@@ -605,20 +606,18 @@ def _gate_up_act_kernel(
         up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         # With LOAD_AHEAD the loop carries the next step's weight tiles: their loads are issued before this step's
         # math, two steps in flight per thread (Triton does not software-pipeline loads that feed no tl.dot).
-        tile_ks = tl.arange(0, BLOCK_K)[None, :]
-        valid = col_valid[:, None]
         if LOAD_AHEAD:
-            gate_w = _weight_tile(gate_rows, 0, hidden_size, valid, tile_ks, False)
-            up_w = _weight_tile(up_rows, 0, hidden_size, valid, tile_ks, False)
+            gate_w = _weight_tile(gate_rows, 0, hidden_size, col_valid, BLOCK_K)
+            up_w = _weight_tile(up_rows, 0, hidden_size, col_valid, BLOCK_K)
         for k_start in range(0, hidden_size, BLOCK_K):
             ks = k_start + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + ks, mask=ks < hidden_size, other=0.0).to(tl.float32)[None, :]
             if LOAD_AHEAD:
-                next_gate = _weight_tile(gate_rows, k_start + BLOCK_K, hidden_size, valid, tile_ks, False)
-                next_up = _weight_tile(up_rows, k_start + BLOCK_K, hidden_size, valid, tile_ks, False)
+                next_gate = _weight_tile(gate_rows, k_start + BLOCK_K, hidden_size, col_valid, BLOCK_K)
+                next_up = _weight_tile(up_rows, k_start + BLOCK_K, hidden_size, col_valid, BLOCK_K)
             else:
-                gate_w = _weight_tile(gate_rows, k_start, hidden_size, valid, tile_ks, False)
-                up_w = _weight_tile(up_rows, k_start, hidden_size, valid, tile_ks, False)
+                gate_w = _weight_tile(gate_rows, k_start, hidden_size, col_valid, BLOCK_K)
+                up_w = _weight_tile(up_rows, k_start, hidden_size, col_valid, BLOCK_K)
             gate += _scaled(gate_w, scales, k_start, group_size, 2 * inter, cols, col_valid, GROUP_SCALE) * x
             up += _scaled(up_w, scales, k_start, group_size, 2 * inter, inter + cols, col_valid, GROUP_SCALE) * x
             if LOAD_AHEAD:
@@ -677,17 +676,15 @@ def _down_reduce_kernel(
     else:
         rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
-        tile_js = tl.arange(0, BLOCK_K)[None, :]
-        valid = col_valid[:, None]
         if LOAD_AHEAD:  # each step's tile loaded a step ahead, as in gate_up_act
-            w = _weight_tile(rows, 0, inter, valid, tile_js, False)
+            w = _weight_tile(rows, 0, inter, col_valid, BLOCK_K)
         for j_start in range(0, inter, BLOCK_K):
             js = j_start + tl.arange(0, BLOCK_K)
             a = tl.load(act_row + js, mask=js < inter, other=0.0).to(tl.float32)[None, :]
             if LOAD_AHEAD:
-                next_w = _weight_tile(rows, j_start + BLOCK_K, inter, valid, tile_js, False)
+                next_w = _weight_tile(rows, j_start + BLOCK_K, inter, col_valid, BLOCK_K)
             else:
-                w = _weight_tile(rows, j_start, inter, valid, tile_js, False)
+                w = _weight_tile(rows, j_start, inter, col_valid, BLOCK_K)
             acc += _scaled(w, scales, j_start, group_size, hidden_size, cols, col_valid, GROUP_SCALE) * a
             if LOAD_AHEAD:
                 w = next_w
