@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -251,6 +252,36 @@ def _kv_amax(model) -> dict[str, float]:
     return amax
 
 
+def _has_experts(src: Path) -> bool:
+    return any(".experts." in name for name in load_file(str(src / "model.safetensors")))
+
+
+def _linears_as_stored(src: Path) -> torch.nn.Module:
+    """A module tree with the checkpoint's names: an nn.Linear (float32) for every decoder linear's weight
+    (`_is_linear`: the experts' per-expert projections included, not the routers), the other tensors as plain
+    parameters, so that compressed-tensors quantizes exactly the layers a checkpoint of it would hold."""
+    root = torch.nn.Module()
+
+    def owner(path: list, last=None) -> torch.nn.Module:  # the module at path, made on the way (`last` at its end)
+        module = root
+        for i, part in enumerate(path):
+            if not hasattr(module, part):
+                module.add_module(part, last if i == len(path) - 1 and last is not None else torch.nn.Module())
+            module = getattr(module, part)
+        return module
+
+    tensors = load_file(str(src / "model.safetensors"))
+    linears = {name: t for name, t in tensors.items() if _is_linear(name)}
+    for name, tensor in linears.items():  # first, so that a bias before its weight finds the Linear
+        linear = owner(name.split(".")[:-1], torch.nn.Linear(tensor.shape[1], tensor.shape[0], bias=False))
+        linear.weight.data.copy_(tensor.float())
+    for name, tensor in tensors.items():
+        if name not in linears:
+            *path, leaf = name.split(".")
+            owner(path).register_parameter(leaf, torch.nn.Parameter(tensor.float(), requires_grad=False))
+    return root
+
+
 def _compressed_tensors_checkpoint(src: Path, out: Path, name: str, scheme, fmt: str, set_qparams,
                                    kv_cache_scheme: bool = False) -> tuple[Path, Path]:
     """compressed-tensors end to end: its `scheme` applied to every Linear but lm_head, set_qparams(module) filling
@@ -262,7 +293,14 @@ def _compressed_tensors_checkpoint(src: Path, out: Path, name: str, scheme, fmt:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, apply_quantization_config
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    config = json.loads((src / "config.json").read_text())
+    if _has_experts(src):  # transformers 5 stacks the experts (no nn.Linear for compressed-tensors to quantize)
+        if kv_cache_scheme:
+            raise ValueError("the KV-cache scheme needs the transformers model (no mixtures of experts)")
+        model = _linears_as_stored(src)
+        model.config = SimpleNamespace(tie_word_embeddings=config.get("tie_word_embeddings", False))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     kv_args, kv_amax = None, {}
     if kv_cache_scheme:
         kv_args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)

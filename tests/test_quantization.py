@@ -302,13 +302,17 @@ MOE_INT4_FORMATS = {
     "awq-autoawq": lambda src, out: qc.awq_checkpoint(src, out),
     # as casperhansen/mixtral-instruct-awq: the routers listed as modules AutoAWQ did not convert
     "awq-autoawq-routers-not-converted": lambda src, out: qc.awq_checkpoint(src, out, modules_to_not_convert=["gate"]),
+    # compressed-tensors' W4A16 applied to the checkpoint's linears as stored (its experts included)
+    "compressed-tensors-w4a16-group32-sym": lambda src, out: qc.compressed_tensors_int_checkpoint(src, out),
+    "compressed-tensors-w4a16-group16-asym": lambda src, out: qc.compressed_tensors_int_checkpoint(
+        src, out, symmetric=False, group_size=16),
 }
 
 
 @pytest.mark.parametrize("fmt", list(MOE_INT4_FORMATS))
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"])
 def test_int4_checkpoints_of_moe_families_match_transformers(checkpoint_dir, tmp_path, arch, fmt):
-    """GPTQ and AWQ mixtures of experts (every expert's gate / up / down packed as a linear layer is, as the hub's
+    """GPTQ, AWQ and compressed-tensors W4A16 mixtures of experts (every expert's gate / up / down packed as a linear layer is, as the hub's
     Qwen3-30B-A3B-GPTQ-Int4 and Mixtral AWQ checkpoints store them; routers unquantized; Qwen2-MoE's shared expert
     and dense layer quantized too): greedy tokens against transformers on the dequantized weights, with prefix
     caching off and on. The experts' tensors go through each format's own conversion (the dense layers'), then
@@ -317,8 +321,8 @@ def test_int4_checkpoints_of_moe_families_match_transformers(checkpoint_dir, tmp
         pytest.importorskip("awq", reason="AutoAWQ (the test extra) packs the AWQ checkpoint")
     quantized, dequantized = MOE_INT4_FORMATS[fmt](checkpoint_dir(arch), tmp_path)
     names = load_file(str(quantized / "model.safetensors"))
-    assert any(re.search(r"\.experts\.3\.(down_proj|w2)\.qweight$", n) for n in names)
-    assert not any(".mlp.gate.q" in n for n in names)
+    assert any(re.search(r"\.experts\.3\.(down_proj|w2)\.(qweight|weight_packed)$", n) for n in names)
+    assert not any(re.search(r"\.(mlp|block_sparse_moe)\.gate\.(q|weight_)", n) for n in names)
     assert_same_greedy(quantized, dequantized)
     assert_same_greedy(quantized, dequantized, enable_prefix_caching=True)
 

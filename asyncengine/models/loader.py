@@ -76,7 +76,7 @@ def _quantization_kwargs(model_config: ModelConfig, cls: type, device: torch.dev
         raise ValueError(f"quantization ({quant_config.name}) is not supported for {model_config.architecture} "
                          "(supported: the dense Llama family: Llama, Mistral, Qwen2, Qwen3; and for the "
                          "mixture-of-experts families block-wise FP8 checkpoints, weight_block_size; "
-                         "--quantization fp8; GPTQ and AWQ int4)")
+                         "--quantization fp8; GPTQ, AWQ and compressed-tensors int4)")
     if own_mlp:
         try:
             expert_format(quant_config.linear_method())

@@ -15,8 +15,8 @@ Quantized checkpoints (`expert_format` says which the experts take; the routers 
 - block-wise FP8 (Qwen3-30B-A3B-FP8's layout, quantization/fp8.py): the experts keep their e4m3 weights, their block
   scales become group scales per expert after loading (`FusedMoE.process_expert_weights`), and the fused kernels
   apply them per weight tile (kernels/moe.py); `--quantization fp8` quantizes the experts so at load;
-- GPTQ and AWQ int4 (Qwen3-30B-A3B-GPTQ-Int4's and Mixtral AWQ's layout: every expert's projections packed as a
-  linear layer is): each expert's tensors load as stored, go through the format's own conversion (the dense
+- GPTQ, AWQ and compressed-tensors W4A16 int4 (Qwen3-30B-A3B-GPTQ-Int4's, Mixtral AWQ's and llm-compressor's
+  layouts: every expert's projections packed as a linear layer is): each expert's tensors load as stored, go through the format's own conversion (the dense
   layers') and are stacked as rows of packed inputs ([E, N, K / 8] int32) with scales and zero points [E, G, N];
   the fused kernels dequantize each weight tile. 8-bit GPTQ, act-order and groups that are not a multiple of 16
   are refused at start-up.
@@ -39,6 +39,7 @@ from asyncengine.models.llama import MLP, LlamaForCausalLM, Qwen2ForCausalLM, Qw
 from asyncengine.quantization import LinearMethod, set_weight_attrs
 from asyncengine.quantization.awq import AWQLinearMethod
 from asyncengine.quantization.base import quantized_after_loading
+from asyncengine.quantization.compressed_tensors import WNA16LinearMethod
 from asyncengine.quantization.gptq import GPTQLinearMethod
 from asyncengine.quantization.packed_int import PackedIntLinearMethod, int_param
 
@@ -301,7 +302,7 @@ def expert_format(linear_method: Optional[LinearMethod]) -> dict:
         return {"block": block, "scale_name": linear_method.block_scale_name}
     if getattr(linear_method, "serialized", True) is False:  # Fp8LinearMethod of Fp8Config.online()
         return {"online_group": ONLINE_FP8_GROUP}
-    if isinstance(linear_method, (GPTQLinearMethod, AWQLinearMethod)):
+    if isinstance(linear_method, (GPTQLinearMethod, AWQLinearMethod, WNA16LinearMethod)):
         if linear_method.bits != 4 or linear_method.group_size < 16 or linear_method.group_size % 16:
             raise ValueError(f"int{linear_method.bits} mixture-of-experts weights of group size "
                              f"{linear_method.group_size} are not supported (supported for the experts: 4 bits, "
@@ -309,7 +310,7 @@ def expert_format(linear_method: Optional[LinearMethod]) -> dict:
         return {"int4": linear_method}
     raise ValueError(f"quantized mixture-of-experts weights ({type(linear_method).__name__}) are not supported "
                      "(supported for the experts: block-wise FP8 checkpoints, weight_block_size, as "
-                     "Qwen3-30B-A3B-FP8; --quantization fp8; GPTQ and AWQ int4)")
+                     "Qwen3-30B-A3B-FP8; --quantization fp8; GPTQ, AWQ and compressed-tensors int4)")
 
 
 def _num_experts(cfg) -> int:
@@ -319,7 +320,8 @@ def _num_experts(cfg) -> int:
 # checkpoint names of expert weights: "<prefix>.experts.<e>.<proj>.weight" (per expert, as on the hub) or
 # "<prefix>.experts.gate_up_proj" / ".down_proj" (stacked, the layout transformers 5 holds in memory)
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\."
-                         r"(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$")
+                         r"(weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx|weight_packed|"
+                         r"weight_zero_point)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
