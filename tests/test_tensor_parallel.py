@@ -131,6 +131,16 @@ def test_two_ranks_give_the_greedy_tokens_of_one_on_int4_checkpoints(checkpoints
     assert_same_tokens(two, one)
 
 
+def test_gptq_act_order_split_over_ranks_along_its_inputs_is_refused_naming_it(checkpoints, tmp_path):
+    """A row-parallel rank of an act-order layer would need every group's scales: refused at start-up, saying so
+    (it said "groups of unequal size" before)."""
+    import quant_checkpoints as qc
+
+    folder, _ = qc.gptq_checkpoint(checkpoints["LlamaForCausalLM"], tmp_path, desc_act=True)
+    with pytest.raises(Exception, match="act-order .* split over tensor-parallel ranks"):
+        generate(folder, tp=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", OTHERS)
 def test_two_ranks_give_the_greedy_tokens_of_one_for_the_other_families(checkpoints, arch):

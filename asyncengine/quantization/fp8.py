@@ -212,7 +212,7 @@ class Fp8Config(QuantizationConfig):
         if not self.serialized:
             weights += " (mixture-of-experts experts: per row and group of 128 inputs)"
         acts = "static per-tensor" if self.static_input else "dynamic per-token"
-        origin = "checkpoint" if self.serialized else "quantized at load time"
+        origin = "checkpoint" if self.serialized else "quantized at load time, layer by layer"
         return f"{self.name} fp8 e4m3 ({origin}; {weights} weight scales, {acts} activation scales)"
 
 

@@ -45,6 +45,10 @@ class GPTQLinearMethod(PackedIntLinearMethod):
         contiguous = torch.arange(g_idx.numel(), device=g_idx.device) // group_size
         if torch.equal(g_idx, contiguous):
             return q, tensors["scales"], zeros, None
+        if int(g_idx.max()) >= -(-in_features // group_size):  # groups beyond this slice's own scales
+            raise ValueError("GPTQ act-order (desc_act) on a layer split over tensor-parallel ranks along its inputs "
+                             "(o_proj, down_proj) is not supported: each rank's inputs draw on every group's scales "
+                             "(supported: desc_act false, or tensor_parallel_size 1)")
         # act-order: sort the inputs by group so each group's rows are contiguous again; x is gathered alike.
         perm = torch.argsort(g_idx, stable=True)
         if not torch.equal(g_idx[perm], contiguous):
