@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import pytest
 import torch
 
@@ -462,9 +463,9 @@ def test_gpu_start_up_choice_times_device_work_in_graphs_and_picks_the_faster_pr
 def test_gpu_online_fp8_never_holds_the_bf16_model_on_the_gpu(tmp_path, arch, shape):
     """--quantization fp8 of a bf16 checkpoint: each layer waits in host memory and is quantized onto the GPU once
     its tensors are in (models/loader.py LayerwiseProcessing), so the GPU's peak while loading stays near the FP8
-    model, well under the bf16 checkpoint (before: the bf16 model whole on the GPU, then quantized). Above the FP8
-    model, the peak holds one layer's copies and start-up's timing copies of one shape (up to
-    kernels.quant_linear.L2_DEFEAT_BYTES, 256 MB): the 2.1 GB and 1.2 GB checkpoints keep that under 0.75x."""
+    model, well under the bf16 checkpoint (before: the bf16 model whole on the GPU, then quantized). Above what the
+    loaded model holds, the peak adds one layer's copies and start-up's timing copies of one shape (up to
+    kernels.quant_linear.L2_DEFEAT_BYTES, 256 MB)."""
     from checkpoints import build_checkpoint
     from safetensors import safe_open
 
@@ -481,9 +482,17 @@ def test_gpu_online_fp8_never_holds_the_bf16_model_on_the_gpu(tmp_path, arch, sh
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     model = load_model(load_model_config(config, torch.device("cuda")), torch.device("cuda"), max_positions=64)
+    gc.collect()  # start-up's timing graphs and weight copies, in reference cycles until collected
     torch.cuda.synchronize()
     peak, held = torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before
-    assert held < 0.6 * checkpoint_bytes, (held, checkpoint_bytes)  # FP8 weights, bf16 embeddings and norms
-    assert peak < 0.75 * checkpoint_bytes, (peak, held, checkpoint_bytes)
+    print(f"online FP8 load of a {checkpoint_bytes / 2**30:.2f} GiB bf16 checkpoint: peak {peak / 2**30:.2f} GiB, "
+          f"held {held / 2**30:.2f} GiB")
+    # What stays: the FP8 weights, bf16 embeddings and norms, and the kernels' workspaces (run 161, one H100: the
+    # dense model held 1.55 GiB of a 2.00 GiB checkpoint, 0.5 GiB of it beyond the FP8 weights). Above it while
+    # loading: one layer's copies and start-up's timing copies of one shape (run 161: 0.40 and 0.04 GiB). Loading the
+    # bf16 model whole first would put at least its bf16 minus its FP8 bytes above it: half the checkpoint (an
+    # estimate from the sizes; the old loader was not run on the GPU).
+    assert held < checkpoint_bytes, (held, checkpoint_bytes)
+    assert peak - held < 0.35 * checkpoint_bytes, (peak, held, checkpoint_bytes)
     fp8 = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
     assert fp8 and all(p.is_cuda for p in model.parameters())
