@@ -538,24 +538,27 @@ def _scaled(w, expert_scales, k_start, group_size, n_out, cols, col_valid, GROUP
 def _int4_rows_times_x(w_expert, rows, row_valid, stride_row, x_row, k_dim, expert_scales, expert_zeros, group_size,
                        n_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """sum over k of W[rows, k] * x[k] -> [BLOCK_N] float32, for an int4 expert weight (w_expert: its int32
-    [n_out, k_dim / 8], each row's inputs 8 a word; scales and zero points [G, n_out], groups a multiple of
-    BLOCK_K). Each loop step loads whole words [BLOCK_N, BLOCK_K / 8] and unpacks them in registers into
-    [BLOCK_N, BLOCK_K / 8, 8] (input 8 w + j is word w's nibble j), so no word is loaded twice; the products are
-    summed in-thread and reduced once at the end, as the other formats' tiles."""
+    [n_out, k_dim / 8], each row's inputs 8 a word; scales and zero points [G, n_out]). Each loop step loads whole
+    words [BLOCK_N, BLOCK_K / 8] and each word's group's scale and zero point (a tile may span groups: BLOCK_K is
+    not cut to the group), then for nibble j = 0 .. 7 multiplies the words' j-th inputs by x[8 w + j]; the
+    products are summed in-thread and reduced once at the end, as the other formats' tiles."""
     words_k = tl.arange(0, BLOCK_K // 8)
-    nibbles = tl.arange(0, 8)
     row_words = w_expert + rows.to(tl.int64)[:, None] * stride_row  # [BLOCK_N, 1]
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 8, 8), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     for k_start in range(0, k_dim, BLOCK_K):
         word = k_start // 8 + words_k  # [BLOCK_K / 8]
-        words = tl.load(row_words + word[None, :], mask=row_valid[:, None] & (word * 8 < k_dim)[None, :], other=0)
-        ks = word[:, None] * 8 + nibbles[None, :]  # [BLOCK_K / 8, 8]
-        x = tl.load(x_row + ks, mask=ks < k_dim, other=0.0).to(tl.float32)
-        q = ((words[:, :, None] >> (nibbles * 4)[None, None, :]) & 0xF).to(tl.float32)
-        scale = group_scale(expert_scales, k_start, rows, row_valid, n_out, group_size).to(tl.float32)
-        zero = group_scale(expert_zeros, k_start, rows, row_valid, n_out, group_size).to(tl.float32)
-        acc += (q - zero[:, None, None]) * scale[:, None, None] * x[None, :, :]
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+        word_valid = word * 8 < k_dim
+        mask = row_valid[:, None] & word_valid[None, :]
+        words = tl.load(row_words + word[None, :], mask=mask, other=0)  # [BLOCK_N, BLOCK_K / 8]
+        params = ((word * 8) // group_size)[None, :] * n_out + rows[:, None]  # each word's group, per row
+        scale = tl.load(expert_scales + params, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(expert_zeros + params, mask=mask, other=0.0).to(tl.float32)
+        dot = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # sum over j of (q_j - zero) * x[8 w + j]
+        for j in tl.static_range(8):
+            x = tl.load(x_row + word * 8 + j, mask=word_valid, other=0.0).to(tl.float32)  # [BLOCK_K / 8]
+            dot += (((words >> (4 * j)) & 0xF).to(tl.float32) - zero) * x[None, :]
+        acc += dot * scale
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -724,12 +727,15 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     pdl = pdl_enabled(hidden.device)
     act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)
     grouped = w13_scale is not None
+    # int4: K tiles that span groups, twice the table's where a thread then holds at most 8 words a step (at most
+    # the inputs there are); FP8: each K tile within one group
+    up_k, down_k = ((_int4_block_k(up, size), _int4_block_k(down, inter)) if int4 else
+                    (_within_group(up.block_k, group_size), _within_group(down.block_k, group_size)))
     _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
         hidden, w13, ids, act, w13_scale if grouped else act, w13_zeros if int4 else act, size, inter,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), w13_scale.stride(0) if grouped else 0,
-        group_size or 1, TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=_within_group(up.block_k, group_size),
-        LOAD_AHEAD=up.load_ahead, USE_PDL=pdl, GROUP_SCALE=grouped and not int4, INT4=int4, num_warps=up.num_warps,
-        launch_pdl=pdl,
+        group_size or 1, TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up_k, LOAD_AHEAD=up.load_ahead, USE_PDL=pdl,
+        GROUP_SCALE=grouped and not int4, INT4=int4, num_warps=up.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     partial = torch.empty((num, size), dtype=torch.float32, device=hidden.device)
     out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
@@ -737,7 +743,7 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
         act, w2, ids, weights, partial, arrivals, out, w2_scale if grouped else out, w2_zeros if int4 else out,
         size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         w2_scale.stride(0) if grouped else 0, group_size or 1, TOP_K=top_k, BLOCK_N=down.block_n,
-        BLOCK_K=_within_group(down.block_k, group_size), LOAD_AHEAD=down.load_ahead, USE_PDL=pdl,
+        BLOCK_K=down_k, LOAD_AHEAD=down.load_ahead, USE_PDL=pdl,
         GROUP_SCALE=grouped and not int4, INT4=int4, num_warps=down.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
@@ -750,6 +756,16 @@ def expert_shapes(w13: torch.Tensor, w2: torch.Tensor) -> tuple[tuple[int, ...],
         return (*w.shape[:-1], w.shape[-1] * 8) if w.dtype == torch.int32 else tuple(w.shape)
 
     return logical(w13), logical(w2)
+
+
+def _int4_block_k(tiles: GemvTiles, k_dim: int) -> int:
+    """The decode kernels' K tile for int4 experts: twice the bf16-tuned one (a quarter of the bytes a weight) where
+    each thread then loads at most 8 words a step, else the same, at most k_dim rounded up to a power of two. ptxas
+    (sm_90, Triton 3.7) spilled with 16 words a thread at 4 warps and at 32 with 2, and spilled nothing at 8; the
+    speed of either is not measured yet."""
+    doubled = 2 * tiles.block_k
+    words_per_thread = tiles.block_n * doubled // 8 // (32 * tiles.num_warps)
+    return min(doubled if words_per_thread <= 8 else tiles.block_k, triton.next_power_of_2(k_dim))
 
 
 def _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, group_size=None,
