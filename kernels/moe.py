@@ -210,7 +210,7 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, block_expert, a_row_div: int, ti
     with group scales [E, G, N_OUT] when `scales` is given, or packed int4 (int32 [E, N_OUT, K / 8]) with scales
     and `zeros`."""
     int4 = b.dtype == torch.int32
-    n_out, k_dim = b.shape[1], b.shape[2] * (8 if int4 else 1)
+    _, n_out, k_dim = _logical_shape(b)
     grid = (block_expert.numel() * triton.cdiv(n_out, tiles.block_n),)
     _grouped_gemm_kernel[grid](
         a, b, c, weights if weights is not None else c, scales if scales is not None else c,
@@ -716,7 +716,7 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     two streams (they share the arrival counters)."""
     int4 = w13.dtype == torch.int32
     tokens, size = hidden.shape
-    num, inter = ids.numel(), w2.shape[2] * (8 if int4 else 1)
+    num, inter = ids.numel(), _logical_shape(w2)[2]
     config = config or decode_config(size, inter, top_k, tokens)
     up, down = config.gate_up, config.down
     col_blocks = triton.cdiv(size, down.block_n)
@@ -749,13 +749,14 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     return out
 
 
-def expert_shapes(w13: torch.Tensor, w2: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The logical shapes [E, 2I, H] and [E, H, I] of the experts' weights (packed int4, int32, holds 8 inputs a
-    word along its last dimension)."""
-    def logical(w):
-        return (*w.shape[:-1], w.shape[-1] * 8) if w.dtype == torch.int32 else tuple(w.shape)
+def _logical_shape(w: torch.Tensor) -> tuple[int, ...]:
+    """An expert weight's logical shape [E, N, K] (packed int4, int32, holds 8 inputs a word along K)."""
+    return (*w.shape[:-1], w.shape[-1] * 8) if w.dtype == torch.int32 else tuple(w.shape)
 
-    return logical(w13), logical(w2)
+
+def expert_shapes(w13: torch.Tensor, w2: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The logical shapes [E, 2I, H] and [E, H, I] of the experts' weights."""
+    return _logical_shape(w13), _logical_shape(w2)
 
 
 def _int4_block_k(tiles: GemvTiles, k_dim: int) -> int:

@@ -129,7 +129,7 @@ def process_module(module: torch.nn.Module) -> None:
         return
     if isinstance(module, LinearBase):
         module.linear_method.process_weights_after_loading(module)
-    elif hasattr(module, "process_expert_weights"):  # models/moe.py FusedMoE: FP8 block scales -> group scales
+    elif hasattr(module, "process_expert_weights"):  # models/moe.py FusedMoE: FP8 / int4 experts for the kernels
         module.process_expert_weights()
     module.weights_processed = True
 

@@ -16,9 +16,9 @@ Quantized checkpoints (`expert_format` says which the experts take; the routers 
   scales become group scales per expert after loading (`FusedMoE.process_expert_weights`), and the fused kernels
   apply them per weight tile (kernels/moe.py); `--quantization fp8` quantizes the experts so at load;
 - GPTQ, AWQ and compressed-tensors W4A16 int4 (Qwen3-30B-A3B-GPTQ-Int4's, Mixtral AWQ's and llm-compressor's
-  layouts: every expert's projections packed as a linear layer is): each expert's tensors load as stored, go through the format's own conversion (the dense
-  layers') and are stacked as rows of packed inputs ([E, N, K / 8] int32) with scales and zero points [E, G, N];
-  the fused kernels dequantize each weight tile. 8-bit GPTQ, act-order and groups that are not a multiple of 16
+  layouts: every expert's projections packed as a linear layer is): each expert's tensors load as stored, go
+  through the format's own conversion (the dense layers') and are stacked as rows of packed inputs ([E, N, K / 8]
+  int32) with scales and zero points [E, G, N]; the fused kernels dequantize each weight tile. 8-bit GPTQ, act-order and groups that are not a multiple of 16
   are refused at start-up.
 """
 
@@ -37,10 +37,7 @@ from asyncengine.models.layers import load_checkpoint_tensor
 from asyncengine.kernels.quant_reference import FP8_DTYPE, fp8_group_scales, quantize_fp8_groups
 from asyncengine.models.llama import MLP, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from asyncengine.quantization import LinearMethod, set_weight_attrs
-from asyncengine.quantization.awq import AWQLinearMethod
 from asyncengine.quantization.base import quantized_after_loading
-from asyncengine.quantization.compressed_tensors import WNA16LinearMethod
-from asyncengine.quantization.gptq import GPTQLinearMethod
 from asyncengine.quantization.packed_int import PackedIntLinearMethod, int_param
 
 
@@ -68,7 +65,7 @@ class FusedMoE(nn.Module):
     [E, ceil(hidden / bn), ceil(I_rank / bk)], turned into group scales after loading (process_expert_weights).
     online_group: `--quantization fp8` of a model-dtype checkpoint: the experts quantized after loading, each output
     row's groups of online_group inputs with their own scale (finer than a checkpoint's 128 x 128 blocks).
-    int4: the GPTQ / AWQ method of an int4 checkpoint: its tensors per expert, stacked (`_create_int4_tensors`), then
+    int4: the packed-int method of an int4 checkpoint (GPTQ, AWQ, compressed-tensors W4A16): its tensors per expert, stacked (`_create_int4_tensors`), then
     converted (`_convert_int4`) to w13_weight [E, 2 I_rank, hidden / 8] and w2_weight [E, hidden, I_rank / 8] int32
     with scales and zero points (w13_scale, w13_zeros, ...) [E, G, N].
     """
@@ -233,7 +230,7 @@ class FusedMoE(nn.Module):
         expert, kind = shard_id
         if expert == "all":
             raise ValueError("int4 expert tensors stacked for all experts are not supported (supported: one tensor "
-                             "per expert, as GPTQ and AWQ checkpoints store them)")
+                             "per expert, as int4 checkpoints store them)")
         dim = param.output_dim if kind != "down" else param.input_dim
         if dim is None:  # gate's and up's g_idx [hidden] (no output dimension): one slot, checked at conversion
             param.data[expert].copy_(loaded)
@@ -302,7 +299,7 @@ def expert_format(linear_method: Optional[LinearMethod]) -> dict:
         return {"block": block, "scale_name": linear_method.block_scale_name}
     if getattr(linear_method, "serialized", True) is False:  # Fp8LinearMethod of Fp8Config.online()
         return {"online_group": ONLINE_FP8_GROUP}
-    if isinstance(linear_method, (GPTQLinearMethod, AWQLinearMethod, WNA16LinearMethod)):
+    if isinstance(linear_method, PackedIntLinearMethod):  # GPTQ, AWQ, compressed-tensors WNA16
         if linear_method.bits != 4 or linear_method.group_size < 16 or linear_method.group_size % 16:
             raise ValueError(f"int{linear_method.bits} mixture-of-experts weights of group size "
                              f"{linear_method.group_size} are not supported (supported for the experts: 4 bits, "

@@ -58,8 +58,8 @@ class AWQConfig(QuantizationConfig):
                              "(q_group_size)")
         kept = decoder_layers_left_unquantized(cfg.get("modules_to_not_convert"))
         if kept:  # Mixtral's AWQ checkpoints list its routers ("gate"), which the engine never quantizes
-            raise ValueError(f"AWQ modules_to_not_convert {kept} is not supported "
-                             "(supported: every linear layer of the decoder quantized; the LM head and MoE routers may be listed)")
+            raise ValueError(f"AWQ modules_to_not_convert {kept} is not supported (supported: every linear layer of "
+                             "the decoder quantized; the LM head and MoE routers may be listed)")
         return cls(int(bits), int(group_size), bool(cfg.get("zero_point", True)), str(cfg.get("version", "gemm")))
 
     def linear_method(self):
