@@ -48,10 +48,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from asyncengine.kernels import activation, arrival_counters, sm_count
+from asyncengine.kernels import activation, arrival_counters, interpreting, sm_count
 from asyncengine.kernels.attention import _dot_f32, _precision
 from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
-from asyncengine.kernels.quant_gemv import group_scale
+from asyncengine.kernels.quant_gemv import (_half_fma_word_sums, _int4_centered, _x_half_pairs, _x_words, group_scale,
+                                            half_fma_ok)
 
 
 COUNTER_SLOTS = 1 << 14  # route's one counter, or down_reduce's T * cdiv(H, BLOCK_N)
@@ -463,7 +464,8 @@ class GemvTiles:
     block_n: int
     block_k: int
     num_warps: int = 4
-    load_ahead: bool = False  # each loop step issues the next step's weight loads before its own math
+    load_ahead: bool = False  # each loop step issues the next step's weight loads before its own math (not int4)
+    half_fma: bool = False  # int4 experts with bf16 x on CUDA: each word's 8 products summed in bf16x2
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
@@ -491,12 +493,20 @@ def default_decode_config(hidden_size: int, inter: int, top_k: int, tokens: int)
     return DecodeConfig(GemvTiles(16, 256, 4), GemvTiles(32, 256, 4))
 
 
-def decode_config(hidden_size: int, inter: int, top_k: int, tokens: int) -> DecodeConfig:
-    """The tuned config of this expert shape and batch bucket (moe_configs.TUNED), else the default."""
-    from .moe_configs import TUNED
+def decode_config(hidden_size: int, inter: int, top_k: int, tokens: int, int4: bool = False) -> DecodeConfig:
+    """The tuned config of this expert shape and batch bucket (moe_configs.TUNED, or TUNED_INT4 for int4 experts),
+    else the default. Int4 experts without a row of their own take the bf16 row's tiles with `_int4_block_k`."""
+    from .moe_configs import TUNED, TUNED_INT4
 
     key = (hidden_size, inter, top_k, tokens_bucket(tokens))
-    return TUNED.get(key) or default_decode_config(hidden_size, inter, top_k, tokens)
+    if int4 and key in TUNED_INT4:
+        return TUNED_INT4[key]
+    config = TUNED.get(key) or default_decode_config(hidden_size, inter, top_k, tokens)
+    if not int4:
+        return config
+    up, down = config.gate_up, config.down
+    return DecodeConfig(GemvTiles(up.block_n, _int4_block_k(up, hidden_size), up.num_warps),
+                        GemvTiles(down.block_n, _int4_block_k(down, inter), down.num_warps))
 
 
 @triton.jit
@@ -536,28 +546,41 @@ def _scaled(w, expert_scales, k_start, group_size, n_out, cols, col_valid, GROUP
 
 @triton.jit
 def _int4_rows_times_x(w_expert, rows, row_valid, stride_row, x_row, k_dim, expert_scales, expert_zeros, group_size,
-                       n_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       n_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+                       ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr, HALF_FMA: tl.constexpr):
     """sum over k of W[rows, k] * x[k] -> [BLOCK_N] float32, for an int4 expert weight (w_expert: its int32
-    [n_out, k_dim / 8], each row's inputs 8 a word; scales and zero points [G, n_out]). Each loop step loads whole
-    words [BLOCK_N, BLOCK_K / 8] and each word's group's scale and zero point (a tile may span groups: BLOCK_K is
-    not cut to the group), then for nibble j = 0 .. 7 multiplies the words' j-th inputs by x[8 w + j]; the
-    products are summed in-thread and reduced once at the end, as the other formats' tiles."""
-    words_k = tl.arange(0, BLOCK_K // 8)
+    [n_out, k_dim / 8], each row's inputs 8 a word; scales and zero points [G, n_out]). Each loop step covers
+    BLOCK_K inputs as BLOCK_K / SUB_K sub-tiles of whole words [BLOCK_N, SUB_K / 8], each within one group (SUB_K
+    divides the group size), so it loads its rows' scale and zero point once ([BLOCK_N] each); the step's loads are
+    independent of its math, so they are all in flight together. A word's 8 products are summed in-thread with the
+    dense GEMV's word math (quant_gemv): `_int4_centered` (q - z exactly in float32: a LOP3 and a subtraction per
+    weight, no int-to-float conversion) and one FMA, or with HALF_FMA in bf16x2 (`_half_fma_word_sums`, bf16 x at
+    4-byte aligned rows on CUDA); each word's sum times its group's scale accumulates in float32, reduced over K
+    once at the end."""
+    words_k = tl.arange(0, SUB_K // 8)
     row_words = w_expert + rows.to(tl.int64)[:, None] * stride_row  # [BLOCK_N, 1]
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, SUB_K // 8), dtype=tl.float32)
     for k_start in range(0, k_dim, BLOCK_K):
-        word = k_start // 8 + words_k  # [BLOCK_K / 8]
-        word_valid = word * 8 < k_dim
-        mask = row_valid[:, None] & word_valid[None, :]
-        words = tl.load(row_words + word[None, :], mask=mask, other=0)  # [BLOCK_N, BLOCK_K / 8]
-        params = ((word * 8) // group_size)[None, :] * n_out + rows[:, None]  # each word's group, per row
-        scale = tl.load(expert_scales + params, mask=mask, other=0.0).to(tl.float32)
-        zero = tl.load(expert_zeros + params, mask=mask, other=0.0).to(tl.float32)
-        dot = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # sum over j of (q_j - zero) * x[8 w + j]
-        for j in tl.static_range(8):
-            x = tl.load(x_row + word * 8 + j, mask=word_valid, other=0.0).to(tl.float32)  # [BLOCK_K / 8]
-            dot += (((words >> (4 * j)) & 0xF).to(tl.float32) - zero) * x[None, :]
-        acc += dot * scale
+        for sub in tl.static_range(BLOCK_K // SUB_K):
+            k0 = k_start + sub * SUB_K
+            word = k0 // 8 + words_k  # [SUB_K / 8]
+            word_valid = word * 8 < k_dim
+            words = tl.load(row_words + word[None, :], mask=row_valid[:, None] & word_valid[None, :], other=0)
+            params = (k0 // group_size) * n_out + rows  # [BLOCK_N]: the sub-tile's group
+            params_valid = row_valid & (k0 < k_dim)
+            scale = tl.load(expert_scales + params, mask=params_valid, other=0.0).to(tl.float32)
+            zero = tl.load(expert_zeros + params, mask=params_valid, other=0.0).to(tl.float32)
+            if HALF_FMA:
+                x04, x15, x26, x37 = _x_half_pairs(x_row, word, word_valid)
+                sums = _half_fma_word_sums(words, zero[:, None], x04[None, :], x15[None, :], x26[None, :],
+                                           x37[None, :])
+            else:
+                centered = _int4_centered(words, zero[:, None], ASM)
+                xs = _x_words(x_row, word, word_valid, X_BF16_PAIRS)
+                sums = xs[0][None, :] * centered[0]
+                for j in tl.static_range(1, 8):
+                    sums += xs[j][None, :] * centered[j]
+            acc += sums * scale[:, None]
     return tl.sum(acc, axis=1)
 
 
@@ -583,7 +606,11 @@ def _gate_up_act_kernel(
     LOAD_AHEAD: tl.constexpr,  # GemvTiles.load_ahead
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and x
     GROUP_SCALE: tl.constexpr,  # w13 in FP8 e4m3: each weight tile times its group's scales (BLOCK_K divides one)
-    INT4: tl.constexpr,  # w13 packed int4: each weight tile dequantized with its group's scales and zero points
+    INT4: tl.constexpr,  # w13 packed int4: whole words, each word's products summed in-thread (`_int4_rows_times_x`)
+    SUB_K: tl.constexpr,  # INT4: inputs per sub-tile (divides the group size and BLOCK_K)
+    ASM: tl.constexpr,  # INT4: the nibbles made floats by inline PTX (not in Triton's interpreter)
+    X_BF16_PAIRS: tl.constexpr,  # INT4: x is bf16 at 4-byte aligned rows, read two inputs a load
+    HALF_FMA: tl.constexpr,  # INT4: each word's products summed in bf16x2 (GemvTiles.half_fma)
 ):
     """act[i, cols] for assignment i = (token i // TOP_K, expert ids[i]) and one block of intermediate columns."""
     wait_for_prior_grids(USE_PDL)
@@ -596,10 +623,14 @@ def _gate_up_act_kernel(
     if INT4:  # whole words unpacked in registers; no load-ahead
         zeros = zero_ptr + expert * stride_se
         w_expert = w13_ptr + expert * stride_we
-        gate_sum = _int4_rows_times_x(w_expert, cols, col_valid, stride_wn, x_row, hidden_size, scales, zeros,
-                                      group_size, 2 * inter, BLOCK_N, BLOCK_K)
-        up_sum = _int4_rows_times_x(w_expert, inter + cols, col_valid, stride_wn, x_row, hidden_size, scales, zeros,
-                                    group_size, 2 * inter, BLOCK_N, BLOCK_K)
+        # gate and up rows interleaved (2 c: gate column c, 2 c + 1: up column c) in one tile, so that each x load
+        # serves both; the sums split back into [BLOCK_N] each
+        pair = tl.arange(0, 2 * BLOCK_N)
+        rows = (tl.program_id(1) * BLOCK_N + pair // 2) + (pair % 2) * inter  # [2 BLOCK_N]
+        sums = _int4_rows_times_x(w_expert, rows, (pair // 2 + tl.program_id(1) * BLOCK_N) < inter, stride_wn,
+                                  x_row, hidden_size, scales, zeros, group_size, 2 * inter, 2 * BLOCK_N, BLOCK_K,
+                                  SUB_K, ASM, X_BF16_PAIRS, HALF_FMA)
+        gate_sum, up_sum = tl.split(tl.reshape(sums, (BLOCK_N, 2)))
     else:
         gate_rows = w13_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         up_rows = gate_rows + inter * stride_wn
@@ -660,6 +691,10 @@ def _down_reduce_kernel(
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): waits first, it reads ids and act
     GROUP_SCALE: tl.constexpr,  # w2 in FP8 e4m3, as gate_up_act's w13
     INT4: tl.constexpr,  # w2 packed int4, as gate_up_act's w13
+    SUB_K: tl.constexpr,  # INT4: as gate_up_act's
+    ASM: tl.constexpr,
+    X_BF16_PAIRS: tl.constexpr,  # INT4: act is bf16 at 4-byte aligned rows
+    HALF_FMA: tl.constexpr,
 ):
     """partial[i, cols] = weight[i] * (act[i] @ w2[ids[i]]^T)[cols] for one assignment i; the last of a token's
     TOP_K programs on these columns to arrive sums its partials in the order k = 0 .. TOP_K - 1 (so the result
@@ -675,7 +710,8 @@ def _down_reduce_kernel(
     scales = scale_ptr + expert * stride_se  # this expert's [G, H]
     if INT4:  # as gate_up_act
         out_sum = _int4_rows_times_x(w2_ptr + expert * stride_we, cols, col_valid, stride_wn, act_row, inter, scales,
-                                     zero_ptr + expert * stride_se, group_size, hidden_size, BLOCK_N, BLOCK_K)
+                                     zero_ptr + expert * stride_se, group_size, hidden_size, BLOCK_N, BLOCK_K, SUB_K,
+                                     ASM, X_BF16_PAIRS, HALF_FMA)
     else:
         rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
@@ -717,25 +753,30 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     int4 = w13.dtype == torch.int32
     tokens, size = hidden.shape
     num, inter = ids.numel(), _logical_shape(w2)[2]
-    config = config or decode_config(size, inter, top_k, tokens)
+    config = config or decode_config(size, inter, top_k, tokens, int4)
     up, down = config.gate_up, config.down
     col_blocks = triton.cdiv(size, down.block_n)
     if tokens * col_blocks > COUNTER_SLOTS:
         raise ValueError(f"decode MoE: {tokens} tokens x {col_blocks} column blocks exceed {COUNTER_SLOTS} "
                          f"counters (raise the down block_n)")  # fmt: skip
+    if int4 and (up.load_ahead or down.load_ahead):
+        raise ValueError("GemvTiles.load_ahead applies to bf16 and FP8 experts, not int4 ones")
     arrivals = counters(hidden.device)  # before anything is launched: it may refuse under capture
     pdl = pdl_enabled(hidden.device)
     act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)
     grouped = w13_scale is not None
-    # int4: K tiles that span groups, twice the table's where a thread then holds at most 8 words a step (at most
-    # the inputs there are); FP8: each K tile within one group
-    up_k, down_k = ((_int4_block_k(up, size), _int4_block_k(down, inter)) if int4 else
-                    (_within_group(up.block_k, group_size), _within_group(down.block_k, group_size)))
+    # int4: a step's K tile (at most the inputs there are) in sub-tiles within one group; FP8: each K tile within
+    # one group
+    up_k, down_k = ((min(up.block_k, triton.next_power_of_2(size)), min(down.block_k, triton.next_power_of_2(inter)))
+                    if int4 else (_within_group(up.block_k, group_size), _within_group(down.block_k, group_size)))
+    x_pairs, act_pairs = _bf16_pairs(hidden), _bf16_pairs(act)
     _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
         hidden, w13, ids, act, w13_scale if grouped else act, w13_zeros if int4 else act, size, inter,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), w13_scale.stride(0) if grouped else 0,
         group_size or 1, TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up_k, LOAD_AHEAD=up.load_ahead, USE_PDL=pdl,
-        GROUP_SCALE=grouped and not int4, INT4=int4, num_warps=up.num_warps, launch_pdl=pdl,
+        GROUP_SCALE=grouped and not int4, INT4=int4, SUB_K=_int4_sub_k(up_k, group_size) if int4 else 1,
+        ASM=not interpreting(), X_BF16_PAIRS=x_pairs, HALF_FMA=int4 and up.half_fma and x_pairs and half_fma_ok(hidden),
+        num_warps=up.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     partial = torch.empty((num, size), dtype=torch.float32, device=hidden.device)
     out = torch.empty((tokens, size), dtype=hidden.dtype, device=hidden.device)
@@ -744,9 +785,21 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
         size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         w2_scale.stride(0) if grouped else 0, group_size or 1, TOP_K=top_k, BLOCK_N=down.block_n,
         BLOCK_K=down_k, LOAD_AHEAD=down.load_ahead, USE_PDL=pdl,
-        GROUP_SCALE=grouped and not int4, INT4=int4, num_warps=down.num_warps, launch_pdl=pdl,
+        GROUP_SCALE=grouped and not int4, INT4=int4, SUB_K=_int4_sub_k(down_k, group_size) if int4 else 1,
+        ASM=not interpreting(), X_BF16_PAIRS=act_pairs,
+        HALF_FMA=int4 and down.half_fma and act_pairs and half_fma_ok(act), num_warps=down.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
+
+
+def _bf16_pairs(rows: torch.Tensor) -> bool:
+    """Whether every row of a [R, K] tensor is bf16 at a 4-byte aligned address (read two inputs a load)."""
+    return rows.dtype == torch.bfloat16 and rows.data_ptr() % 4 == 0 and rows.stride(0) % 2 == 0
+
+
+def _int4_sub_k(block_k: int, group_size: int) -> int:
+    """The int4 decode kernels' sub-tile: the largest power of two that divides the group size, at most block_k."""
+    return min(block_k, group_size & -group_size)
 
 
 def _logical_shape(w: torch.Tensor) -> tuple[int, ...]:
@@ -760,10 +813,10 @@ def expert_shapes(w13: torch.Tensor, w2: torch.Tensor) -> tuple[tuple[int, ...],
 
 
 def _int4_block_k(tiles: GemvTiles, k_dim: int) -> int:
-    """The decode kernels' K tile for int4 experts: twice the bf16-tuned one (a quarter of the bytes a weight) where
-    each thread then loads at most 8 words a step, else the same, at most k_dim rounded up to a power of two. ptxas
-    (sm_90, Triton 3.7) spilled with 16 words a thread at 4 warps and at 32 with 2, and spilled nothing at 8; the
-    speed of either is not measured yet."""
+    """The decode kernels' K tile for int4 experts without a tuned row (moe_configs.TUNED_INT4), from the bf16 row's:
+    twice its K tile (a quarter of the bytes a weight) where each thread then loads at most 8 words a step, else
+    the same, at most k_dim rounded up to a power of two. ptxas (sm_90, Triton 3.7) spilled with 16 words a thread
+    at 4 warps and at 32 with 2, and spilled nothing at 8."""
     doubled = 2 * tiles.block_k
     words_per_thread = tiles.block_n * doubled // 8 // (32 * tiles.num_warps)
     return min(doubled if words_per_thread <= 8 else tiles.block_k, triton.next_power_of_2(k_dim))

@@ -21,3 +21,7 @@ TUNED: dict[tuple[int, int, int, int], DecodeConfig] = {
     (2048, 768, 8, 8): DecodeConfig(GemvTiles(4, 256, 2, True), GemvTiles(128, 64, 4, False)),  # 127.5 us,   3890 GB/s  92%; default 146.0 us
     (2048, 768, 8, 16): DecodeConfig(GemvTiles(8, 128, 2, True), GemvTiles(32, 64, 4, False)),  # 217.1 us,   3606 GB/s  85%; default 257.2 us
 }
+
+# Int4 experts (GPTQ / AWQ / compressed-tensors W4A16, groups of 128): K tiles in inputs (each step's sub-tiles
+# stay within a group). Shapes missing here take the bf16 row above with moe._int4_block_k.
+TUNED_INT4: dict[tuple[int, int, int, int], DecodeConfig] = {}

@@ -259,15 +259,11 @@ _HALF_FMA_WORD_ASM = tl.constexpr("""{
 
 
 @triton.jit
-def _int4_half_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero):
-    """`_int4_fma_step` for bf16 x at a 4-byte aligned address on CUDA, each word's 8 products summed in bf16x2
-    (`_HALF_FMA_WORD_ASM`) instead of float32; the words' sums still scaled and accumulated in float32. Each
-    product and each lane's 4-term sum rounds to bf16 (8 significant bits): ~3e-3 relative error in y (GemvConfig).
-    The tile (`_int4_tile`): words [BK / 8, BN], scale and zero [BN] float32."""
-    bits = (-128.0 - zero).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # -(128 + z), exact
-    neg_zero_pair = (bits | (bits << 16))[None, :]  # [1, BN] bf16x2
+def _x_half_pairs(x_ptr, words_k, row_mask):
+    """bf16 x's inputs of the words words_k [R] (x at a 4-byte aligned address) as the bf16x2 pairs (x_j, x_j+4),
+    j = 0 ... 3, that `_HALF_FMA_WORD_ASM` takes: 4 int32 tensors [R]."""
     pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    x01 = tl.load(pair_ptr + 4 * words_k + 0, mask=row_mask, other=0)  # [BK / 8] (x0, x1) bf16x2
+    x01 = tl.load(pair_ptr + 4 * words_k + 0, mask=row_mask, other=0)  # [R] (x0, x1) bf16x2
     x23 = tl.load(pair_ptr + 4 * words_k + 1, mask=row_mask, other=0)
     x45 = tl.load(pair_ptr + 4 * words_k + 2, mask=row_mask, other=0)
     x67 = tl.load(pair_ptr + 4 * words_k + 3, mask=row_mask, other=0)
@@ -275,10 +271,27 @@ def _int4_half_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero):
     x15 = ((x01 >> 16) & 0xFFFF) | (x45 & -65536)
     x26 = (x23 & 0xFFFF) | (x67 << 16)
     x37 = ((x23 >> 16) & 0xFFFF) | (x67 & -65536)
-    word_sums = tl.inline_asm_elementwise(
-        _HALF_FMA_WORD_ASM, "=r,r,r,r,r,r,r",
-        [words, neg_zero_pair, x04[:, None], x15[:, None], x26[:, None], x37[:, None]], dtype=tl.int32,
-        is_pure=True, pack=1).to(tl.float32, bitcast=True)  # [BK / 8, BN]
+    return x04, x15, x26, x37
+
+
+@triton.jit
+def _half_fma_word_sums(words, zero, x04, x15, x26, x37):
+    """Each packed word's 8 products with x summed in bf16x2 (`_HALF_FMA_WORD_ASM`), as float32 [R, C]. words: int32
+    [R, C]; zero: their zero points (float32), and x04 ... x37 (`_x_half_pairs`), each broadcastable to words."""
+    bits = (-128.0 - zero).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # -(128 + z), exact
+    return tl.inline_asm_elementwise(
+        _HALF_FMA_WORD_ASM, "=r,r,r,r,r,r,r", [words, bits | (bits << 16), x04, x15, x26, x37], dtype=tl.int32,
+        is_pure=True, pack=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_half_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero):
+    """`_int4_fma_step` for bf16 x at a 4-byte aligned address on CUDA, each word's 8 products summed in bf16x2
+    (`_HALF_FMA_WORD_ASM`) instead of float32; the words' sums still scaled and accumulated in float32. Each
+    product and each lane's 4-term sum rounds to bf16 (8 significant bits): ~3e-3 relative error in y (GemvConfig).
+    The tile (`_int4_tile`): words [BK / 8, BN], scale and zero [BN] float32."""
+    x04, x15, x26, x37 = _x_half_pairs(x_ptr, words_k, row_mask)
+    word_sums = _half_fma_word_sums(words, zero[None, :], x04[:, None], x15[:, None], x26[:, None], x37[:, None])
     return acc + word_sums * scale[None, :]
 
 
@@ -303,13 +316,14 @@ def _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
 
 @triton.jit
 def _int4_centered(words, zero, ASM: tl.constexpr):
-    """A loaded int4 tile's words [BK / 8, BN] as q - z, exactly, in float32: a tuple of 8 tensors [BK / 8, BN],
-    element j for input 8 * words_k + j.
+    """Packed int4 words [R, C] as q - z, exactly, in float32: a tuple of 8 tensors [R, C], element j for the word's
+    input j. zero: the words' zero points, float32, broadcastable to words ([1, BN] for the GEMV's [BK / 8, BN]
+    tiles, [BN, 1] for the MoE decode kernels' [BN, BK / 8]).
 
     Two instructions per weight: one LOP3 makes the float 2**(23 - p) + q of a nibble (`_nibble_floats`), one
     subtraction of 2**(23 - p) + z (per column and tile; exact, z being an integer below 16) leaves q - z."""
-    zeros = (zero[None, :] + 8388608.0, zero[None, :] + 524288.0, zero[None, :] + 32768.0, zero[None, :] + 2048.0,
-             zero[None, :] + 128.0)  # z + 2**(23 - p) per bit offset p = 0, 4, 8, 12, 16
+    zeros = (zero + 8388608.0, zero + 524288.0, zero + 32768.0, zero + 2048.0,
+             zero + 128.0)  # z + 2**(23 - p) per bit offset p = 0, 4, 8, 12, 16
     nibbles = _nibble_floats(words, ASM)
     centered = ()
     for j in tl.static_range(8):
@@ -323,7 +337,7 @@ def _int4_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero, ASM: tl.co
     """acc [BK / 8, BN] plus x's row 0 times a loaded int4 tile (`_int4_tile`): about three instructions per
     weight (two in `_int4_centered`, one FMA into the word's 8-input sum), the group's scale multiplying each word's
     sum once (a tile never crosses a group)."""
-    centered = _int4_centered(words, zero, ASM)
+    centered = _int4_centered(words, zero[None, :], ASM)
     xs = _x_words(x_ptr, words_k, row_mask, X_BF16_PAIRS)
     word_sums = xs[0][:, None] * centered[0]
     for j in tl.static_range(1, 8):
@@ -341,7 +355,7 @@ def _int4_slot_dot_step(acc, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, rows, row_ma
     at M = 16 in run 51, together with 2-slice reduction rounds; both reverted.)"""
     words_k, word_mask, words, scale, zero = _int4_tile(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K,
                                                         group_size, BLOCK_K)
-    codes = _int4_centered(words, zero, ASM)
+    codes = _int4_centered(words, zero[None, :], ASM)
     part = tl.zeros(acc.shape, dtype=tl.float32)
     for j in tl.static_range(8):
         x_j = tl.load(x_ptr + rows[:, None] * stride_xm + (8 * words_k + j)[None, :],

@@ -3,6 +3,8 @@ MoE layer at a time:
 
     python -m loadtest.bench_kernels --moe-decode [--layers 8]       the layer's kernels per batch size T
     python -m loadtest.bench_kernels --moe-sweep [--budget-s 420]    candidate tiles; winners for moe_configs.py
+    ... --int4                       the experts in packed int4 (groups of 128, asymmetric: GPTQ / AWQ after
+                                     loading) in both modes; the sweep's winners go to TUNED_INT4
     TRITON_INTERPRET=1 python -m loadtest.bench_kernels --moe-sweep --tiny    (CPU smoke run: times mean nothing)
 
 A layer here is what the decode step runs for the sparse MLP: the router product (x [T, H] @ gate [E, H]^T),
@@ -36,22 +38,38 @@ TINY = (16, 4, 64, 32)
 TOKENS = (1, 2, 4, 8, 16)
 
 
+INT4_GROUP = 128
+
+
 @dataclasses.dataclass
 class Layer:
-    """One MoE layer's weights."""
+    """One MoE layer's weights: bf16, or packed int4 with group scales and zero points (`quant`)."""
 
     gate: torch.Tensor  # [E, H]
-    w13: torch.Tensor  # [E, 2I, H]
-    w2: torch.Tensor  # [E, H, I]
+    w13: torch.Tensor  # [E, 2I, H] (int4: int32 [E, 2I, H / 8])
+    w2: torch.Tensor  # [E, H, I] (int4: int32 [E, H, I / 8])
+    quant: tuple = ()  # int4: (w13_scale, w2_scale, group, w13_zeros, w2_zeros), scales and zeros [E, G, N] bf16
+
+
+def _int4_expert(shape: tuple, group: int, g: torch.Generator, device: str) -> tuple:
+    """Random packed int4 experts [E, N, K] (any words are valid codes): (int32 [E, N, K / 8], scales [E, G, N]
+    bf16 sized so that outputs stay near unit scale, integer zero points [E, G, N] bf16)."""
+    experts, n, k = shape
+    words = torch.randint(-(2**31), 2**31 - 1, (experts, n, k // 8), generator=g, device=device, dtype=torch.int32)
+    groups = k // group
+    scales = (torch.rand(experts, groups, n, generator=g, device=device) * 0.5 + 0.5) * 0.25 * k**-0.5
+    zeros = torch.randint(6, 10, (experts, groups, n), generator=g, device=device).float()
+    return words, scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
 
 
 class Case:
     """`layers` MoE layers at one shape, and x [T, H] for each T asked."""
 
-    def __init__(self, shape: tuple, layers: int, device: str):
+    def __init__(self, shape: tuple, layers: int, device: str, int4: bool = False):
         from asyncengine.kernels import moe
 
-        self.shape, self.device = shape, device
+        self.shape, self.device, self.int4 = shape, device, int4
+        self.group = INT4_GROUP if min(shape[2:]) % INT4_GROUP == 0 else 16  # --tiny: groups of 16
         experts, self.top_k, hidden, inter = shape
         g = torch.Generator(device=device).manual_seed(0)
         dtype = torch.bfloat16
@@ -62,6 +80,11 @@ class Case:
         self.layers = []
         for _ in range(layers):
             gate = randn(experts, hidden, scale=hidden**-0.5)
+            if int4:
+                (w13, s13, z13), (w2, s2, z2) = (_int4_expert((experts, 2 * inter, hidden), self.group, g, device),
+                                                 _int4_expert((experts, hidden, inter), self.group, g, device))
+                self.layers.append(Layer(gate, w13, w2, (s13, s2, self.group, z13, z2)))
+                continue
             self.layers.append(Layer(gate, randn(experts, 2 * inter, hidden, scale=hidden**-0.5),
                                      randn(experts, hidden, inter, scale=inter**-0.5)))  # fmt: skip
         self.xs = {t: torch.randn(t, hidden, generator=g, device=device).to(dtype) for t in TOKENS}
@@ -73,7 +96,13 @@ class Case:
         """Mean bytes per layer that T tokens must read: each expert hit once, plus the router's weight."""
         experts, _, hidden, inter = self.shape
         hit = sum(ids.unique().numel() for _, ids in self.routed[t]) / len(self.layers)
-        return hit * 3 * hidden * inter * 2 + experts * hidden * 2
+        return hit * self.bytes_per_expert() + experts * hidden * 2
+
+    def bytes_per_expert(self) -> float:
+        """One expert's three projections as stored: bf16, or int4 words plus bf16 scales and zero points."""
+        _, _, hidden, inter = self.shape
+        weights = 3 * hidden * inter
+        return weights / 2 + 2 * 2 * weights / self.group if self.int4 else 2 * weights
 
     # -- the calls timed, each a function of (layer index) ---------------------------------------------------
     def experts_call(self, t: int, config=None, grouped: bool = False) -> Callable[[int], torch.Tensor]:
@@ -84,9 +113,9 @@ class Case:
         def call(i: int) -> torch.Tensor:
             layer, (weights, ids) = self.layers[i], self.routed[t][i]
             if grouped:
-                return moe.fused_moe_grouped(x, layer.w13, layer.w2, weights, ids)
+                return moe.fused_moe_grouped(x, layer.w13, layer.w2, weights, ids, *layer.quant)
             return moe._fused_moe_decode(x, layer.w13, layer.w2, weights.reshape(-1), ids.reshape(-1),
-                                         self.top_k, config)  # fmt: skip
+                                         self.top_k, config, *layer.quant)  # fmt: skip
 
         return call
 
@@ -103,6 +132,8 @@ class Case:
         from asyncengine.kernels import reference
 
         layer, (weights, ids) = self.layers[i], self.routed[t][i]
+        if self.int4:  # each used expert dequantized (in the scales' bf16, as the reference does), in float32
+            return reference.fused_moe(self.xs[t].float(), layer.w13, layer.w2, weights, ids, *layer.quant)
         return reference.fused_moe(self.xs[t].float(), layer.w13.float(), layer.w2.float(), weights, ids)
 
 
@@ -159,19 +190,18 @@ def run_decode(args) -> int:
     from asyncengine.kernels import moe
 
     device, shape, copy_gbps = _setup(args)
-    case = Case(shape, args.layers, device)
+    case = Case(shape, args.layers, device, args.int4)
     hidden, inter, top_k = shape[2], shape[3], shape[1]
     print(f"{'T':>3} {'part':44} {'us/layer':>9} {'rate (bytes the layer must read)':>32}")
     for t in args.tokens:
         nbytes = case.expert_bytes(t)
-        config = moe.decode_config(hidden, inter, top_k, t)
+        config = moe.decode_config(hidden, inter, top_k, t, args.int4)
         rows = [
             ("routing: cuBLAS router + topk_softmax", case.routing_call(t, "cuBLAS")),
             ("routing: our GEMV router + topk_softmax", case.routing_call(t, "our GEMV")),
             ("routing: one fused kernel (moe.route)", case.routing_call(t, "fused")),
             (f"experts: decode kernels {_tiles(config)}", case.experts_call(t, config)),
-            ("experts: decode kernels, default tiles", case.experts_call(t, moe.default_decode_config(
-                hidden, inter, top_k, t))),
+            ("experts: decode kernels, default tiles", case.experts_call(t, _untuned(case, t))),
             ("experts: grouped GEMMs (peer)", case.experts_call(t, grouped=True)),
             ("layer: moe.route + fused_moe (as the model)", _model_call(case, t)),
             ("layer: the same, ASYNCENGINE_PDL=0", _model_call(case, t)),
@@ -183,7 +213,7 @@ def run_decode(args) -> int:
             print(f"{t:>3} {name:44} {times[name]:9.1f} {_rate(nbytes, times[name], copy_gbps):>32}")
         decode, peer = times[rows[3][0]], times[rows[5][0]]
         print(f"{t:>3} {'(grouped peer time / decode kernels time)':44} {peer / decode:8.2f}x "
-              f"   experts hit per layer {nbytes / (3 * hidden * inter * 2):.1f}")
+              f"   experts hit per layer {(nbytes - shape[0] * hidden * 2) / case.bytes_per_expert():.1f}")
     return 0
 
 
@@ -213,15 +243,28 @@ def _model_call(case: Case, t: int) -> Callable[[int], torch.Tensor]:
     def call(i: int) -> torch.Tensor:
         layer = case.layers[i]
         weights, ids = moe.route(x, layer.gate, case.top_k, True)
-        return moe.fused_moe(x, layer.w13, layer.w2, weights, ids)
+        return moe.fused_moe(x, layer.w13, layer.w2, weights, ids, *layer.quant)
 
     return call
 
 
+def _untuned(case: Case, t: int):
+    """What the engine runs without a tuned row: bf16 experts the default tiles; int4 experts the bf16 table's
+    row (or the default) with moe._int4_block_k, unless TUNED_INT4 has the row."""
+    from asyncengine.kernels import moe
+
+    _, top_k, hidden, inter = case.shape
+    if case.int4:
+        return moe.decode_config(hidden, inter, top_k, t, True)
+    return moe.default_decode_config(hidden, inter, top_k, t)
+
+
 def _tiles(config) -> str:
-    up, down = config.gate_up, config.down
-    return (f"({up.block_n}x{up.block_k}/{up.num_warps}{'+ahead' * up.load_ahead}, "
-            f"{down.block_n}x{down.block_k}/{down.num_warps}{'+ahead' * down.load_ahead})")
+    def one(tiles) -> str:
+        return (f"{tiles.block_n}x{tiles.block_k}/{tiles.num_warps}{'+ahead' * tiles.load_ahead}"
+                f"{'+bf16x2' * tiles.half_fma}")
+
+    return f"({one(config.gate_up)}, {one(config.down)})"
 
 
 # -- the sweep ------------------------------------------------------------------------------------------------
@@ -246,6 +289,34 @@ def down_candidates(tiny: bool) -> list:
         return [GemvTiles(8, 32, 2), GemvTiles(32, 16, 4)]
     return [GemvTiles(n, k, w, ahead) for n in (8, 16, 32, 64, 128) for k in (64, 128, 256, 512) for w in (2, 4, 8)
             for ahead in (False, True) if n * k * (1 + ahead) <= 128 * 32 * w and n * k >= 16 * 32 * w]
+
+
+def int4_gate_up_candidates(tiny: bool) -> list:
+    """(block_n, block_k, num_warps) for gate_up_act on int4 experts: its tile of 2 block_n rows (gate and up
+    interleaved) covers at least the rows of one layout tile (8 a warp at 16 words a group of 128), with 8 to 64
+    words a thread a step (ptxas spilled at 64 in some; the sweep drops what fails)."""
+    from asyncengine.kernels.moe import GemvTiles
+
+    if tiny:
+        return [GemvTiles(8, 32, 2), GemvTiles(4, 16, 1)]
+    return [GemvTiles(n, k, w) for n in (4, 8, 16, 32, 64) for k in (128, 256, 512, 1024) for w in (1, 2, 4)
+            if 2 * n >= 8 * w and 8 <= 2 * n * k // 8 // (32 * w) <= 64]
+
+
+def int4_down_candidates(tiny: bool) -> list:
+    """(block_n, block_k, num_warps) for down_reduce on int4 experts: as gate_up_act's, block_n rows."""
+    from asyncengine.kernels.moe import GemvTiles
+
+    if tiny:
+        return [GemvTiles(8, 32, 1), GemvTiles(16, 16, 2)]
+    return [GemvTiles(n, k, w) for n in (8, 16, 32, 64, 128) for k in (128, 256, 512) for w in (1, 2, 4)
+            if n >= 8 * w and 8 <= n * k // 8 // (32 * w) <= 64]
+
+
+def _with_half_fma(ranked: list, which: str) -> list:
+    """The four fastest int4 configs again with `which` (gate_up or down) summing in bf16x2 (GemvTiles.half_fma)."""
+    return [dataclasses.replace(config, **{which: dataclasses.replace(getattr(config, which), half_fma=True)})
+            for _, config in ranked[:4]]
 
 
 def _timed(case: Case, t: int, configs: list, device: str, layers: int, deadline: float) -> list:
@@ -283,19 +354,29 @@ def run_sweep(args) -> int:
 
     start = time.perf_counter()
     device, shape, copy_gbps = _setup(args)
-    case = Case(shape, args.layers, device)
+    case = Case(shape, args.layers, device, args.int4)
     experts, top_k, hidden, inter = shape
     deadline = start + args.budget_s
     winners = []
     for t in args.tokens if not args.tiny else (1, 4):
         nbytes = case.expert_bytes(t)
-        default = moe.default_decode_config(hidden, inter, top_k, t)
+        default = _untuned(case, t)
         default_us = time_per_layer_us(case.experts_call(t, default), args.layers, device)
-        ups = _checked(case, t, _timed(case, t, [moe.DecodeConfig(c, default.down) for c in
-                                                 gate_up_candidates(args.tiny)], device, args.layers, deadline))
+        up_tiles, down_tiles = ((int4_gate_up_candidates, int4_down_candidates) if args.int4 else
+                                (gate_up_candidates, down_candidates))
+        ups = _timed(case, t, [moe.DecodeConfig(c, default.down) for c in up_tiles(args.tiny)], device, args.layers,
+                     deadline)  # fmt: skip
+        if args.int4:  # the leaders again, summing each word's products in bf16x2
+            ups = sorted(ups + _timed(case, t, _with_half_fma(ups, "gate_up"), device, args.layers, deadline),
+                         key=lambda r: r[0])  # fmt: skip
+        ups = _checked(case, t, ups)
         best_up = ups[0][1].gate_up if ups else default.gate_up
-        downs = _checked(case, t, _timed(case, t, [moe.DecodeConfig(best_up, c) for c in down_candidates(args.tiny)],
-                                         device, args.layers, deadline))  # fmt: skip
+        downs = _timed(case, t, [moe.DecodeConfig(best_up, c) for c in down_tiles(args.tiny)], device, args.layers,
+                       deadline)  # fmt: skip
+        if args.int4:
+            downs = sorted(downs + _timed(case, t, _with_half_fma(downs, "down"), device, args.layers, deadline),
+                           key=lambda r: r[0])  # fmt: skip
+        downs = _checked(case, t, downs)
         print(f"\nT={t}: default {_tiles(default)} {default_us:.1f} us {_rate(nbytes, default_us, copy_gbps)}")
         for label, ranked in (("gate_up_act", ups), ("down_reduce", downs)):
             for us, config in ranked[:4]:
@@ -308,7 +389,8 @@ def run_sweep(args) -> int:
         import sys
 
         sys.stdout.flush()
-    print(f"\nwinners ({time.perf_counter() - start:.0f} s; paste into kernels/moe_configs.py TUNED):")
+    table = "TUNED_INT4" if args.int4 else "TUNED"
+    print(f"\nwinners ({time.perf_counter() - start:.0f} s; paste into kernels/moe_configs.py {table}):")
     print("\n".join(winners))
     return 0
 
@@ -324,6 +406,7 @@ def main(argv: list[str]) -> int:
                         help="the batch sizes timed (or swept)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop timing candidates after this")
     parser.add_argument("--tiny", action="store_true", help="CPU, Triton's interpreter, toy sizes (smoke run)")
+    parser.add_argument("--int4", action="store_true", help="int4 experts (groups of 128; --tiny: of 16)")
     args = parser.parse_args(argv)
     if args.tiny and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it once, when first imported
         raise SystemExit("--tiny runs in Triton's interpreter: TRITON_INTERPRET=1 python -m loadtest.bench_kernels "

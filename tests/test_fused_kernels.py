@@ -489,6 +489,8 @@ def barrier_between(fn, types, constants, after: str, before: str) -> bool:
     last = max(i for i, line in enumerate(lines[:first]) if after in line)
     return any("bar.sync" in line or "barrier.sync" in line for line in lines[last:first])
 
+# the MoE decode kernels' int4 constexprs, unused on bf16 and FP8 experts
+BF16_OR_FP8 = dict(INT4=False, SUB_K=1, ASM=True, X_BF16_PAIRS=False, HALF_FMA=False)
 decode = dict(NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
               DOT_F32=False, PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=False, FUSED_REDUCE=True,
               SPLITS_PAD=4, MERGE_HEADS=4)
@@ -543,18 +545,21 @@ kernels = [
     # the MoE decode kernels on bf16 experts, on FP8 experts with group scales (block-wise checkpoints), and on
     # int4 experts (GPTQ / AWQ)
     (moe._gate_up_act_kernel, dict(ids_ptr=i64, scale_ptr=f32),
-     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, LOAD_AHEAD=True, GROUP_SCALE=False, INT4=False)),
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, LOAD_AHEAD=True, GROUP_SCALE=False, **BF16_OR_FP8)),
     (moe._down_reduce_kernel, dict(ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32, scale_ptr=f32),
-     dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=False)),
+     dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False, **BF16_OR_FP8)),
     (moe._gate_up_act_kernel, dict(w13_ptr=fp8, ids_ptr=i64, scale_ptr=f32),
-     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128, LOAD_AHEAD=True, GROUP_SCALE=True, INT4=False)),
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128, LOAD_AHEAD=True, GROUP_SCALE=True, **BF16_OR_FP8)),
     (moe._down_reduce_kernel, dict(w2_ptr=fp8, ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32,
                                    scale_ptr=f32), dict(TOP_K=8, BLOCK_N=32, BLOCK_K=128, LOAD_AHEAD=False,
-                                                        GROUP_SCALE=True, INT4=False)),
+                                                        GROUP_SCALE=True, **BF16_OR_FP8)),
+    # int4: gate_up_act summing in bf16x2 (HALF_FMA), down_reduce in float32, steps of several group sub-tiles
     (moe._gate_up_act_kernel, dict(w13_ptr=i32, ids_ptr=i64),
-     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128, LOAD_AHEAD=True, GROUP_SCALE=False, INT4=True)),
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=True, SUB_K=128, ASM=True,
+          X_BF16_PAIRS=True, HALF_FMA=True)),
     (moe._down_reduce_kernel, dict(w2_ptr=i32, ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32),
-     dict(TOP_K=8, BLOCK_N=32, BLOCK_K=128, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=True)),
+     dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=True, SUB_K=128, ASM=True,
+          X_BF16_PAIRS=True, HALF_FMA=False)),
 ]
 ok = [compile_kernel(*k) for k in kernels]
 print("with griddepcontrol", sum(ok), "of", len(ok))
@@ -626,7 +631,8 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     prefetches; the GEMV's FMA paths load their first weight tile before the wait (and none without
     EARLY_TILE); and a bar.sync separates the stores and loads of one program that other threads of it read back
     (run 51 found the one-split merge without it); the MoE kernels on FP8 experts with group scales and on int4
-    experts compile (the grouped GEMM's product on the tensor cores). About a minute on 2 loaded cores (a fresh Triton cache)."""
+    experts (the decode kernels' bf16x2 and float32 word sums) compile (the grouped GEMM's product on the tensor
+    cores). About a minute on 2 loaded cores (a fresh Triton cache)."""
     import subprocess
     import sys
 
