@@ -464,7 +464,7 @@ class GemvTiles:
     block_n: int
     block_k: int
     num_warps: int = 4
-    load_ahead: bool = False  # each loop step issues the next step's weight loads before its own math (not int4)
+    load_ahead: bool = False  # each loop step issues the next step's weight loads before its own math
     half_fma: bool = False  # int4 experts with bf16 x on CUDA: each word's 8 products summed in bf16x2
 
     def __post_init__(self):
@@ -545,42 +545,80 @@ def _scaled(w, expert_scales, k_start, group_size, n_out, cols, col_valid, GROUP
 
 
 @triton.jit
+def _int4_step_loads(row_words, rows, row_valid, x_row, k_start, k_dim, expert_scales, expert_zeros, group_size,
+                     n_out, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, X_BF16_PAIRS: tl.constexpr,
+                     HALF_FMA: tl.constexpr):
+    """Everything one step of `_int4_rows_times_x` reads, inputs k_start ... k_start + BLOCK_K (masked past k_dim):
+    per sub-tile (words [BLOCK_N, SUB_K / 8], scale [BLOCK_N], zero [BLOCK_N], x's inputs (`_x_half_pairs` or
+    `_x_words`)). All loads issued here, before any math: written sub-tile by sub-tile with the math between,
+    ptxas kept each sub-tile's loads behind the previous one's math (a memory round trip per sub-tile in a row)."""
+    words_k = tl.arange(0, SUB_K // 8)
+    loaded = ()
+    for sub in tl.static_range(BLOCK_K // SUB_K):
+        k0 = k_start + sub * SUB_K
+        word = k0 // 8 + words_k  # [SUB_K / 8]
+        word_valid = word * 8 < k_dim
+        words = tl.load(row_words + word[None, :], mask=row_valid[:, None] & word_valid[None, :], other=0)
+        params = (k0 // group_size) * n_out + rows  # [BLOCK_N]: the sub-tile's group
+        params_valid = row_valid & (k0 < k_dim)
+        scale = tl.load(expert_scales + params, mask=params_valid, other=0.0).to(tl.float32)
+        zero = tl.load(expert_zeros + params, mask=params_valid, other=0.0).to(tl.float32)
+        if HALF_FMA:
+            xs = _x_half_pairs(x_row, word, word_valid)
+        else:
+            xs = _x_words(x_row, word, word_valid, X_BF16_PAIRS)
+        loaded = loaded + ((words, scale, zero, xs),)
+    return loaded
+
+
+@triton.jit
+def _int4_step_math(acc, loaded, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, ASM: tl.constexpr,
+                    HALF_FMA: tl.constexpr):
+    """acc [BLOCK_N, SUB_K / 8] plus one step's products (`_int4_step_loads`): each word's 8 products summed
+    in-thread (float32 or bf16x2), times its group's scale."""
+    for sub in tl.static_range(BLOCK_K // SUB_K):
+        words, scale, zero, xs = loaded[sub]
+        if HALF_FMA:
+            sums = _half_fma_word_sums(words, zero[:, None], xs[0][None, :], xs[1][None, :], xs[2][None, :],
+                                       xs[3][None, :])
+        else:
+            centered = _int4_centered(words, zero[:, None], ASM)
+            sums = xs[0][None, :] * centered[0]
+            for j in tl.static_range(1, 8):
+                sums += xs[j][None, :] * centered[j]
+        acc += sums * scale[:, None]
+    return acc
+
+
+@triton.jit
 def _int4_rows_times_x(w_expert, rows, row_valid, stride_row, x_row, k_dim, expert_scales, expert_zeros, group_size,
                        n_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                       ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr, HALF_FMA: tl.constexpr):
+                       ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr, HALF_FMA: tl.constexpr,
+                       LOAD_AHEAD: tl.constexpr):
     """sum over k of W[rows, k] * x[k] -> [BLOCK_N] float32, for an int4 expert weight (w_expert: its int32
     [n_out, k_dim / 8], each row's inputs 8 a word; scales and zero points [G, n_out]). Each loop step covers
     BLOCK_K inputs as BLOCK_K / SUB_K sub-tiles of whole words [BLOCK_N, SUB_K / 8], each within one group (SUB_K
-    divides the group size), so it loads its rows' scale and zero point once ([BLOCK_N] each); the step's loads are
-    independent of its math, so they are all in flight together. A word's 8 products are summed in-thread with the
-    dense GEMV's word math (quant_gemv): `_int4_centered` (q - z exactly in float32: a LOP3 and a subtraction per
-    weight, no int-to-float conversion) and one FMA, or with HALF_FMA in bf16x2 (`_half_fma_word_sums`, bf16 x at
-    4-byte aligned rows on CUDA); each word's sum times its group's scale accumulates in float32, reduced over K
-    once at the end."""
-    words_k = tl.arange(0, SUB_K // 8)
+    divides the group size), so it loads its rows' scale and zero point once ([BLOCK_N] each); a step's loads are
+    all issued before its math (`_int4_step_loads`), and with LOAD_AHEAD a step ahead of it. A word's 8 products
+    are summed in-thread with the dense GEMV's word math (quant_gemv): `_int4_centered` (q - z exactly in float32:
+    a LOP3 and a subtraction per weight, no int-to-float conversion) and one FMA, or with HALF_FMA in bf16x2
+    (`_half_fma_word_sums`, bf16 x at 4-byte aligned rows on CUDA); each word's sum times its group's scale
+    accumulates in float32, reduced over K once at the end."""
     row_words = w_expert + rows.to(tl.int64)[:, None] * stride_row  # [BLOCK_N, 1]
     acc = tl.zeros((BLOCK_N, SUB_K // 8), dtype=tl.float32)
+    if LOAD_AHEAD:
+        loaded = _int4_step_loads(row_words, rows, row_valid, x_row, 0, k_dim, expert_scales, expert_zeros,
+                                  group_size, n_out, BLOCK_K, SUB_K, X_BF16_PAIRS, HALF_FMA)
     for k_start in range(0, k_dim, BLOCK_K):
-        for sub in tl.static_range(BLOCK_K // SUB_K):
-            k0 = k_start + sub * SUB_K
-            word = k0 // 8 + words_k  # [SUB_K / 8]
-            word_valid = word * 8 < k_dim
-            words = tl.load(row_words + word[None, :], mask=row_valid[:, None] & word_valid[None, :], other=0)
-            params = (k0 // group_size) * n_out + rows  # [BLOCK_N]: the sub-tile's group
-            params_valid = row_valid & (k0 < k_dim)
-            scale = tl.load(expert_scales + params, mask=params_valid, other=0.0).to(tl.float32)
-            zero = tl.load(expert_zeros + params, mask=params_valid, other=0.0).to(tl.float32)
-            if HALF_FMA:
-                x04, x15, x26, x37 = _x_half_pairs(x_row, word, word_valid)
-                sums = _half_fma_word_sums(words, zero[:, None], x04[None, :], x15[None, :], x26[None, :],
-                                           x37[None, :])
-            else:
-                centered = _int4_centered(words, zero[:, None], ASM)
-                xs = _x_words(x_row, word, word_valid, X_BF16_PAIRS)
-                sums = xs[0][None, :] * centered[0]
-                for j in tl.static_range(1, 8):
-                    sums += xs[j][None, :] * centered[j]
-            acc += sums * scale[:, None]
+        if LOAD_AHEAD:  # the next step's loads (masked past k_dim) in flight during this step's math
+            ahead = _int4_step_loads(row_words, rows, row_valid, x_row, k_start + BLOCK_K, k_dim, expert_scales,
+                                     expert_zeros, group_size, n_out, BLOCK_K, SUB_K, X_BF16_PAIRS, HALF_FMA)
+        else:
+            loaded = _int4_step_loads(row_words, rows, row_valid, x_row, k_start, k_dim, expert_scales,
+                                      expert_zeros, group_size, n_out, BLOCK_K, SUB_K, X_BF16_PAIRS, HALF_FMA)
+        acc = _int4_step_math(acc, loaded, BLOCK_K, SUB_K, ASM, HALF_FMA)
+        if LOAD_AHEAD:
+            loaded = ahead
     return tl.sum(acc, axis=1)
 
 
@@ -620,7 +658,7 @@ def _gate_up_act_kernel(
     expert = tl.load(ids_ptr + assignment).to(tl.int64)
     x_row = x_ptr + (assignment // TOP_K).to(tl.int64) * stride_x
     scales = scale_ptr + expert * stride_se  # this expert's [G, 2I]
-    if INT4:  # whole words unpacked in registers; no load-ahead
+    if INT4:  # whole words unpacked in registers
         zeros = zero_ptr + expert * stride_se
         w_expert = w13_ptr + expert * stride_we
         # gate and up rows interleaved (2 c: gate column c, 2 c + 1: up column c) in one tile, so that each x load
@@ -629,7 +667,7 @@ def _gate_up_act_kernel(
         rows = (tl.program_id(1) * BLOCK_N + pair // 2) + (pair % 2) * inter  # [2 BLOCK_N]
         sums = _int4_rows_times_x(w_expert, rows, (pair // 2 + tl.program_id(1) * BLOCK_N) < inter, stride_wn,
                                   x_row, hidden_size, scales, zeros, group_size, 2 * inter, 2 * BLOCK_N, BLOCK_K,
-                                  SUB_K, ASM, X_BF16_PAIRS, HALF_FMA)
+                                  SUB_K, ASM, X_BF16_PAIRS, HALF_FMA, LOAD_AHEAD)
         gate_sum, up_sum = tl.split(tl.reshape(sums, (BLOCK_N, 2)))
     else:
         gate_rows = w13_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
@@ -711,7 +749,7 @@ def _down_reduce_kernel(
     if INT4:  # as gate_up_act
         out_sum = _int4_rows_times_x(w2_ptr + expert * stride_we, cols, col_valid, stride_wn, act_row, inter, scales,
                                      zero_ptr + expert * stride_se, group_size, hidden_size, BLOCK_N, BLOCK_K, SUB_K,
-                                     ASM, X_BF16_PAIRS, HALF_FMA)
+                                     ASM, X_BF16_PAIRS, HALF_FMA, LOAD_AHEAD)
     else:
         rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
@@ -759,8 +797,6 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     if tokens * col_blocks > COUNTER_SLOTS:
         raise ValueError(f"decode MoE: {tokens} tokens x {col_blocks} column blocks exceed {COUNTER_SLOTS} "
                          f"counters (raise the down block_n)")  # fmt: skip
-    if int4 and (up.load_ahead or down.load_ahead):
-        raise ValueError("GemvTiles.load_ahead applies to bf16 and FP8 experts, not int4 ones")
     arrivals = counters(hidden.device)  # before anything is launched: it may refuse under capture
     pdl = pdl_enabled(hidden.device)
     act = torch.empty((num, inter), dtype=hidden.dtype, device=hidden.device)

@@ -313,10 +313,16 @@ def int4_down_candidates(tiny: bool) -> list:
             if n >= 8 * w and 8 <= n * k // 8 // (32 * w) <= 64]
 
 
-def _with_half_fma(ranked: list, which: str) -> list:
-    """The four fastest int4 configs again with `which` (gate_up or down) summing in bf16x2 (GemvTiles.half_fma)."""
-    return [dataclasses.replace(config, **{which: dataclasses.replace(getattr(config, which), half_fma=True)})
-            for _, config in ranked[:4]]
+def _int4_variants(ranked: list, which: str) -> list:
+    """The four fastest int4 configs again with `which` (gate_up or down) summing in bf16x2 (GemvTiles.half_fma),
+    loading a step ahead (load_ahead), and both."""
+    out = []
+    for _, config in ranked[:4]:
+        tiles = getattr(config, which)
+        for half, ahead in ((True, False), (False, True), (True, True)):
+            out.append(dataclasses.replace(config, **{which: dataclasses.replace(
+                tiles, half_fma=half or tiles.half_fma, load_ahead=ahead or tiles.load_ahead)}))
+    return list(dict.fromkeys(out))
 
 
 def _timed(case: Case, t: int, configs: list, device: str, layers: int, deadline: float) -> list:
@@ -366,15 +372,15 @@ def run_sweep(args) -> int:
                                 (gate_up_candidates, down_candidates))
         ups = _timed(case, t, [moe.DecodeConfig(c, default.down) for c in up_tiles(args.tiny)], device, args.layers,
                      deadline)  # fmt: skip
-        if args.int4:  # the leaders again, summing each word's products in bf16x2
-            ups = sorted(ups + _timed(case, t, _with_half_fma(ups, "gate_up"), device, args.layers, deadline),
+        if args.int4:  # the leaders again, summing each word's products in bf16x2 and / or loading ahead
+            ups = sorted(ups + _timed(case, t, _int4_variants(ups, "gate_up"), device, args.layers, deadline),
                          key=lambda r: r[0])  # fmt: skip
         ups = _checked(case, t, ups)
         best_up = ups[0][1].gate_up if ups else default.gate_up
         downs = _timed(case, t, [moe.DecodeConfig(best_up, c) for c in down_tiles(args.tiny)], device, args.layers,
                        deadline)  # fmt: skip
         if args.int4:
-            downs = sorted(downs + _timed(case, t, _with_half_fma(downs, "down"), device, args.layers, deadline),
+            downs = sorted(downs + _timed(case, t, _int4_variants(downs, "down"), device, args.layers, deadline),
                            key=lambda r: r[0])  # fmt: skip
         downs = _checked(case, t, downs)
         print(f"\nT={t}: default {_tiles(default)} {default_us:.1f} us {_rate(nbytes, default_us, copy_gbps)}")

@@ -553,9 +553,10 @@ kernels = [
     (moe._down_reduce_kernel, dict(w2_ptr=fp8, ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32,
                                    scale_ptr=f32), dict(TOP_K=8, BLOCK_N=32, BLOCK_K=128, LOAD_AHEAD=False,
                                                         GROUP_SCALE=True, **BF16_OR_FP8)),
-    # int4: gate_up_act summing in bf16x2 (HALF_FMA), down_reduce in float32, steps of several group sub-tiles
+    # int4: gate_up_act summing in bf16x2 (HALF_FMA) and loading a step ahead, down_reduce in float32, steps of
+    # several group sub-tiles
     (moe._gate_up_act_kernel, dict(w13_ptr=i32, ids_ptr=i64),
-     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=True, SUB_K=128, ASM=True,
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, LOAD_AHEAD=True, GROUP_SCALE=False, INT4=True, SUB_K=128, ASM=True,
           X_BF16_PAIRS=True, HALF_FMA=True)),
     (moe._down_reduce_kernel, dict(w2_ptr=i32, ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32),
      dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=True, SUB_K=128, ASM=True,

@@ -911,19 +911,17 @@ INT4_DECODE_TILES = [((8, 16, 2), (16, 16, 1)), ((4, 32, 1), (8, 64, 2)), ((16, 
 @pytest.mark.parametrize("group", [16, 32])
 def test_decode_moe_with_int4_experts_matches_reference_under_narrow_and_wide_tiles(tiles, group):
     """The int4 decode kernels' step in sub-tiles within one group each (moe._int4_sub_k): K tiles smaller than a
-    group, equal to it, and spanning several, with K tails (H 48, I 40) masked, scales and zero points included.
-    load_ahead is refused for int4 experts, naming the field."""
+    group, equal to it, and spanning several, with K tails (H 48, I 40) masked, scales and zero points included;
+    loading each step ahead (GemvTiles.load_ahead) gives the same bits."""
     from asyncengine.kernels import moe, reference
 
     x, w13, w2, weights, ids, s13, s2, group, z13, z2 = make_int4_moe(3, 8, 4, 48, 40, group)
-    config = moe.DecodeConfig(moe.GemvTiles(*tiles[0]), moe.GemvTiles(*tiles[1]))
-    out = moe._fused_moe_decode(x, w13, w2, weights.reshape(-1), ids.reshape(-1), 4, config, s13, s2, group, z13,
-                                z2)  # fmt: skip
+    outs = [moe._fused_moe_decode(x, w13, w2, weights.reshape(-1), ids.reshape(-1), 4, moe.DecodeConfig(
+        moe.GemvTiles(*tiles[0], load_ahead=ahead), moe.GemvTiles(*tiles[1], load_ahead=ahead)), s13, s2, group, z13,
+        z2) for ahead in (False, True)]  # fmt: skip
     ref = reference.fused_moe(x, w13, w2, weights, ids, s13, s2, group, z13, z2)
-    assert rel_error(out, ref) < 1e-5
-    ahead = moe.DecodeConfig(moe.GemvTiles(*tiles[0], load_ahead=True), moe.GemvTiles(*tiles[1]))
-    with pytest.raises(ValueError, match="load_ahead"):
-        moe._fused_moe_decode(x, w13, w2, weights.reshape(-1), ids.reshape(-1), 4, ahead, s13, s2, group, z13, z2)
+    assert rel_error(outs[0], ref) < 1e-5
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_fused_moe_checks_int4_experts_scales_and_zeros_by_name():
