@@ -271,6 +271,42 @@ def test_checkpoints_may_leave_the_moe_routers_unquantized():
         quantization_config_for({**awq, "modules_to_not_convert": ["gate", "q_proj"]}, None)
 
 
+@pytest.mark.parametrize("group_size, ranks", [(32, 2), (128, 4), (48, 2)])
+def test_gptq_act_order_slices_regrouped_per_rank_sum_to_the_layer(group_size, ranks):
+    """An act-order GPTQ layer (inputs in random group order) split along its inputs: each rank's slice, with every
+    group's scales and zero points, is regrouped (`_regroup_act_order_slice`: sorted by group, each group's run padded
+    with zero-weight rows to a multiple of 32, or 16 for groups of 48); the ranks' products x_r @ W_r, each through
+    the engine's int4 reference on its gathered x, sum to the whole layer's dequantized product (float32)."""
+    from asyncengine.kernels.quant_reference import dequantize_packed, int_weight_matmul, pack_int32
+    from asyncengine.quantization.gptq import GPTQLinearMethod
+
+    gen = torch.Generator().manual_seed(group_size + ranks)
+    k, n = 8 * group_size, 64
+    groups = k // group_size
+    g_idx = torch.empty(k, dtype=torch.long)
+    g_idx[torch.randperm(k, generator=gen)] = torch.arange(k) // group_size
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    scales = torch.rand(groups, n, generator=gen) + 0.5
+    zeros = torch.randint(1, 16, (groups, n), generator=gen)  # stored minus one below (gptq format): 1 ... 15
+    whole = (q - zeros[g_idx]).float() * scales[g_idx]  # [K, N]
+    x = torch.randn(3, k, generator=gen)
+    method = GPTQLinearMethod(4, group_size, zeros_minus_one=True, desc_act=True)
+    slice_k = k // ranks
+    total = torch.zeros(3, n)
+    for rank in range(ranks):
+        rows = slice(rank * slice_k, (rank + 1) * slice_k)
+        tensors = {"qweight": pack_int32(q[rows], 4, dim=0), "scales": scales,
+                   "qzeros": pack_int32(zeros - 1, 4, dim=1), "g_idx": g_idx[rows].int()}
+        qweight, s, z, perm = method.convert(tensors, slice_k)
+        new_k = qweight.shape[0] * 8
+        sub = new_k // s.shape[0]
+        assert sub == (16 if group_size == 48 else 32) and new_k >= slice_k and perm.shape == (new_k,)
+        zero_rows = int((dequantize_packed(qweight, s.float(), z.float(), sub) == 0).all(1).sum())
+        assert zero_rows >= new_k - slice_k, "padding rows must weigh exactly zero"
+        total += int_weight_matmul(x[:, rows].index_select(1, perm), qweight, s, z.float(), sub, 4)
+    torch.testing.assert_close(total, x @ whole, rtol=1e-4, atol=1e-3)  # float32 sums of 1,024 terms in another order
+
+
 def test_fused_gptq_shards_with_different_act_orders_are_rejected(llama_dir, tmp_path):
     """q, k and v read the same input, so GPTQ gives them one g_idx; a checkpoint where they differ cannot be
     fused and must not load silently."""

@@ -131,14 +131,18 @@ def test_two_ranks_give_the_greedy_tokens_of_one_on_int4_checkpoints(checkpoints
     assert_same_tokens(two, one)
 
 
-def test_gptq_act_order_split_over_ranks_along_its_inputs_is_refused_naming_it(checkpoints, tmp_path):
-    """A row-parallel rank of an act-order layer would need every group's scales: refused at start-up, saying so
-    (it said "groups of unequal size" before)."""
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_two_ranks_give_the_greedy_tokens_of_one_on_gptq_act_order(checkpoints, tmp_path, sym):
+    """GPTQ act-order (desc_act, inputs in random group order) split over two ranks: the row-parallel layers
+    (o_proj, down_proj) keep every group's scales on each rank and regroup their slice into padded groups of 32
+    (refused before: "act-order ... split over tensor-parallel ranks"); the column-parallel ones sort their inputs
+    by group as at one rank."""
     import quant_checkpoints as qc
 
-    folder, _ = qc.gptq_checkpoint(checkpoints["LlamaForCausalLM"], tmp_path, desc_act=True)
-    with pytest.raises(Exception, match="act-order .* split over tensor-parallel ranks"):
-        generate(folder, tp=2)
+    folder, _ = qc.gptq_checkpoint(checkpoints["LlamaForCausalLM"], tmp_path, desc_act=True, sym=sym)
+    one, _ = generate(folder, tp=1)
+    two, _ = generate(folder, tp=2)
+    assert_same_tokens(two, one)
 
 
 @pytest.mark.slow

@@ -85,13 +85,14 @@ def _shard_of(param: nn.Parameter, dim: int, logical_offset: int, logical_size: 
 class LinearBase(nn.Module):
     """A linear layer whose weights its `linear_method` creates and applies (unquantized by default).
 
-    in_per_rank / out_per_rank: this rank's logical slice of the [out_features, in_features] weight.
+    in_per_rank / out_per_rank: this rank's logical slice of the [out_features, in_features] weight; input_ranks:
+    the ranks the inputs are split over (row-parallel layers), which a linear method may read in create_weights.
     """
 
     def __init__(self, in_per_rank: int, out_per_rank: int, bias_size: Optional[int], dtype: torch.dtype,
-                 linear_method: Optional[LinearMethod] = None):
+                 linear_method: Optional[LinearMethod] = None, input_ranks: int = 1):
         super().__init__()
-        self.in_per_rank, self.out_per_rank = in_per_rank, out_per_rank
+        self.in_per_rank, self.out_per_rank, self.input_ranks = in_per_rank, out_per_rank, input_ranks
         self.linear_method = linear_method or UnquantizedLinearMethod()
         self.linear_method.create_weights(self, in_per_rank, out_per_rank, dtype)
         self.bias = None if bias_size is None else set_weight_attrs(_param(bias_size, dtype=dtype), output_dim=0)
@@ -188,7 +189,8 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  linear_method: Optional[LinearMethod] = None):
-        super().__init__(in_features // tp_size(), out_features, out_features if bias else None, dtype, linear_method)
+        super().__init__(in_features // tp_size(), out_features, out_features if bias else None, dtype, linear_method,
+                         input_ranks=tp_size())
 
     @property
     def matmul_takes_bias(self) -> bool:

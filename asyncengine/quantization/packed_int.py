@@ -44,8 +44,9 @@ class PackedIntLinearMethod(LinearMethod):
     @abstractmethod
     def convert(self, tensors: dict[str, torch.Tensor], in_features: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """One layer's loaded checkpoint tensors (by name) -> (qweight [K / pack, N] int32, scales [G, N], zeros
-        [G, N], input_perm [K] or None)."""
+        """One layer's loaded checkpoint tensors (by name) -> (qweight [K' / pack, N] int32, scales [G, N], zeros
+        [G, N], input_perm [K'] or None). K' = K, unless the format regrouped the inputs into uniform groups of
+        K' / G with zero-weight padding rows (GPTQ act-order split over ranks), x gathered by input_perm."""
 
     def checkpoint_names(self) -> tuple[str, ...]:
         """The names of the checkpoint's tensors of a layer (parameters until converted)."""
@@ -67,7 +68,10 @@ class PackedIntLinearMethod(LinearMethod):
         layer.scales = nn.Parameter(scales.contiguous(), requires_grad=False)
         layer.zeros = nn.Parameter(zeros.to(scales.dtype).contiguous(), requires_grad=False)
         layer.input_perm = None if perm is None else nn.Parameter(perm, requires_grad=False)
-        layer.group_size = self.layer_group_size(layer.in_per_rank)
+        inputs = qweight.shape[0] * self.pack
+        # a format that regrouped the inputs (GPTQ act-order split over ranks) left uniform groups of K' / G
+        layer.group_size = (self.layer_group_size(layer.in_per_rank) if inputs == layer.in_per_rank
+                            else inputs // scales.shape[0])
 
     def apply(self, layer, x, bias):
         """x: [T, K] -> [T, N]."""
