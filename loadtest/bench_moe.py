@@ -292,37 +292,32 @@ def down_candidates(tiny: bool) -> list:
 
 
 def int4_gate_up_candidates(tiny: bool) -> list:
-    """(block_n, block_k, num_warps) for gate_up_act on int4 experts: its tile of 2 block_n rows (gate and up
-    interleaved) covers at least the rows of one layout tile (8 a warp at 16 words a group of 128), with 8 to 64
-    words a thread a step (ptxas spilled at 64 in some; the sweep drops what fails)."""
+    """(block_n, block_k, num_warps, load_ahead) for gate_up_act on int4 experts: its tile of 2 block_n rows (gate
+    and up interleaved) covers at least the rows of one layout tile (8 a warp at 16 words a group of 128), with 8
+    to 64 words a thread in flight (twice a step's with load_ahead; ptxas spilled at 64 in some). Run 163: at T = 1
+    every winner was short of bytes in flight (~12 KB an SM), so loading ahead is tried on every tile."""
     from asyncengine.kernels.moe import GemvTiles
 
     if tiny:
         return [GemvTiles(8, 32, 2), GemvTiles(4, 16, 1)]
-    return [GemvTiles(n, k, w) for n in (4, 8, 16, 32, 64) for k in (128, 256, 512, 1024) for w in (1, 2, 4)
-            if 2 * n >= 8 * w and 8 <= 2 * n * k // 8 // (32 * w) <= 64]
+    return [GemvTiles(n, k, w, ahead) for n in (4, 8, 16, 32, 64) for k in (128, 256, 512, 1024) for w in (1, 2, 4)
+            for ahead in (False, True) if 2 * n >= 8 * w and 8 <= 2 * n * k // 8 // (32 * w) * (1 + ahead) <= 64]
 
 
 def int4_down_candidates(tiny: bool) -> list:
-    """(block_n, block_k, num_warps) for down_reduce on int4 experts: as gate_up_act's, block_n rows."""
+    """(block_n, block_k, num_warps, load_ahead) for down_reduce on int4 experts: as gate_up_act's, block_n rows."""
     from asyncengine.kernels.moe import GemvTiles
 
     if tiny:
         return [GemvTiles(8, 32, 1), GemvTiles(16, 16, 2)]
-    return [GemvTiles(n, k, w) for n in (8, 16, 32, 64, 128) for k in (128, 256, 512) for w in (1, 2, 4)
-            if n >= 8 * w and 8 <= n * k // 8 // (32 * w) <= 64]
+    return [GemvTiles(n, k, w, ahead) for n in (8, 16, 32, 64, 128) for k in (128, 256, 512) for w in (1, 2, 4)
+            for ahead in (False, True) if n >= 8 * w and 8 <= n * k // 8 // (32 * w) * (1 + ahead) <= 64]
 
 
 def _int4_variants(ranked: list, which: str) -> list:
-    """The four fastest int4 configs again with `which` (gate_up or down) summing in bf16x2 (GemvTiles.half_fma),
-    loading a step ahead (load_ahead), and both."""
-    out = []
-    for _, config in ranked[:4]:
-        tiles = getattr(config, which)
-        for half, ahead in ((True, False), (False, True), (True, True)):
-            out.append(dataclasses.replace(config, **{which: dataclasses.replace(
-                tiles, half_fma=half or tiles.half_fma, load_ahead=ahead or tiles.load_ahead)}))
-    return list(dict.fromkeys(out))
+    """The four fastest int4 configs again with `which` (gate_up or down) summing in bf16x2 (GemvTiles.half_fma)."""
+    return [dataclasses.replace(config, **{which: dataclasses.replace(getattr(config, which), half_fma=True)})
+            for _, config in ranked[:4]]
 
 
 def _timed(case: Case, t: int, configs: list, device: str, layers: int, deadline: float) -> list:
@@ -372,7 +367,7 @@ def run_sweep(args) -> int:
                                 (gate_up_candidates, down_candidates))
         ups = _timed(case, t, [moe.DecodeConfig(c, default.down) for c in up_tiles(args.tiny)], device, args.layers,
                      deadline)  # fmt: skip
-        if args.int4:  # the leaders again, summing each word's products in bf16x2 and / or loading ahead
+        if args.int4:  # the leaders again, summing each word's products in bf16x2
             ups = sorted(ups + _timed(case, t, _int4_variants(ups, "gate_up"), device, args.layers, deadline),
                          key=lambda r: r[0])  # fmt: skip
         ups = _checked(case, t, ups)
