@@ -51,8 +51,7 @@ import triton.language as tl
 from asyncengine.kernels import activation, arrival_counters, interpreting, sm_count
 from asyncengine.kernels.attention import _dot_f32, _precision
 from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
-from asyncengine.kernels.quant_gemv import (_half_fma_word_sums, _int4_centered, _x_half_pairs, _x_words, group_scale,
-                                            half_fma_ok)
+from asyncengine.kernels.quant_gemv import _half_fma_word_sums, _int4_centered, _x_words, group_scale, half_fma_ok
 
 
 COUNTER_SLOTS = 1 << 14  # route's one counter, or down_reduce's T * cdiv(H, BLOCK_N)
@@ -545,28 +544,71 @@ def _scaled(w, expert_scales, k_start, group_size, n_out, cols, col_valid, GROUP
 
 
 @triton.jit
-def _int4_step_loads(row_words, rows, row_valid, x_row, k_start, k_dim, expert_scales, expert_zeros, group_size,
-                     n_out, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, X_BF16_PAIRS: tl.constexpr,
-                     HALF_FMA: tl.constexpr):
+def _x_pair_vectors(x_row, word, word_valid):
+    """bf16 x's inputs 8 w ... 8 w + 7 of the words w in word [W] (x at a 4-byte aligned address) as their four
+    int32 pairs (x01, x23, x45, x67), [W] each, each word's 16 bytes one vector load (quant_gemv's helpers load
+    each pair alone: four loads a word)."""
+    pair_ptr = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
+    pairs = tl.load(pair_ptr + 4 * word[:, None] + tl.arange(0, 4)[None, :], mask=word_valid[:, None], other=0)
+    x01_x45, x23_x67 = tl.split(tl.reshape(pairs, (word.shape[0], 2, 2)))  # [W, 2] each: (x01, x45), (x23, x67)
+    x01, x45 = tl.split(x01_x45)
+    x23, x67 = tl.split(x23_x67)
+    return x01, x23, x45, x67
+
+
+@triton.jit
+def _x_half_pairs_vectors(x_row, word, word_valid):
+    """`quant_gemv._x_half_pairs` from `_x_pair_vectors`: the pairs (x_j, x_j+4), j = 0 ... 3."""
+    x01, x23, x45, x67 = _x_pair_vectors(x_row, word, word_valid)
+    x04 = (x01 & 0xFFFF) | (x45 << 16)  # the halves' nibble pairs, as _x_half_pairs
+    x15 = ((x01 >> 16) & 0xFFFF) | (x45 & -65536)
+    x26 = (x23 & 0xFFFF) | (x67 << 16)
+    x37 = ((x23 >> 16) & 0xFFFF) | (x67 & -65536)
+    return x04, x15, x26, x37
+
+
+@triton.jit
+def _x_words_vectors(x_row, word, word_valid):
+    """`quant_gemv._x_words` (bf16 pairs) from `_x_pair_vectors`: inputs 8 w + j, j = 0 ... 7, as float32 [W]
+    (a bf16 is the top half of its float32)."""
+    x01, x23, x45, x67 = _x_pair_vectors(x_row, word, word_valid)
+    return ((x01 << 16).to(tl.float32, bitcast=True), (x01 & -65536).to(tl.float32, bitcast=True),
+            (x23 << 16).to(tl.float32, bitcast=True), (x23 & -65536).to(tl.float32, bitcast=True),
+            (x45 << 16).to(tl.float32, bitcast=True), (x45 & -65536).to(tl.float32, bitcast=True),
+            (x67 << 16).to(tl.float32, bitcast=True), (x67 & -65536).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _int4_step_loads(row_words, rows, row_valid, x_row, k_start, k_dim, expert_scales, expert_zeros, n_out,
+                     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, GROUP_SUBS: tl.constexpr, WHOLE_SUBS: tl.constexpr,
+                     X_BF16_PAIRS: tl.constexpr, HALF_FMA: tl.constexpr):
     """Everything one step of `_int4_rows_times_x` reads, inputs k_start ... k_start + BLOCK_K (masked past k_dim):
-    per sub-tile (words [BLOCK_N, SUB_K / 8], scale [BLOCK_N], zero [BLOCK_N], x's inputs (`_x_half_pairs` or
+    per sub-tile (words [BLOCK_N, SUB_K / 8], scale [BLOCK_N], zero [BLOCK_N], x's inputs (`_x_half_pairs_vectors` or
     `_x_words`)). All loads issued here, before any math: written sub-tile by sub-tile with the math between,
-    ptxas kept each sub-tile's loads behind the previous one's math (a memory round trip per sub-tile in a row)."""
+    ptxas kept each sub-tile's loads behind the previous one's math (a memory round trip per sub-tile in a row).
+    GROUP_SUBS: sub-tiles per scale group (a constant, so the group index is no runtime division: that cost about
+    50 instructions a sub-tile in SASS). WHOLE_SUBS: k_dim is a multiple of SUB_K, so a sub-tile is wholly in or
+    past K: one mask per sub-tile, which lets the words' and x's loads be vectorized (a per-word mask did not)."""
     words_k = tl.arange(0, SUB_K // 8)
     loaded = ()
     for sub in tl.static_range(BLOCK_K // SUB_K):
-        k0 = k_start + sub * SUB_K
-        word = k0 // 8 + words_k  # [SUB_K / 8]
-        word_valid = word * 8 < k_dim
+        k0 = k_start + sub * SUB_K  # a multiple of SUB_K: the hint lets the words' loads be vectorized
+        word = tl.multiple_of(k0 // 8, SUB_K // 8) + words_k  # [SUB_K / 8]
+        if WHOLE_SUBS:
+            word_valid = tl.full((SUB_K // 8,), 1, tl.int1) & (k0 < k_dim)
+        else:
+            word_valid = word * 8 < k_dim
         words = tl.load(row_words + word[None, :], mask=row_valid[:, None] & word_valid[None, :], other=0)
-        params = (k0 // group_size) * n_out + rows  # [BLOCK_N]: the sub-tile's group
+        params = (k0 // SUB_K // GROUP_SUBS) * n_out + rows  # [BLOCK_N]: the sub-tile's group
         params_valid = row_valid & (k0 < k_dim)
         scale = tl.load(expert_scales + params, mask=params_valid, other=0.0).to(tl.float32)
         zero = tl.load(expert_zeros + params, mask=params_valid, other=0.0).to(tl.float32)
-        if HALF_FMA:
-            xs = _x_half_pairs(x_row, word, word_valid)
+        if HALF_FMA:  # bf16 x (X_BF16_PAIRS)
+            xs = _x_half_pairs_vectors(x_row, word, word_valid)
+        elif X_BF16_PAIRS:
+            xs = _x_words_vectors(x_row, word, word_valid)
         else:
-            xs = _x_words(x_row, word, word_valid, X_BF16_PAIRS)
+            xs = _x_words(x_row, word, word_valid, False)
         loaded = loaded + ((words, scale, zero, xs),)
     return loaded
 
@@ -591,9 +633,9 @@ def _int4_step_math(acc, loaded, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, ASM
 
 
 @triton.jit
-def _int4_rows_times_x(w_expert, rows, row_valid, stride_row, x_row, k_dim, expert_scales, expert_zeros, group_size,
-                       n_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                       ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr, HALF_FMA: tl.constexpr,
+def _int4_rows_times_x(w_expert, rows, row_valid, stride_row, x_row, k_dim, expert_scales, expert_zeros, n_out,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, GROUP_SUBS: tl.constexpr,
+                       WHOLE_SUBS: tl.constexpr, ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr, HALF_FMA: tl.constexpr,
                        LOAD_AHEAD: tl.constexpr):
     """sum over k of W[rows, k] * x[k] -> [BLOCK_N] float32, for an int4 expert weight (w_expert: its int32
     [n_out, k_dim / 8], each row's inputs 8 a word; scales and zero points [G, n_out]). Each loop step covers
@@ -607,15 +649,17 @@ def _int4_rows_times_x(w_expert, rows, row_valid, stride_row, x_row, k_dim, expe
     row_words = w_expert + rows.to(tl.int64)[:, None] * stride_row  # [BLOCK_N, 1]
     acc = tl.zeros((BLOCK_N, SUB_K // 8), dtype=tl.float32)
     if LOAD_AHEAD:
-        loaded = _int4_step_loads(row_words, rows, row_valid, x_row, 0, k_dim, expert_scales, expert_zeros,
-                                  group_size, n_out, BLOCK_K, SUB_K, X_BF16_PAIRS, HALF_FMA)
+        loaded = _int4_step_loads(row_words, rows, row_valid, x_row, 0, k_dim, expert_scales, expert_zeros, n_out,
+                                  BLOCK_K, SUB_K, GROUP_SUBS, WHOLE_SUBS, X_BF16_PAIRS, HALF_FMA)
     for k_start in range(0, k_dim, BLOCK_K):
         if LOAD_AHEAD:  # the next step's loads (masked past k_dim) in flight during this step's math
             ahead = _int4_step_loads(row_words, rows, row_valid, x_row, k_start + BLOCK_K, k_dim, expert_scales,
-                                     expert_zeros, group_size, n_out, BLOCK_K, SUB_K, X_BF16_PAIRS, HALF_FMA)
+                                     expert_zeros, n_out, BLOCK_K, SUB_K, GROUP_SUBS, WHOLE_SUBS, X_BF16_PAIRS,
+                                     HALF_FMA)
         else:
             loaded = _int4_step_loads(row_words, rows, row_valid, x_row, k_start, k_dim, expert_scales,
-                                      expert_zeros, group_size, n_out, BLOCK_K, SUB_K, X_BF16_PAIRS, HALF_FMA)
+                                      expert_zeros, n_out, BLOCK_K, SUB_K, GROUP_SUBS, WHOLE_SUBS, X_BF16_PAIRS,
+                                      HALF_FMA)
         acc = _int4_step_math(acc, loaded, BLOCK_K, SUB_K, ASM, HALF_FMA)
         if LOAD_AHEAD:
             loaded = ahead
@@ -646,6 +690,8 @@ def _gate_up_act_kernel(
     GROUP_SCALE: tl.constexpr,  # w13 in FP8 e4m3: each weight tile times its group's scales (BLOCK_K divides one)
     INT4: tl.constexpr,  # w13 packed int4: whole words, each word's products summed in-thread (`_int4_rows_times_x`)
     SUB_K: tl.constexpr,  # INT4: inputs per sub-tile (divides the group size and BLOCK_K)
+    GROUP_SUBS: tl.constexpr,  # INT4: sub-tiles per scale group
+    WHOLE_SUBS: tl.constexpr,  # INT4: the hidden size is a multiple of SUB_K
     ASM: tl.constexpr,  # INT4: the nibbles made floats by inline PTX (not in Triton's interpreter)
     X_BF16_PAIRS: tl.constexpr,  # INT4: x is bf16 at 4-byte aligned rows, read two inputs a load
     HALF_FMA: tl.constexpr,  # INT4: each word's products summed in bf16x2 (GemvTiles.half_fma)
@@ -666,8 +712,8 @@ def _gate_up_act_kernel(
         pair = tl.arange(0, 2 * BLOCK_N)
         rows = (tl.program_id(1) * BLOCK_N + pair // 2) + (pair % 2) * inter  # [2 BLOCK_N]
         sums = _int4_rows_times_x(w_expert, rows, (pair // 2 + tl.program_id(1) * BLOCK_N) < inter, stride_wn,
-                                  x_row, hidden_size, scales, zeros, group_size, 2 * inter, 2 * BLOCK_N, BLOCK_K,
-                                  SUB_K, ASM, X_BF16_PAIRS, HALF_FMA, LOAD_AHEAD)
+                                  x_row, hidden_size, scales, zeros, 2 * inter, 2 * BLOCK_N, BLOCK_K, SUB_K,
+                                  GROUP_SUBS, WHOLE_SUBS, ASM, X_BF16_PAIRS, HALF_FMA, LOAD_AHEAD)
         gate_sum, up_sum = tl.split(tl.reshape(sums, (BLOCK_N, 2)))
     else:
         gate_rows = w13_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
@@ -730,6 +776,8 @@ def _down_reduce_kernel(
     GROUP_SCALE: tl.constexpr,  # w2 in FP8 e4m3, as gate_up_act's w13
     INT4: tl.constexpr,  # w2 packed int4, as gate_up_act's w13
     SUB_K: tl.constexpr,  # INT4: as gate_up_act's
+    GROUP_SUBS: tl.constexpr,
+    WHOLE_SUBS: tl.constexpr,  # INT4: the intermediate size is a multiple of SUB_K
     ASM: tl.constexpr,
     X_BF16_PAIRS: tl.constexpr,  # INT4: act is bf16 at 4-byte aligned rows
     HALF_FMA: tl.constexpr,
@@ -748,8 +796,8 @@ def _down_reduce_kernel(
     scales = scale_ptr + expert * stride_se  # this expert's [G, H]
     if INT4:  # as gate_up_act
         out_sum = _int4_rows_times_x(w2_ptr + expert * stride_we, cols, col_valid, stride_wn, act_row, inter, scales,
-                                     zero_ptr + expert * stride_se, group_size, hidden_size, BLOCK_N, BLOCK_K, SUB_K,
-                                     ASM, X_BF16_PAIRS, HALF_FMA, LOAD_AHEAD)
+                                     zero_ptr + expert * stride_se, hidden_size, BLOCK_N, BLOCK_K, SUB_K, GROUP_SUBS,
+                                     WHOLE_SUBS, ASM, X_BF16_PAIRS, HALF_FMA, LOAD_AHEAD)
     else:
         rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once after the loop, as in gate_up_act
@@ -806,11 +854,13 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     up_k, down_k = ((min(up.block_k, triton.next_power_of_2(size)), min(down.block_k, triton.next_power_of_2(inter)))
                     if int4 else (_within_group(up.block_k, group_size), _within_group(down.block_k, group_size)))
     x_pairs, act_pairs = _bf16_pairs(hidden), _bf16_pairs(act)
+    up_sub, down_sub = (_int4_sub_k(up_k, group_size), _int4_sub_k(down_k, group_size)) if int4 else (1, 1)
     _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
         hidden, w13, ids, act, w13_scale if grouped else act, w13_zeros if int4 else act, size, inter,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), w13_scale.stride(0) if grouped else 0,
         group_size or 1, TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up_k, LOAD_AHEAD=up.load_ahead, USE_PDL=pdl,
-        GROUP_SCALE=grouped and not int4, INT4=int4, SUB_K=_int4_sub_k(up_k, group_size) if int4 else 1,
+        GROUP_SCALE=grouped and not int4, INT4=int4, SUB_K=up_sub, GROUP_SUBS=group_size // up_sub if int4 else 1,
+        WHOLE_SUBS=size % up_sub == 0,
         ASM=not interpreting(), X_BF16_PAIRS=x_pairs, HALF_FMA=int4 and up.half_fma and x_pairs and half_fma_ok(hidden),
         num_warps=up.num_warps, launch_pdl=pdl,
     )  # fmt: skip
@@ -821,7 +871,8 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
         size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         w2_scale.stride(0) if grouped else 0, group_size or 1, TOP_K=top_k, BLOCK_N=down.block_n,
         BLOCK_K=down_k, LOAD_AHEAD=down.load_ahead, USE_PDL=pdl,
-        GROUP_SCALE=grouped and not int4, INT4=int4, SUB_K=_int4_sub_k(down_k, group_size) if int4 else 1,
+        GROUP_SCALE=grouped and not int4, INT4=int4, SUB_K=down_sub, GROUP_SUBS=group_size // down_sub if int4 else 1,
+        WHOLE_SUBS=inter % down_sub == 0,
         ASM=not interpreting(), X_BF16_PAIRS=act_pairs,
         HALF_FMA=int4 and down.half_fma and act_pairs and half_fma_ok(act), num_warps=down.num_warps, launch_pdl=pdl,
     )  # fmt: skip

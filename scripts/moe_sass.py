@@ -86,7 +86,7 @@ def main() -> int:
                 block_k = (moe._int4_block_k(tiles, k_dim) if not hasattr(moe, "_int4_sub_k")
                            else min(tiles.block_k, 1 << (k_dim - 1).bit_length()))
                 constants = dict(TOP_K=TOP_K, BLOCK_N=tiles.block_n, BLOCK_K=block_k, LOAD_AHEAD=False,
-                                 USE_PDL=True, GROUP_SCALE=False, INT4=True, SUB_K=min(block_k, GROUP), ASM=True,
+                                 USE_PDL=True, GROUP_SCALE=False, INT4=True, SUB_K=min(block_k, GROUP), WHOLE_SUBS=True, GROUP_SUBS=GROUP // min(block_k, GROUP), ASM=True,
                                  X_BF16_PAIRS=True, HALF_FMA=half)
                 sass, report = compile_sass(getattr(moe, f"_{name}_kernel"), constants, tiles.num_warps)
                 body = k_loop(sass)

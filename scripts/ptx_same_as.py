@@ -35,8 +35,8 @@ def ops(fn, types, constants):
     body = [l.strip().split()[0] for l in ptx.splitlines() if l.strip() and not l.strip().startswith((".", "//", "$", "{", "}", ")", "("))]
     return collections.Counter(body)
 cases = {
- "gate_up_act": (moe._gate_up_act_kernel, dict(ids_ptr=i64, scale_ptr=f32), dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, LOAD_AHEAD=True, GROUP_SCALE=False, INT4=False, USE_PDL=True, SUB_K=1, ASM=True, X_BF16_PAIRS=False, HALF_FMA=False)),
- "down_reduce": (moe._down_reduce_kernel, dict(ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32, scale_ptr=f32), dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=False, USE_PDL=True, SUB_K=1, ASM=True, X_BF16_PAIRS=False, HALF_FMA=False)),
+ "gate_up_act": (moe._gate_up_act_kernel, dict(ids_ptr=i64, scale_ptr=f32), dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, LOAD_AHEAD=True, GROUP_SCALE=False, INT4=False, USE_PDL=True, SUB_K=1, WHOLE_SUBS=True, GROUP_SUBS=1, ASM=True, X_BF16_PAIRS=False, HALF_FMA=False)),
+ "down_reduce": (moe._down_reduce_kernel, dict(ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32, scale_ptr=f32), dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=False, USE_PDL=True, SUB_K=1, WHOLE_SUBS=True, GROUP_SUBS=1, ASM=True, X_BF16_PAIRS=False, HALF_FMA=False)),
  "grouped": (moe._grouped_gemm_kernel, dict(weights_ptr=f32, scale_ptr=f32, sorted_ids_ptr=i32, block_expert_ptr=i32), dict(A_ROW_DIV=8, MUL_WEIGHT=True, DOT_F32=False, PRECISION="tf32", BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, GROUP_SCALE=False, INT4=False)),
  "gemv_fp8_words": (qg._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=fp8, scale_ptr=f32, zero_ptr=f32),
      dict(INT4=False, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,

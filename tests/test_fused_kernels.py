@@ -490,7 +490,7 @@ def barrier_between(fn, types, constants, after: str, before: str) -> bool:
     return any("bar.sync" in line or "barrier.sync" in line for line in lines[last:first])
 
 # the MoE decode kernels' int4 constexprs, unused on bf16 and FP8 experts
-BF16_OR_FP8 = dict(INT4=False, SUB_K=1, ASM=True, X_BF16_PAIRS=False, HALF_FMA=False)
+BF16_OR_FP8 = dict(INT4=False, SUB_K=1, WHOLE_SUBS=True, GROUP_SUBS=1, ASM=True, X_BF16_PAIRS=False, HALF_FMA=False)
 decode = dict(NUM_SPLITS=4, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
               DOT_F32=False, PRECISION="tf32x3", SLIDING_WINDOW=0, SOFTCAP=0.0, KV_FP8=False, FUSED_REDUCE=True,
               SPLITS_PAD=4, MERGE_HEADS=4)
@@ -556,10 +556,10 @@ kernels = [
     # int4: gate_up_act summing in bf16x2 (HALF_FMA) and loading a step ahead, down_reduce in float32, steps of
     # several group sub-tiles
     (moe._gate_up_act_kernel, dict(w13_ptr=i32, ids_ptr=i64),
-     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, LOAD_AHEAD=True, GROUP_SCALE=False, INT4=True, SUB_K=128, ASM=True,
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, LOAD_AHEAD=True, GROUP_SCALE=False, INT4=True, SUB_K=128, WHOLE_SUBS=True, GROUP_SUBS=1, ASM=True,
           X_BF16_PAIRS=True, HALF_FMA=True)),
     (moe._down_reduce_kernel, dict(w2_ptr=i32, ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32),
-     dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=True, SUB_K=128, ASM=True,
+     dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=True, SUB_K=128, WHOLE_SUBS=True, GROUP_SUBS=1, ASM=True,
           X_BF16_PAIRS=True, HALF_FMA=False)),
 ]
 ok = [compile_kernel(*k) for k in kernels]
