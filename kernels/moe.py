@@ -583,12 +583,13 @@ def _int4_step_loads(row_words, rows, row_valid, x_row, k_start, k_dim, expert_s
                      BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, GROUP_SUBS: tl.constexpr, WHOLE_SUBS: tl.constexpr,
                      X_BF16_PAIRS: tl.constexpr, HALF_FMA: tl.constexpr):
     """Everything one step of `_int4_rows_times_x` reads, inputs k_start ... k_start + BLOCK_K (masked past k_dim):
-    per sub-tile (words [BLOCK_N, SUB_K / 8], scale [BLOCK_N], zero [BLOCK_N], x's inputs (`_x_half_pairs_vectors` or
-    `_x_words`)). All loads issued here, before any math: written sub-tile by sub-tile with the math between,
-    ptxas kept each sub-tile's loads behind the previous one's math (a memory round trip per sub-tile in a row).
-    GROUP_SUBS: sub-tiles per scale group (a constant, so the group index is no runtime division: that cost about
-    50 instructions a sub-tile in SASS). WHOLE_SUBS: k_dim is a multiple of SUB_K, so a sub-tile is wholly in or
-    past K: one mask per sub-tile, which lets the words' and x's loads be vectorized (a per-word mask did not)."""
+    per sub-tile (words [BLOCK_N, SUB_K / 8], scale [BLOCK_N], zero [BLOCK_N], x's inputs: bf16x2 pairs for
+    HALF_FMA, else float32, bf16 x read a word's 16 bytes at a time, `_x_pair_vectors`). All loads issued here,
+    before any math: written sub-tile by sub-tile with the math between, ptxas kept each sub-tile's loads behind the
+    previous one's math (a memory round trip per sub-tile in a row). GROUP_SUBS: sub-tiles per scale group (a
+    constant, so the group index is no runtime division: that cost about 50 instructions a sub-tile in SASS).
+    WHOLE_SUBS: k_dim is a multiple of SUB_K, so a sub-tile is wholly in or past K: one mask per sub-tile, which
+    lets the words' loads be vectorized (a per-word mask did not)."""
     words_k = tl.arange(0, SUB_K // 8)
     loaded = ()
     for sub in tl.static_range(BLOCK_K // SUB_K):
