@@ -614,7 +614,7 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_scale,  # dense: 1 (per-channel scales) or 0 (one scale for the tensor)
-    group_size,
+    group_size: tl.constexpr,  # INT4 / GROUP_SCALE (else 1): a constant, so a tile's group is a shift, not a division
     k_per_split,  # a multiple of BLOCK_K
     split_k,
     INT4: tl.constexpr,

@@ -55,7 +55,7 @@ def constexprs(fmt: str, config, k: int, n: int) -> dict:
                 FP8_WORDS=config.fp8_words, LOAD_AHEAD=config.load_ahead, E4M3_PTX=config.fp8_words, BLOCK_M=1,
                 BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=vec, USE_PDL=True, INT4_FMA=int4,
                 EARLY_TILE=quant_gemv.FIRST_TILE_BEFORE_WAIT, PF_ROWS=rows, PF_LINES=lines, PF_STEP=step,
-                GROUP_SCALE=False)
+                GROUP_SCALE=False, group_size=128 if int4 else 1)
 
 
 def sass_of(fmt: str, constants: dict, num_warps: int, keep: Path | None, name: str) -> str:
@@ -72,7 +72,7 @@ def sass_of(fmt: str, constants: dict, num_warps: int, keep: Path | None, name: 
     signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
                  for a in fn.arg_names}
     divisible = ("out_ptr", "partial_ptr", "counter_ptr", "x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "bias_ptr", "N",
-                 "K", "stride_xm", "stride_wn", "group_size", "k_per_split")
+                 "K", "stride_xm", "stride_wn", "k_per_split")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
     kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps))

@@ -42,17 +42,17 @@ cases = {
      dict(INT4=False, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
           X_FP16=False, ASM=True, X_BF16_PAIRS=True, SLOT_DOT=False, HALF_FMA=False, REDUCE_CHUNK=8, FP8_WORDS=True,
           LOAD_AHEAD=True, E4M3_PTX=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, VEC=4, PF_ROWS=16, PF_LINES=16,
-          PF_STEP=128, INT4_FMA=False, EARLY_TILE=True, GROUP_SCALE=False, USE_PDL=True)),
+          PF_STEP=128, INT4_FMA=False, EARLY_TILE=True, GROUP_SCALE=False, USE_PDL=True, group_size=1)),
  "gemv_fp8_dot": (qg._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=fp8, scale_ptr=f32, zero_ptr=f32),
      dict(INT4=False, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=True, DOT_FP32=False, X_HALF=True,
           X_FP16=False, ASM=True, X_BF16_PAIRS=True, SLOT_DOT=False, HALF_FMA=False, REDUCE_CHUNK=1, FP8_WORDS=False,
           LOAD_AHEAD=False, E4M3_PTX=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, VEC=16, PF_ROWS=32, PF_LINES=4,
-          PF_STEP=128, INT4_FMA=False, EARLY_TILE=True, GROUP_SCALE=False, USE_PDL=True)),
+          PF_STEP=128, INT4_FMA=False, EARLY_TILE=True, GROUP_SCALE=False, USE_PDL=True, group_size=1)),
  "gemv_int4": (qg._gemv_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=i32, scale_ptr=bf16, zero_ptr=bf16),
      dict(INT4=True, HAS_SCALE=True, HAS_BIAS=False, PARTIAL=True, USE_DOT=False, DOT_FP32=False, X_HALF=True,
           X_FP16=False, ASM=True, X_BF16_PAIRS=True, SLOT_DOT=False, HALF_FMA=True, REDUCE_CHUNK=8, FP8_WORDS=False,
           LOAD_AHEAD=False, E4M3_PTX=False, BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, VEC=8, PF_ROWS=16, PF_LINES=2,
-          PF_STEP=32, INT4_FMA=True, EARLY_TILE=True, GROUP_SCALE=False, USE_PDL=True)),
+          PF_STEP=32, INT4_FMA=True, EARLY_TILE=True, GROUP_SCALE=False, USE_PDL=True, group_size=128)),
 }
 import json
 import subprocess
