@@ -359,7 +359,7 @@ def run_sweep(args) -> int:
     experts, top_k, hidden, inter = shape
     deadline = start + args.budget_s
     winners = []
-    for t in args.tokens if not args.tiny else (1, 4):
+    for t in args.tokens if not args.tiny else [t for t in args.tokens if t in (1, 4)]:  # --tiny: T = 1, 4 at most
         nbytes = case.expert_bytes(t)
         default = _untuned(case, t)
         default_us = time_per_layer_us(case.experts_call(t, default), args.layers, device)

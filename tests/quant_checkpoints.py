@@ -118,7 +118,8 @@ def gptq_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int = 32
     orders: dict[str, torch.Tensor] = {}  # layers reading the same input share one order, as GPTQ's Hessian does
 
     def input_order(name: str, k: int) -> torch.Tensor:
-        key = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        key = (name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+               .replace(".w3", ".w1"))  # Mixtral's experts: w1 (gate) and w3 (up) read one input
         if key not in orders:
             orders[key] = torch.randperm(k, generator=gen) if desc_act else torch.arange(k)
         return orders[key]

@@ -173,13 +173,17 @@ def test_gpu_engine_int4_greedy_matches_transformers_on_dequantized_weights(llam
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
-def test_gpu_engine_int4_experts_greedy_matches_transformers_on_dequantized_weights(checkpoint_dir, tmp_path, arch):
+@pytest.mark.parametrize("act_order", [False, True], ids=["", "act-order"])
+def test_gpu_engine_int4_experts_greedy_matches_transformers_on_dequantized_weights(checkpoint_dir, tmp_path, arch,
+                                                                                    act_order):
     """The whole engine on CUDA in float32 on a GPTQ mixture of experts (groups of 16, asymmetric): the fused MoE
-    kernels on int4 experts (decode kernels and grouped GEMMs), the int4 kernels on the dense layers."""
+    kernels on int4 experts (decode kernels and grouped GEMMs), the int4 kernels on the dense layers; act-order:
+    each assignment's x gathered in its expert's order (FusedMoE._forward_input_orders)."""
     import quant_checkpoints as qc
     from test_quantization import assert_same_greedy
 
-    assert_same_greedy(*qc.gptq_checkpoint(checkpoint_dir(arch), tmp_path, sym=False, group_size=16), device="cuda")
+    assert_same_greedy(*qc.gptq_checkpoint(checkpoint_dir(arch), tmp_path, sym=False, group_size=16,
+                                           desc_act=act_order), device="cuda")
 
 
 @pytest.mark.gpu

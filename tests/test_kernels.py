@@ -1112,3 +1112,19 @@ def test_gpu_fused_moe_decode_is_cuda_graph_capturable():
         torch.cuda.synchronize()
         assert torch.equal(moe.route(x, gate, top_k, True)[1], ids), "the replayed routing is stale"
         assert_matches(out, reference.fused_moe(x, w13, w2, weights, ids), MOE_TOLERANCE)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--tiny runs the kernels in Triton's interpreter, on CPU")
+def test_moe_benchmark_runs_on_int4_experts_in_the_interpreter(capsys):
+    """`bench_kernels --moe-decode / --moe-sweep --int4 --tiny` (loadtest/bench_moe.py) end to end at toy sizes: the
+    decode rows, and a sweep whose winner passed its check against the reference and is printed as a TUNED_INT4
+    line (times mean nothing here)."""
+    from loadtest.bench_moe import main
+
+    assert main(["--moe-decode", "--tiny", "--int4", "--tokens", "1", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "experts: decode kernels" in out and "grouped GEMMs (peer)" in out, out
+    assert main(["--moe-sweep", "--tiny", "--int4", "--tokens", "1", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "paste into kernels/moe_configs.py TUNED_INT4" in out and "(64, 32, 4, 1): DecodeConfig(" in out, out
+    assert "DROPPED" not in out, out

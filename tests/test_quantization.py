@@ -335,6 +335,8 @@ def test_cli_quantization_flag_reaches_the_engine_config_with_vllm_spelling():
 MOE_INT4_FORMATS = {
     "gptq4-sym": lambda src, out: qc.gptq_checkpoint(src, out, bits=4, sym=True),
     "gptq4-asym-group16": lambda src, out: qc.gptq_checkpoint(src, out, bits=4, sym=False, group_size=16),
+    # act-order: every layer's inputs (each expert's gate / up and down) in a random group order of its own
+    "gptq4-asym-act-order": lambda src, out: qc.gptq_checkpoint(src, out, bits=4, sym=False, desc_act=True),
     "awq-autoawq": lambda src, out: qc.awq_checkpoint(src, out),
     # as casperhansen/mixtral-instruct-awq: the routers listed as modules AutoAWQ did not convert
     "awq-autoawq-routers-not-converted": lambda src, out: qc.awq_checkpoint(src, out, modules_to_not_convert=["gate"]),
@@ -352,7 +354,8 @@ def test_int4_checkpoints_of_moe_families_match_transformers(checkpoint_dir, tmp
     Qwen3-30B-A3B-GPTQ-Int4 and Mixtral AWQ checkpoints store them; routers unquantized; Qwen2-MoE's shared expert
     and dense layer quantized too): greedy tokens against transformers on the dequantized weights, with prefix
     caching off and on. The experts' tensors go through each format's own conversion (the dense layers'), then
-    the fused MoE reference on CPU."""
+    the fused MoE reference on CPU. GPTQ act-order: down's order moves gate / up's rows, x is gathered per
+    assignment in its expert's order (FusedMoE._forward_input_orders)."""
     if fmt.startswith("awq"):
         pytest.importorskip("awq", reason="AutoAWQ (the test extra) packs the AWQ checkpoint")
     quantized, dequantized = MOE_INT4_FORMATS[fmt](checkpoint_dir(arch), tmp_path)
@@ -363,13 +366,26 @@ def test_int4_checkpoints_of_moe_families_match_transformers(checkpoint_dir, tmp
     assert_same_greedy(quantized, dequantized, enable_prefix_caching=True)
 
 
+def test_act_order_experts_whose_gate_and_up_orders_differ_are_refused(checkpoint_dir, tmp_path):
+    """The fused kernels read one x row for an expert's gate and up projections, so act-order needs both in one
+    input order (GPTQ gives them one: they read one input). A checkpoint whose expert 0 up projection (Mixtral's
+    w3) has another g_idx than its gate (w1) is refused at load, naming the expert."""
+    quantized, _ = qc.gptq_checkpoint(checkpoint_dir("MixtralForCausalLM"), tmp_path, desc_act=True)
+    tensors = load_file(str(quantized / "model.safetensors"))
+    name = next(n for n in tensors if re.search(r"\.experts\.0\.w3\.g_idx$", n))
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(quantized / "model.safetensors"))
+    with pytest.raises(ValueError, match="expert 0's gate and up projections order their inputs differently"):
+        LLM(str(quantized))
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda src, out: qc.gptq_checkpoint(src, out, bits=8), "int8 mixture-of-experts weights"),
-    (lambda src, out: qc.gptq_checkpoint(src, out, desc_act=True), "act-order .* not supported for the experts"),
     (lambda src, out: qc.gptq_checkpoint(src, out, group_size=8), "group size 8"),
-], ids=["gptq8", "act-order", "group-8"])
+], ids=["gptq8", "group-8"])
 def test_int4_moe_checkpoints_the_experts_cannot_take_are_refused_at_start_up(checkpoint_dir, tmp_path, make, match):
-    """8-bit GPTQ, act-order and groups the fused kernels cannot tile fail at start-up, saying what is supported."""
+    """8-bit GPTQ and groups the fused kernels cannot tile fail at start-up, saying what is supported (act-order
+    experts split over tensor-parallel ranks: tests/test_tensor_parallel.py)."""
     quantized, _ = make(checkpoint_dir("Qwen3MoeForCausalLM"), tmp_path)
     with pytest.raises(ValueError, match=match):
         LLM(str(quantized))

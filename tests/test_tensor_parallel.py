@@ -145,6 +145,16 @@ def test_two_ranks_give_the_greedy_tokens_of_one_on_gptq_act_order(checkpoints, 
     assert_same_tokens(two, one)
 
 
+def test_gptq_act_order_experts_split_over_ranks_are_refused_naming_it(checkpoints, tmp_path):
+    """Act-order experts at one rank run (test_quantization.py); split over ranks their down projections' inputs
+    would each draw on every group: refused at start-up, saying what is supported."""
+    import quant_checkpoints as qc
+
+    folder, _ = qc.gptq_checkpoint(checkpoints["Qwen3MoeForCausalLM"], tmp_path, desc_act=True, group_size=16)
+    with pytest.raises(Exception, match="act-order .* experts split over tensor-parallel ranks"):
+        generate(folder, tp=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", OTHERS)
 def test_two_ranks_give_the_greedy_tokens_of_one_for_the_other_families(checkpoints, arch):

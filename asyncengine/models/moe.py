@@ -18,8 +18,11 @@ Quantized checkpoints (`expert_format` says which the experts take; the routers 
 - GPTQ, AWQ and compressed-tensors W4A16 int4 (Qwen3-30B-A3B-GPTQ-Int4's, Mixtral AWQ's and llm-compressor's
   layouts: every expert's projections packed as a linear layer is): each expert's tensors load as stored, go
   through the format's own conversion (the dense layers') and are stacked as rows of packed inputs ([E, N, K / 8]
-  int32) with scales and zero points [E, G, N]; the fused kernels dequantize each weight tile. 8-bit GPTQ, act-order and groups that are not a multiple of 16
-  are refused at start-up.
+  int32) with scales and zero points [E, G, N]; the fused kernels dequantize each weight tile. GPTQ act-order
+  (`_convert_int4`): down's inputs sorted by group as the dense layers sort theirs, and gate / up's output rows in
+  that same order, so the activation comes out sorted; gate / up's inputs sorted by group, each expert's order its
+  own, so x is gathered per assignment (`FusedMoE.forward`). 8-bit GPTQ, act-order split over tensor-parallel
+  ranks and groups that are not a multiple of 16 are refused at start-up.
 """
 
 from __future__ import annotations
@@ -81,8 +84,11 @@ class FusedMoE(nn.Module):
                              f"{tp_size()}")  # fmt: skip
         self.num_experts, self.hidden, self.inter, self.block = num_experts, hidden, intermediate // tp_size(), block
         self.online_group, self.int4 = online_group, int4
-        # the group scales (FP8, int4) and zero points (int4), once processed
+        # the group scales (FP8, int4) and zero points (int4), once processed; GPTQ act-order: each expert's order
+        # of gate / up's inputs [E, hidden] (`_convert_int4`)
         self.w13_scale = self.w2_scale = self.w13_zeros = self.w2_zeros = self.group_size = None
+        self.w13_input_perm = None
+        self._shared_loaded: set = set()  # (expert, kind) of the g_idx loaded into w13's one slot per expert
         if int4 is not None:
             self._create_int4_tensors(dtype)
             return
@@ -151,24 +157,46 @@ class FusedMoE(nn.Module):
     def _convert_int4(self) -> None:
         """The checkpoint's int4 tensors -> what the fused kernels read: w13_weight [E, 2 I_rank, hidden / 8] and
         w2_weight [E, hidden, I_rank / 8] int32 (each row's inputs 8 a word), scales and zero points [E, G, N] in
-        the scales' dtype, one expert at a time through the format's own conversion (the dense layers')."""
+        the scales' dtype, one expert at a time through the format's own conversion (the dense layers').
+
+        GPTQ act-order: the conversion sorts a layer's inputs by group (input_perm). For down, the inputs are the
+        activation's columns, which gate_up_act computes one per gate / up row: those rows are put in down's order
+        here, so the activation comes out sorted and nothing is gathered at run time. For gate / up (one order per
+        expert, shared by both: they read the same x) the order is kept, w13_input_perm [E, hidden], and forward
+        gathers each assignment's x in its expert's order."""
+        if getattr(self.int4, "desc_act", False) and tp_size() > 1:
+            raise ValueError("GPTQ act-order (desc_act) experts split over tensor-parallel ranks are not supported "
+                             "(supported: desc_act false, or tensor_parallel_size 1)")
+        converted = {}
         for prefix, k in (("w13", self.hidden), ("w2", self.inter)):
             names = [f"{prefix}_{name}" for name in self.int4.checkpoint_names()]
-            rows, scales, zeros = [], [], []
+            experts = []
             for e in range(self.num_experts):
                 tensors = {name.split("_", 1)[1]: getattr(self, name).data[e] for name in names}
                 qweight, scale, zero, perm = self.int4.convert(tensors, k)
-                if perm is not None:
-                    raise ValueError("GPTQ act-order (desc_act: g_idx not in group order) is not supported for the "
-                                     "experts (supported: desc_act false)")
-                rows.append(qweight.t().contiguous())  # [K / 8, N] packed along K -> [N, K / 8]
-                scales.append(scale)
-                zeros.append(zero.to(scale.dtype))
+                experts.append((qweight, scale, zero.to(scale.dtype), perm))
             for name in names:
                 delattr(self, name)
+            converted[prefix] = experts
+        perms = []
+        for e, (qweight, scale, zero, perm) in enumerate(converted["w13"]):
+            down_order = converted["w2"][e][3]
+            if down_order is not None:  # gate and up rows (outputs, along N) in down's input order
+                rows = torch.cat([down_order, down_order + self.inter])
+                qweight, scale, zero = qweight[:, rows], scale[:, rows], zero[:, rows]
+            converted["w13"][e] = (qweight, scale, zero, perm)
+            perms.append(perm)
+        if any(perm is not None for perm in perms):
+            identity = torch.arange(self.hidden, device=converted["w13"][0][0].device)
+            self.w13_input_perm = nn.Parameter(torch.stack([identity if p is None else p for p in perms]),
+                                               requires_grad=False)
+        for prefix, experts in converted.items():
+            rows = [qweight.t().contiguous() for qweight, _, _, _ in experts]  # [K / 8, N] along K -> [N, K / 8]
             setattr(self, f"{prefix}_weight", nn.Parameter(torch.stack(rows), requires_grad=False))
-            setattr(self, f"{prefix}_scale", nn.Parameter(torch.stack(scales).contiguous(), requires_grad=False))
-            setattr(self, f"{prefix}_zeros", nn.Parameter(torch.stack(zeros).contiguous(), requires_grad=False))
+            setattr(self, f"{prefix}_scale", nn.Parameter(torch.stack([e[1] for e in experts]).contiguous(),
+                                                          requires_grad=False))
+            setattr(self, f"{prefix}_zeros", nn.Parameter(torch.stack([e[2] for e in experts]).contiguous(),
+                                                          requires_grad=False))
         self.group_size = self.int4.group_size
 
     def _quantize_online(self) -> None:
@@ -189,8 +217,22 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], topk_* [T, K] -> [T, hidden], summed over ranks."""
+        if self.w13_input_perm is not None:
+            return self._forward_input_orders(x, topk_weights, topk_ids)
         return all_reduce(ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_scale,
                                         self.w2_scale, self.group_size, self.w13_zeros, self.w2_zeros))
+
+    def _forward_input_orders(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                              topk_ids: torch.Tensor) -> torch.Tensor:
+        """GPTQ act-order experts: each of the N = T * K assignments becomes a row of its own, x in its expert's
+        input order ([N, hidden], one gather), through the fused call with one expert per row; the rows' weighted
+        outputs [N, hidden] are summed per token in float32 (one rounding more than the fused reduction)."""
+        tokens, top_k = topk_ids.shape
+        ids = topk_ids.reshape(-1, 1)  # [N, 1]
+        rows = x.repeat_interleave(top_k, dim=0).gather(1, self.w13_input_perm[ids[:, 0]])  # [N, hidden]
+        out = ops.fused_moe(rows, self.w13_weight, self.w2_weight, topk_weights.reshape(-1, 1), ids,
+                            self.w13_scale, self.w2_scale, self.group_size, self.w13_zeros, self.w2_zeros)
+        return all_reduce(out.view(tokens, top_k, -1).float().sum(1).to(x.dtype))
 
     def shard_ids(self, param_name: str) -> set:
         """The shard ids that fill `param_name` completely when loaded per expert (what the loader expects)."""
@@ -232,8 +274,14 @@ class FusedMoE(nn.Module):
             raise ValueError("int4 expert tensors stacked for all experts are not supported (supported: one tensor "
                              "per expert, as int4 checkpoints store them)")
         dim = param.output_dim if kind != "down" else param.input_dim
-        if dim is None:  # gate's and up's g_idx [hidden] (no output dimension): one slot, checked at conversion
-            param.data[expert].copy_(loaded)
+        if dim is None:  # gate's and up's g_idx [hidden] (no output dimension): one slot, which both must fill alike
+            slot = param.data[expert]
+            if any(e == expert for e, _ in self._shared_loaded):  # the other projection's, already in
+                if not torch.equal(slot, loaded.to(slot.device, slot.dtype)):
+                    raise ValueError(f"expert {expert}'s gate and up projections order their inputs differently "
+                                     "(GPTQ g_idx): not supported (GPTQ gives both one order: they read one input)")
+            slot.copy_(loaded)
+            self._shared_loaded.add((expert, kind))
             return
         dim -= 1  # the checkpoint tensor has no expert dimension
         part = loaded.shape[dim] // tp_size()
