@@ -51,7 +51,8 @@ import triton.language as tl
 from asyncengine.kernels import activation, arrival_counters, interpreting, sm_count
 from asyncengine.kernels.attention import _dot_f32, _precision
 from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
-from asyncengine.kernels.quant_gemv import _half_fma_word_sums, _int4_centered, _x_words, group_scale, half_fma_ok
+from asyncengine.kernels.quant_gemv import (_half_fma_word_sums, _int4_centered, _nibble_pairs, _x_words, group_scale,
+                                            half_fma_ok)
 
 
 COUNTER_SLOTS = 1 << 14  # route's one counter, or down_reduce's T * cdiv(H, BLOCK_N)
@@ -561,12 +562,7 @@ def _x_pair_vectors(x_row, word, word_valid):
 @triton.jit
 def _x_half_pairs_vectors(x_row, word, word_valid):
     """`quant_gemv._x_half_pairs` from `_x_pair_vectors`: the pairs (x_j, x_j+4), j = 0 ... 3."""
-    x01, x23, x45, x67 = _x_pair_vectors(x_row, word, word_valid)
-    x04 = (x01 & 0xFFFF) | (x45 << 16)  # the halves' nibble pairs, as _x_half_pairs
-    x15 = ((x01 >> 16) & 0xFFFF) | (x45 & -65536)
-    x26 = (x23 & 0xFFFF) | (x67 << 16)
-    x37 = ((x23 >> 16) & 0xFFFF) | (x67 & -65536)
-    return x04, x15, x26, x37
+    return _nibble_pairs(*_x_pair_vectors(x_row, word, word_valid))
 
 
 @triton.jit
@@ -856,15 +852,11 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
     # one group
     up_k, down_k = ((min(up.block_k, triton.next_power_of_2(size)), min(down.block_k, triton.next_power_of_2(inter)))
                     if int4 else (_within_group(up.block_k, group_size), _within_group(down.block_k, group_size)))
-    x_pairs, act_pairs = _bf16_pairs(hidden), _bf16_pairs(act)
-    up_sub, down_sub = (_int4_sub_k(up_k, group_size), _int4_sub_k(down_k, group_size)) if int4 else (1, 1)
     _gate_up_act_kernel[(num, triton.cdiv(inter, up.block_n))](
         hidden, w13, ids, act, w13_scale if grouped else act, w13_zeros if int4 else act, size, inter,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), w13_scale.stride(0) if grouped else 0,
         group_size or 1, TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up_k, LOAD_AHEAD=up.load_ahead, USE_PDL=pdl,
-        GROUP_SCALE=grouped and not int4, INT4=int4, SUB_K=up_sub, GROUP_SUBS=group_size // up_sub if int4 else 1,
-        WHOLE_SUBS=size % up_sub == 0,
-        ASM=not interpreting(), X_BF16_PAIRS=x_pairs, HALF_FMA=int4 and up.half_fma and x_pairs and half_fma_ok(hidden),
+        GROUP_SCALE=grouped and not int4, INT4=int4, **_int4_constants(int4, up, up_k, size, group_size, hidden),
         num_warps=up.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     partial = torch.empty((num, size), dtype=torch.float32, device=hidden.device)
@@ -874,12 +866,22 @@ def _fused_moe_decode(hidden, w13, w2, weights, ids, top_k: int, config: Optiona
         size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         w2_scale.stride(0) if grouped else 0, group_size or 1, TOP_K=top_k, BLOCK_N=down.block_n,
         BLOCK_K=down_k, LOAD_AHEAD=down.load_ahead, USE_PDL=pdl,
-        GROUP_SCALE=grouped and not int4, INT4=int4, SUB_K=down_sub, GROUP_SUBS=group_size // down_sub if int4 else 1,
-        WHOLE_SUBS=inter % down_sub == 0,
-        ASM=not interpreting(), X_BF16_PAIRS=act_pairs,
-        HALF_FMA=int4 and down.half_fma and act_pairs and half_fma_ok(act), num_warps=down.num_warps, launch_pdl=pdl,
+        GROUP_SCALE=grouped and not int4, INT4=int4, **_int4_constants(int4, down, down_k, inter, group_size, act),
+        num_warps=down.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
+
+
+def _int4_constants(int4: bool, tiles: GemvTiles, block_k: int, k_dim: int, group_size: int,
+                    x: torch.Tensor) -> dict:
+    """A decode kernel's int4 constexprs for a K tile of block_k over k_dim inputs read from x's rows (neutral
+    values on bf16 and FP8 experts): the sub-tile, sub-tiles a group, whether K is whole sub-tiles, and how x is
+    read (bf16 pairs; bf16x2 sums where the tile asks for them and CUDA can)."""
+    pairs = _bf16_pairs(x)
+    sub = _int4_sub_k(block_k, group_size) if int4 else 1
+    return dict(SUB_K=sub, GROUP_SUBS=group_size // sub if int4 else 1, WHOLE_SUBS=k_dim % sub == 0,
+                ASM=not interpreting(), X_BF16_PAIRS=pairs,
+                HALF_FMA=int4 and tiles.half_fma and pairs and half_fma_ok(x))
 
 
 def _bf16_pairs(rows: torch.Tensor) -> bool:

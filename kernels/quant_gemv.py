@@ -267,7 +267,14 @@ def _x_half_pairs(x_ptr, words_k, row_mask):
     x23 = tl.load(pair_ptr + 4 * words_k + 1, mask=row_mask, other=0)
     x45 = tl.load(pair_ptr + 4 * words_k + 2, mask=row_mask, other=0)
     x67 = tl.load(pair_ptr + 4 * words_k + 3, mask=row_mask, other=0)
-    x04 = (x01 & 0xFFFF) | (x45 << 16)  # (x_j, x_j+4): the halves' nibble pairs
+    return _nibble_pairs(x01, x23, x45, x67)
+
+
+@triton.jit
+def _nibble_pairs(x01, x23, x45, x67):
+    """x's bf16 pairs (x_2i, x_2i+1) as int32 -> the pairs (x_j, x_j+4), j = 0 ... 3: a word's nibbles j and j + 4
+    sit in its two 16-bit halves, which `_HALF_FMA_WORD_ASM` multiplies together."""
+    x04 = (x01 & 0xFFFF) | (x45 << 16)
     x15 = ((x01 >> 16) & 0xFFFF) | (x45 & -65536)
     x26 = (x23 & 0xFFFF) | (x67 << 16)
     x37 = ((x23 >> 16) & 0xFFFF) | (x67 & -65536)

@@ -116,6 +116,12 @@ def opcode(text: str) -> str:
     return word.split(".")[0]
 
 
+def per_weight_by_kind(body: list[str], weights: int, kinds: list[str]) -> str:
+    """A loop's instructions per weight for each kind (KINDS' values, then "other"), as table columns."""
+    counts = collections.Counter(KINDS.get(opcode(t), "other") for t in body)
+    return "  ".join(f"{counts[kind] / weights:{len(kind)}.2f}" for kind in kinds)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default="int4,fp8,bf16")
@@ -134,10 +140,9 @@ def main() -> int:
             constants = constexprs(fmt, config, k, n)
             body = k_loop(sass_of(fmt, constants, config.num_warps, args.keep, f"{fmt}_{shape}"))
             weights = constants["BLOCK_K"] * config.block_n // (32 * config.num_warps)
-            counts = collections.Counter(KINDS.get(opcode(t), "other") for t in body)
             tile = f"{config.block_n} x {constants['BLOCK_K']}, {config.num_warps}"
             print(f"{fmt:6} {shape:8} {tile:22} {len(body):5} {weights:7} {len(body) / weights:10.2f}  "
-                  + "  ".join(f"{counts[kind] / weights:{len(kind)}.2f}" for kind in kinds))
+                  + per_weight_by_kind(body, weights, kinds))
     return 0
 
 

@@ -5,13 +5,13 @@ without a GPU (issues 14 and 18), for this tree or another checkout (`git worktr
 
 Compiles `moe._gate_up_act_kernel` and `moe._down_reduce_kernel` ahead of time for sm_90 (Triton's ptxas and
 nvdisasm) as `_fused_moe_decode` launches them on int4 experts (bf16 x, groups of 128) at the Qwen3-30B-A3B expert
-shape's untuned tiles (`moe.decode_config` with the bf16 table's rows), finds each K loop (gemv_sass.k_loop) and
-prints its SASS instructions per weight by kind, and ptxas's spill count. Issue rate, not time: a GPU run decides.
+shape, batch 1, with the tiles `moe.decode_config` picks (TUNED_INT4's row; an older tree: the bf16 row's, its K tile
+doubled at launch), each kernel summing in float32 and in bf16x2; finds each K loop (gemv_sass.k_loop) and prints
+its SASS instructions per weight by kind, and ptxas's spill count. Issue rate, not time: a GPU run decides.
 """
 
 from __future__ import annotations
 
-import collections
 import importlib.util
 import os
 import re
@@ -67,7 +67,7 @@ def compile_sass(fn, constants: dict, num_warps: int) -> tuple[str, str]:
 
 
 def main() -> int:
-    from gemv_sass import KINDS, k_loop, opcode
+    from gemv_sass import KINDS, k_loop, per_weight_by_kind
 
     roots = sys.argv[1:] or [str(Path(__file__).resolve().parents[1])]
     kinds = sorted(set(KINDS.values())) + ["other"]
@@ -85,17 +85,17 @@ def main() -> int:
             for name, tiles, k_dim in (("gate_up_act", config.gate_up, HIDDEN), ("down_reduce", config.down, INTER)):
                 block_k = (moe._int4_block_k(tiles, k_dim) if not hasattr(moe, "_int4_sub_k")
                            else min(tiles.block_k, 1 << (k_dim - 1).bit_length()))
-                constants = dict(TOP_K=TOP_K, BLOCK_N=tiles.block_n, BLOCK_K=block_k, LOAD_AHEAD=False,
-                                 USE_PDL=True, GROUP_SCALE=False, INT4=True, SUB_K=min(block_k, GROUP), WHOLE_SUBS=True, GROUP_SUBS=GROUP // min(block_k, GROUP), ASM=True,
-                                 X_BF16_PAIRS=True, HALF_FMA=half)
+                sub = min(block_k, GROUP)  # constexprs an older tree lacks are dropped by compile_sass
+                constants = dict(TOP_K=TOP_K, BLOCK_N=tiles.block_n, BLOCK_K=block_k, LOAD_AHEAD=tiles.load_ahead,
+                                 USE_PDL=True, GROUP_SCALE=False, INT4=True, SUB_K=sub, GROUP_SUBS=GROUP // sub,
+                                 WHOLE_SUBS=k_dim % sub == 0, ASM=True, X_BF16_PAIRS=True, HALF_FMA=half)
                 sass, report = compile_sass(getattr(moe, f"_{name}_kernel"), constants, tiles.num_warps)
                 body = k_loop(sass)
                 weights = block_k * tiles.block_n * (2 if name == "gate_up_act" else 1) // (32 * tiles.num_warps)
-                counts = collections.Counter(KINDS.get(opcode(t), "other") for t in body)
                 spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
                 tile = f"{tiles.block_n}x{block_k}/{tiles.num_warps}{' bf16x2' * half}"
                 print(f"{root[-24:]:24} {name:12} {tile:16} {len(body):5} {len(body) / weights:10.2f} {spills:6}  "
-                      + "  ".join(f"{counts[kind] / weights:{len(kind)}.2f}" for kind in kinds))
+                      + per_weight_by_kind(body, weights, kinds))
     return 0
 
 

@@ -88,7 +88,7 @@ class FusedMoE(nn.Module):
         # of gate / up's inputs [E, hidden] (`_convert_int4`)
         self.w13_scale = self.w2_scale = self.w13_zeros = self.w2_zeros = self.group_size = None
         self.w13_input_perm = None
-        self._shared_loaded: set = set()  # (expert, kind) of the g_idx loaded into w13's one slot per expert
+        self._g_idx_loaded: set = set()  # the experts whose w13 g_idx slot gate or up has filled
         if int4 is not None:
             self._create_int4_tensors(dtype)
             return
@@ -182,8 +182,8 @@ class FusedMoE(nn.Module):
         for e, (qweight, scale, zero, perm) in enumerate(converted["w13"]):
             down_order = converted["w2"][e][3]
             if down_order is not None:  # gate and up rows (outputs, along N) in down's input order
-                rows = torch.cat([down_order, down_order + self.inter])
-                qweight, scale, zero = qweight[:, rows], scale[:, rows], zero[:, rows]
+                outputs = torch.cat([down_order, down_order + self.inter])
+                qweight, scale, zero = qweight[:, outputs], scale[:, outputs], zero[:, outputs]
             converted["w13"][e] = (qweight, scale, zero, perm)
             perms.append(perm)
         if any(perm is not None for perm in perms):
@@ -276,12 +276,11 @@ class FusedMoE(nn.Module):
         dim = param.output_dim if kind != "down" else param.input_dim
         if dim is None:  # gate's and up's g_idx [hidden] (no output dimension): one slot, which both must fill alike
             slot = param.data[expert]
-            if any(e == expert for e, _ in self._shared_loaded):  # the other projection's, already in
-                if not torch.equal(slot, loaded.to(slot.device, slot.dtype)):
-                    raise ValueError(f"expert {expert}'s gate and up projections order their inputs differently "
-                                     "(GPTQ g_idx): not supported (GPTQ gives both one order: they read one input)")
+            if expert in self._g_idx_loaded and not torch.equal(slot, loaded.to(slot.device, slot.dtype)):
+                raise ValueError(f"expert {expert}'s gate and up projections order their inputs differently "
+                                 "(GPTQ g_idx): not supported (GPTQ gives both one order: they read one input)")
             slot.copy_(loaded)
-            self._shared_loaded.add((expert, kind))
+            self._g_idx_loaded.add(expert)
             return
         dim -= 1  # the checkpoint tensor has no expert dimension
         part = loaded.shape[dim] // tp_size()

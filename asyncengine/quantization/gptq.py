@@ -28,7 +28,7 @@ from asyncengine.quantization.packed_int import PackedIntLinearMethod, int_param
 logger = logging.getLogger(__name__)
 
 ACT_ORDER_SUB_GROUP = 32  # the group size of an act-order slice after regrouping (16 where the group is not a multiple)
-_regroup_logged: list = []  # the regrouping is logged once per process
+_regrouping_logged = False
 
 
 class GPTQLinearMethod(PackedIntLinearMethod):
@@ -89,10 +89,10 @@ class GPTQLinearMethod(PackedIntLinearMethod):
         ACT_ORDER_SUB_GROUP: the inputs sorted by group, each group's run padded to a multiple of s with rows whose
         code equals the zero point (weight exactly 0; their input is gathered from input 0)."""
         sub = ACT_ORDER_SUB_GROUP if self.group_size % ACT_ORDER_SUB_GROUP == 0 else 16
-        if int(zeros.max()) >= 1 << self.bits:
+        if int(zeros.max()) >= 1 << self.bits:  # a gptq-format asymmetric zero point of 0 reads as 2**bits
             raise ValueError(f"GPTQ act-order split over tensor-parallel ranks needs zero points below {1 << self.bits}"
-                             " for its padding rows, and this layer has one of 16 (a gptq-format asymmetric zero "
-                             "point of 0); supported: tensor_parallel_size 1")
+                             f" for its padding rows, and this layer has one of {int(zeros.max())}; supported: "
+                             "tensor_parallel_size 1")
         num_groups, k = scales.shape[0], g_idx.numel()
         order = torch.argsort(g_idx, stable=True)  # this slice's inputs by group
         counts = torch.bincount(g_idx, minlength=num_groups)  # [G] inputs of each group here
@@ -107,12 +107,18 @@ class GPTQLinearMethod(PackedIntLinearMethod):
         perm = torch.zeros(group_of_row.numel(), dtype=torch.long, device=g_idx.device)
         perm[rows] = order
         sub_groups = group_of_row[::sub]  # [K' / s] the original group of each new one
-        if not _regroup_logged:
-            _regroup_logged.append(True)
-            logger.warning("GPTQ act-order split over tensor-parallel ranks: each rank's inputs regrouped into "
-                           "groups of %d, padded with zero weights (%.0f%% more rows on the first such layer)", sub,
-                           100 * (group_of_row.numel() / k - 1))
+        _log_regrouping_once(sub, 100 * (group_of_row.numel() / k - 1))
         return pack_int32(values, self.bits, dim=0), scales[sub_groups], zeros[sub_groups], perm
+
+
+def _log_regrouping_once(sub_group: int, padding_percent: float) -> None:
+    """Logs the first regrouped layer of the process; later ones stay quiet."""
+    global _regrouping_logged
+    if not _regrouping_logged:
+        _regrouping_logged = True
+        logger.warning("GPTQ act-order split over tensor-parallel ranks: each rank's inputs regrouped into groups of "
+                       "%d, padded with zero weights (%.0f%% more rows on the first such layer)", sub_group,
+                       padding_percent)
 
 
 class GPTQConfig(QuantizationConfig):
