@@ -68,9 +68,10 @@ class FusedMoE(nn.Module):
     [E, ceil(hidden / bn), ceil(I_rank / bk)], turned into group scales after loading (process_expert_weights).
     online_group: `--quantization fp8` of a model-dtype checkpoint: the experts quantized after loading, each output
     row's groups of online_group inputs with their own scale (finer than a checkpoint's 128 x 128 blocks).
-    int4: the packed-int method of an int4 checkpoint (GPTQ, AWQ, compressed-tensors W4A16): its tensors per expert, stacked (`_create_int4_tensors`), then
-    converted (`_convert_int4`) to w13_weight [E, 2 I_rank, hidden / 8] and w2_weight [E, hidden, I_rank / 8] int32
-    with scales and zero points (w13_scale, w13_zeros, ...) [E, G, N].
+    int4: the packed-int method of an int4 checkpoint (GPTQ, AWQ, compressed-tensors W4A16): its tensors per
+    expert, stacked (`_create_int4_tensors`), then converted (`_convert_int4`) to w13_weight [E, 2 I_rank, hidden / 8]
+    and w2_weight [E, hidden, I_rank / 8] int32 with scales and zero points (w13_scale, w13_zeros, ...) [E, G, N];
+    GPTQ act-order adds w13_input_perm [E, hidden].
     """
 
     PER_EXPERT = ("gate", "up", "down")
