@@ -51,8 +51,8 @@ import triton.language as tl
 from asyncengine.kernels import activation, arrival_counters, interpreting, sm_count
 from asyncengine.kernels.attention import _dot_f32, _precision
 from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
-from asyncengine.kernels.quant_gemv import (_half_fma_word_sums, _int4_centered, _nibble_pairs, _x_words, group_scale,
-                                            half_fma_ok)
+from asyncengine.kernels.quant_gemv import (_half_fma_word_sums, _int4_centered, _x_half_pairs, _x_words,
+                                            group_scale, half_fma_ok)
 
 
 COUNTER_SLOTS = 1 << 14  # route's one counter, or down_reduce's T * cdiv(H, BLOCK_N)
@@ -547,43 +547,13 @@ def _scaled(w, expert_scales, k_start, group_size, n_out, cols, col_valid, GROUP
 
 
 @triton.jit
-def _x_pair_vectors(x_row, word, word_valid):
-    """bf16 x's inputs 8 w ... 8 w + 7 of the words w in word [W] (x at a 4-byte aligned address) as their four
-    int32 pairs (x01, x23, x45, x67), [W] each, each word's 16 bytes one vector load (quant_gemv's helpers load
-    each pair alone: four loads a word)."""
-    pair_ptr = x_row.to(tl.pointer_type(tl.int32), bitcast=True)
-    pairs = tl.load(pair_ptr + 4 * word[:, None] + tl.arange(0, 4)[None, :], mask=word_valid[:, None], other=0)
-    x01_x45, x23_x67 = tl.split(tl.reshape(pairs, (word.shape[0], 2, 2)))  # [W, 2] each: (x01, x45), (x23, x67)
-    x01, x45 = tl.split(x01_x45)
-    x23, x67 = tl.split(x23_x67)
-    return x01, x23, x45, x67
-
-
-@triton.jit
-def _x_half_pairs_vectors(x_row, word, word_valid):
-    """`quant_gemv._x_half_pairs` from `_x_pair_vectors`: the pairs (x_j, x_j+4), j = 0 ... 3."""
-    return _nibble_pairs(*_x_pair_vectors(x_row, word, word_valid))
-
-
-@triton.jit
-def _x_words_vectors(x_row, word, word_valid):
-    """`quant_gemv._x_words` (bf16 pairs) from `_x_pair_vectors`: inputs 8 w + j, j = 0 ... 7, as float32 [W]
-    (a bf16 is the top half of its float32)."""
-    x01, x23, x45, x67 = _x_pair_vectors(x_row, word, word_valid)
-    return ((x01 << 16).to(tl.float32, bitcast=True), (x01 & -65536).to(tl.float32, bitcast=True),
-            (x23 << 16).to(tl.float32, bitcast=True), (x23 & -65536).to(tl.float32, bitcast=True),
-            (x45 << 16).to(tl.float32, bitcast=True), (x45 & -65536).to(tl.float32, bitcast=True),
-            (x67 << 16).to(tl.float32, bitcast=True), (x67 & -65536).to(tl.float32, bitcast=True))
-
-
-@triton.jit
 def _int4_step_loads(row_words, rows, row_valid, x_row, k_start, k_dim, expert_scales, expert_zeros, n_out,
                      BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, GROUP_SUBS: tl.constexpr, WHOLE_SUBS: tl.constexpr,
                      X_BF16_PAIRS: tl.constexpr, HALF_FMA: tl.constexpr):
     """Everything one step of `_int4_rows_times_x` reads, inputs k_start ... k_start + BLOCK_K (masked past k_dim):
     per sub-tile (words [BLOCK_N, SUB_K / 8], scale [BLOCK_N], zero [BLOCK_N], x's inputs: bf16x2 pairs for
-    HALF_FMA, else float32, bf16 x read a word's 16 bytes at a time, `_x_pair_vectors`). All loads issued here,
-    before any math: written sub-tile by sub-tile with the math between, ptxas kept each sub-tile's loads behind the
+    HALF_FMA, else float32; bf16 x read a word's 16 bytes at a time, `quant_gemv._x_pair_vectors`). All loads
+    issued here, before any math: written sub-tile by sub-tile with the math between, ptxas kept each sub-tile's loads behind the
     previous one's math (a memory round trip per sub-tile in a row). GROUP_SUBS: sub-tiles per scale group (a
     constant, so the group index is no runtime division: that cost about 50 instructions a sub-tile in SASS).
     WHOLE_SUBS: k_dim is a multiple of SUB_K, so a sub-tile is wholly in or past K: one mask per sub-tile, which
@@ -603,11 +573,9 @@ def _int4_step_loads(row_words, rows, row_valid, x_row, k_start, k_dim, expert_s
         scale = tl.load(expert_scales + params, mask=params_valid, other=0.0).to(tl.float32)
         zero = tl.load(expert_zeros + params, mask=params_valid, other=0.0).to(tl.float32)
         if HALF_FMA:  # bf16 x (X_BF16_PAIRS)
-            xs = _x_half_pairs_vectors(x_row, word, word_valid)
-        elif X_BF16_PAIRS:
-            xs = _x_words_vectors(x_row, word, word_valid)
+            xs = _x_half_pairs(x_row, word, word_valid)
         else:
-            xs = _x_words(x_row, word, word_valid, False)
+            xs = _x_words(x_row, word, word_valid, X_BF16_PAIRS)
         loaded = loaded + ((words, scale, zero, xs),)
     return loaded
 

@@ -927,34 +927,37 @@ def test_decode_moe_with_int4_experts_matches_reference_under_narrow_and_wide_ti
 import triton  # noqa: E402  (Triton's JIT resolves a kernel's callees among its module's globals)
 import triton.language as tl  # noqa: E402
 
-from asyncengine.kernels.moe import _x_half_pairs_vectors, _x_words_vectors  # noqa: E402
 from asyncengine.kernels.quant_gemv import _x_half_pairs, _x_words  # noqa: E402
 
 
 @triton.jit
 def _x_loads_kernel(x_ptr, out_ptr, n_words, WORDS: tl.constexpr):
-    """Stores, for words 0 .. WORDS - 1 of x (those past n_words masked), the 12 tensors of the MoE's vector loads
-    (moe._x_half_pairs_vectors, moe._x_words_vectors) and of the GEMV's helpers, interleaved, as int32 bits."""
+    """Stores, for words 0 .. WORDS - 1 of x (those past n_words masked), the 12 tensors the int4 kernels read x
+    as (quant_gemv._x_half_pairs, then _x_words on bf16 pairs), as int32 bits [12, WORDS]."""
     word = tl.arange(0, WORDS)
     valid = word < n_words
-    ours = _x_half_pairs_vectors(x_ptr, word, valid) + _x_words_vectors(x_ptr, word, valid)
-    theirs = _x_half_pairs(x_ptr, word, valid) + _x_words(x_ptr, word, valid, True)
+    loaded = _x_half_pairs(x_ptr, word, valid) + _x_words(x_ptr, word, valid, True)
     for i in tl.static_range(12):
-        tl.store(out_ptr + (2 * i) * WORDS + word, ours[i].to(tl.int32, bitcast=True))
-        tl.store(out_ptr + (2 * i + 1) * WORDS + word, theirs[i].to(tl.int32, bitcast=True))
+        tl.store(out_ptr + i * WORDS + word, loaded[i].to(tl.int32, bitcast=True))
 
 
-def test_moe_vector_loads_of_x_give_the_pairs_and_floats_of_the_gemv_helpers():
-    """The int4 decode kernels load each word's 8 bf16 inputs of x as one 16-byte vector (moe._x_pair_vectors) and
-    split it; the bf16x2 pairs (x_j, x_j+4) and the float32 inputs must be, bit for bit and in order, those of the
-    dense GEMV's one-load-a-pair helpers (quant_gemv._x_half_pairs, _x_words). The bf16x2 path runs only on CUDA,
-    so its pairs are checked here too (in Triton's interpreter on CPU); words past the mask read zeros."""
-    x = torch.randn(16 * 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
-    out = torch.zeros(24, 16, dtype=torch.int32, device=DEVICE)
-    _x_loads_kernel[(1,)](x, out, 13, WORDS=16)
-    ours, theirs = out[0::2], out[1::2]
-    assert torch.equal(ours, theirs)
-    assert (ours[:, :13] != 0).any() and not ours[:, 13:].any()
+def test_int4_x_vector_loads_give_the_pairs_and_floats_of_the_reference():
+    """The int4 decode kernels (the dense GEMV's and the MoE's) load each word's 8 bf16 inputs of x as one 16-byte
+    vector (quant_gemv._x_pair_vectors) and split it in registers. The bf16x2 pairs (x_j, x_j+4), j = 0 ... 3, and
+    the float32 inputs 8 w + j must be, bit for bit and in order, those built in torch from x's bits. The bf16x2
+    path runs only on CUDA, so its pairs are checked here (in Triton's interpreter on CPU); words past the mask
+    read zeros."""
+    words, valid_words = 16, 13
+    x = torch.randn(words * 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    out = torch.zeros(12, words, dtype=torch.int32, device=DEVICE)
+    _x_loads_kernel[(1,)](x.to(DEVICE), out, valid_words, WORDS=words)
+    bits = x.view(torch.int16).to(torch.int32).reshape(words, 8) & 0xFFFF  # [W, 8]: input 8 w + j's bf16 bits
+    bits[valid_words:] = 0
+    pairs = [bits[:, j] | (bits[:, j + 4] << 16) for j in range(4)]  # (x_j, x_j+4): x_j in the low half
+    floats = [bits[:, j] << 16 for j in range(8)]  # a bf16's float32 bits
+    expected = torch.stack(pairs + floats).to(torch.int32)
+    assert torch.equal(out.cpu(), expected)
+    assert out[:, :valid_words].ne(0).any() and not out[:, valid_words:].any()
 
 
 def test_fused_moe_checks_int4_experts_scales_and_zeros_by_name():
