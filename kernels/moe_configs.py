@@ -24,14 +24,15 @@ TUNED: dict[tuple[int, int, int, int], DecodeConfig] = {
 
 # Int4 experts (GPTQ / AWQ / compressed-tensors W4A16, groups of 128): K tiles in inputs (each step's sub-tiles
 # stay within a group). Shapes missing here take the bf16 row above with moe._int4_block_k.
-# Measured on: one NVIDIA H100 80GB HBM3 (copy 2,990 GB/s), 2026-12-07, run 163 (`bench_kernels --moe-sweep --int4`,
-# random int4 experts, asymmetric groups of 128). Comments: both kernels per layer, GB/s of the int4 bytes (words,
-# scales, zero points) of the experts hit, share of the copy bandwidth; the untuned tiles' time beside it. Same run,
-# bf16 experts at their tuned tiles: 32.2 us at T = 1, 98.9 us at T = 4.
+# Measured on: one NVIDIA H100 80GB HBM3 (copy 3,023 GB/s), 2026-12-07, run 166 (`bench_kernels --moe-sweep --int4`,
+# random int4 experts, asymmetric groups of 128) on session 31's final kernels; T = 16 is run 163's row (run 166's
+# winner, 123.1 us, measured slower than that row's 119.9 in the same sweep). Comments: both kernels per layer,
+# GB/s of the int4 bytes (words, scales, zero points) of the experts hit, share of the copy bandwidth; the tiles
+# the table held before beside it. Same call, bf16 experts at their tuned tiles: 32.2 us at T = 1, 98.8 at T = 4.
 TUNED_INT4: dict[tuple[int, int, int, int], DecodeConfig] = {
-    (2048, 768, 8, 1): DecodeConfig(GemvTiles(8, 256, 2, False, True), GemvTiles(16, 256, 2, False, True)),  # 21.3 us,    967 GB/s  33%; default 24.9 us
-    (2048, 768, 8, 2): DecodeConfig(GemvTiles(8, 512, 1, False, True), GemvTiles(64, 256, 4, False, False)),  # 29.9 us,   1315 GB/s  44%; default 35.9 us
-    (2048, 768, 8, 4): DecodeConfig(GemvTiles(16, 256, 2, False, True), GemvTiles(64, 256, 4, False, True)),  # 45.2 us,   1592 GB/s  54%; default 67.1 us
-    (2048, 768, 8, 8): DecodeConfig(GemvTiles(16, 256, 2, False, True), GemvTiles(64, 128, 4, False, True)),  # 77.3 us,   1657 GB/s  56%; default 128.1 us
+    (2048, 768, 8, 1): DecodeConfig(GemvTiles(8, 256, 2, True, False), GemvTiles(32, 256, 2, False, True)),  # 18.8 us,   1097 GB/s  36%; table before 19.6 us
+    (2048, 768, 8, 2): DecodeConfig(GemvTiles(8, 256, 1, True, False), GemvTiles(16, 256, 1, True, True)),  # 25.9 us,   1522 GB/s  50%; table before 29.4 us
+    (2048, 768, 8, 4): DecodeConfig(GemvTiles(8, 256, 1, True, False), GemvTiles(64, 256, 4, True, True)),  # 43.5 us,   1656 GB/s  55%; table before 43.7 us
+    (2048, 768, 8, 8): DecodeConfig(GemvTiles(32, 256, 4, True, True), GemvTiles(32, 128, 2, False, True)),  # 71.0 us,   1804 GB/s  60%; table before 79.2 us
     (2048, 768, 8, 16): DecodeConfig(GemvTiles(8, 256, 1, False, True), GemvTiles(64, 128, 4, False, True)),  # 140.7 us,   1472 GB/s  50%; default 192.4 us
 }

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call (issue 14): the dense int4 decode GEMV at M = 1 (`bench_gemv --gemv-sweep --formats int4 --ms 1`
+# within SWEEP_BUDGET seconds, default 150: the table's tiles and the sweep's winners at the 8B shapes), then AWQ
+# W3 (`bench_offline --quant --quant-formats awq --quick`) of an older revision unpacked in .old/ (`bash
+# scripts/prepare_old.sh REV`, carried; skipped when absent) and of this tree. Logs under $OUT; a table last.
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m loadtest.bench_kernels --gemv-sweep --formats int4 --ms 1 --budget-s "${SWEEP_BUDGET:-150}" \
+  > "$OUT/gemv_sweep_int4.txt" 2>&1
+w3=(--quant --quant-formats awq --quick --skip-peers)
+if [[ -d .old ]]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/old ./.old \
+    > "$OUT/old_install.log" 2>&1
+  (cd /tmp && PYTHONPATH=/tmp/old${PYTHONPATH:+:$PYTHONPATH} python3 -m asyncengine.loadtest.bench_offline \
+    "${w3[@]}" --out "$OUT/before" 2>&1 | grep -v "rope_parameters\|Loading weights" > "$OUT/awq_before.log")
+fi
+python3 -m loadtest.bench_offline "${w3[@]}" --out "$OUT/after" 2>&1 | grep -v "rope_parameters\|Loading weights" \
+  > "$OUT/awq_after.log"
+sed -n "/^winners/,\$p" "$OUT/gemv_sweep_int4.txt"
+for f in before after; do echo "== $f"; grep -i "awq\|W3\|device" "$OUT/awq_$f.log" | tail -6; done
