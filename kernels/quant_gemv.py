@@ -16,11 +16,11 @@ scales and zeros once ([BLOCK_N] each) and each packed word once.
       reduced over K once after the loop. int4's word math is about three instructions per weight
       (`_int4_centered`: one LOP3 ORs the nibble under a float32 exponent, one subtraction leaves q - z exactly;
       one FMA), the scale once per word; config.half_fma sums each word's products in bf16x2 instead
-      (`_int4_half_fma_step`, ~2.3). The whole K loop on sm_90, loads, x and addresses included, issues 4.4 and
-      3.6 instructions per weight at the 8B shapes' tiles (`scripts/gemv_sass.py`, session 28).
+      (`_int4_tile_math`, ~2.3). The whole K loop on sm_90, loads, x and addresses included, issues 4.2 and
+      3.4 instructions per weight at the 8B shapes' tiles (`scripts/gemv_sass.py`, session 32).
       FP8 with config.fp8_words: W read as 32-bit words of 4 weights, converted in registers (`_e4m3_floats`).
-      Dense weights with config.load_ahead: each step loads the next tile before its own math
-      (`_dense_load_ahead_step`).
+      config.load_ahead: each step loads the next tile (int4: x's inputs too) before its own math
+      (`_dense_load_ahead_step`, `_int4_ahead_step`).
   M > 1 (or config.dot): tl.dot on one tile of x of 16, 32 or 64 rows (the M bucket); int4 with config.slot_dot:
       one dot per nibble slot on exact q - z codes (`_int4_slot_dot_step`).
 Under PDL (kernels/pdl.py) each program asks L2 for the start of its weight slice and, on the M == 1 FMA paths,
@@ -64,15 +64,15 @@ class GemvConfig:
     """One launch configuration. split_k: K slices (1: y written directly). dot: at M == 1, multiply through a
     16-row tl.dot anyway (M > 1 always does). slot_dot: int4 with half-precision x on the tl.dot path, block_k
     >= 128 after `_fit`: one dot per nibble slot on exact q - z codes (`_int4_slot_dot_step`). half_fma: int4 at
-    M == 1 on the FMA path, where `half_fma_ok(x)`: each word's 8 products summed in bf16x2 (`_int4_half_fma_step`);
+    M == 1 on the FMA path, where `half_fma_ok(x)`: each word's 8 products summed in bf16x2 (`_int4_tile_math`);
     elsewhere the float32 FMA path. Its cost in accuracy: a relative error (norm of y) of ~3e-3 against the float32
     reference at the Llama-3-8B shapes (run 48; the float32 FMA path ~3e-9, the M > 1 tl.dot path in bf16 ~4e-3);
     the tests hold every bf16 path to 1e-2.
     fp8_words: FP8 weights at M == 1 on the FMA path, read as 32-bit words of 4 weights and converted in registers
     (`_fp8_words_step`); exact like the default path. Needs K % 4 == 0 and a weight row stride and base address
-    that are multiples of 4 bytes (checked per call: a ValueError). load_ahead: dense weights at M == 1 on the FMA
-    path (fp8_words or not): each step issues the next tile's loads before its own math (two tiles in flight per
-    thread)."""
+    that are multiples of 4 bytes (checked per call: a ValueError). load_ahead: at M == 1 on the FMA path (dense,
+    fp8_words or not, and int4, where x's inputs are loaded ahead too: `_int4_ahead_step`): each step issues the
+    next tile's loads before its own math (two tiles in flight per thread)."""
 
     block_n: int
     block_k: int
@@ -301,17 +301,6 @@ def _half_fma_word_sums(words, zero, x04, x15, x26, x37):
 
 
 @triton.jit
-def _int4_half_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero):
-    """`_int4_fma_step` for bf16 x at a 4-byte aligned address on CUDA, each word's 8 products summed in bf16x2
-    (`_HALF_FMA_WORD_ASM`) instead of float32; the words' sums still scaled and accumulated in float32. Each
-    product and each lane's 4-term sum rounds to bf16 (8 significant bits): ~3e-3 relative error in y (GemvConfig).
-    The tile (`_int4_tile`): words [BK / 8, BN], scale and zero [BN] float32."""
-    x04, x15, x26, x37 = _x_half_pairs(x_ptr, words_k, row_mask)
-    word_sums = _half_fma_word_sums(words, zero[None, :], x04[:, None], x15[:, None], x26[:, None], x37[:, None])
-    return acc + word_sums * scale[None, :]
-
-
-@triton.jit
 def _int4_tile_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K: tl.constexpr):
     """(words_k [BK / 8]: qweight's rows at input k0, their mask, W's packed words [BK / 8, BN] int32)."""
     words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -348,17 +337,42 @@ def _int4_centered(words, zero, ASM: tl.constexpr):
 
 
 @triton.jit
-def _int4_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero, ASM: tl.constexpr,
-                   X_BF16_PAIRS: tl.constexpr):
-    """acc [BK / 8, BN] plus x's row 0 times a loaded int4 tile (`_int4_tile`): about three instructions per
-    weight (two in `_int4_centered`, one FMA into the word's 8-input sum), the group's scale multiplying each word's
-    sum once (a tile never crosses a group)."""
-    centered = _int4_centered(words, zero[None, :], ASM)
-    xs = _x_words(x_ptr, words_k, row_mask, X_BF16_PAIRS)
+def _int4_x(x_ptr, words_k, row_mask, HALF_FMA: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
+    """x's inputs of the words words_k [R] (masked where not row_mask) as the int4 FMA math takes them: the bf16x2
+    pairs (x_j, x_j+4), j = 0 ... 3 (HALF_FMA, `_x_half_pairs`), else the 8 float32 inputs 8 w + j (`_x_words`)."""
+    if HALF_FMA:  # a constexpr: one branch is compiled, so xs has one type (a return in each would not compile)
+        xs = _x_half_pairs(x_ptr, words_k, row_mask)
+    else:
+        xs = _x_words(x_ptr, words_k, row_mask, X_BF16_PAIRS)
+    return xs
+
+
+@triton.jit
+def _int4_tile_math(acc, int4_tile, xs, HALF_FMA: tl.constexpr, ASM: tl.constexpr):
+    """acc [BK / 8, BN] plus x's row 0 times a loaded int4 tile (`_int4_tile`: words [BK / 8, BN], scale and zero
+    [BN] float32), x's inputs loaded by `_int4_x`; the group's scale multiplies each word's sum once (a tile never
+    crosses a group).
+    Float32 (HALF_FMA off): about three instructions per weight, two in `_int4_centered` and one FMA into the word's
+    8-input sum; exact products. HALF_FMA (bf16 x at a 4-byte aligned address on CUDA): each word's 8 products
+    summed in bf16x2 (`_HALF_FMA_WORD_ASM`); each product and each lane's 4-term sum rounds to bf16 (8 significant
+    bits): ~3e-3 relative error in y (GemvConfig)."""
+    words_k, row_mask, words, scale, zero = int4_tile
+    if HALF_FMA:
+        word_sums = _half_fma_word_sums(words, zero[None, :], xs[0][:, None], xs[1][:, None], xs[2][:, None],
+                                        xs[3][:, None])
+    else:
+        word_sums = _f32_word_sums(_int4_centered(words, zero[None, :], ASM), xs)
+    return acc + word_sums * scale[None, :]
+
+
+@triton.jit
+def _f32_word_sums(centered, xs):
+    """Each word's 8 products summed in float32 [BK / 8, BN]: centered, the words' q - z (`_int4_centered`),
+    xs, x's 8 inputs of each word row [BK / 8] (`_x_words`)."""
     word_sums = xs[0][:, None] * centered[0]
     for j in tl.static_range(1, 8):
         word_sums += xs[j][:, None] * centered[j]
-    return acc + word_sums * scale[None, :]
+    return word_sums
 
 
 @triton.jit
@@ -586,11 +600,32 @@ def _sum_partials(partial_ptr, offsets, mask, M, N, split_k, BLOCK_M: tl.constex
 
 @triton.jit
 def _int4_fma_math(acc, x_ptr, int4_tile, HALF_FMA: tl.constexpr, ASM: tl.constexpr, X_BF16_PAIRS: tl.constexpr):
-    """acc plus x's row 0 times a loaded int4 tile (`_int4_tile`), on the bf16x2 or the float32 FMA path."""
+    """acc plus x's row 0 times a loaded int4 tile (`_int4_tile`), x loaded here: on the bf16x2 or the float32 FMA
+    path (`_int4_tile_math`)."""
     words_k, row_mask, words, scale, zero = int4_tile
     if HALF_FMA:
-        return _int4_half_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero)
-    return _int4_fma_step(acc, x_ptr, words_k, row_mask, words, scale, zero, ASM, X_BF16_PAIRS)
+        return _int4_tile_math(acc, int4_tile, _x_half_pairs(x_ptr, words_k, row_mask), HALF_FMA, ASM)
+    # The float32 path makes q - z before x's loads: in this order its loop compiles to 1,072 SASS instructions a
+    # step at the 8B qkv tile, 1,113 with x's loads first (scripts/gemv_sass.py).
+    centered = _int4_centered(words, zero[None, :], ASM)
+    word_sums = _f32_word_sums(centered, _x_words(x_ptr, words_k, row_mask, X_BF16_PAIRS))
+    return acc + word_sums * scale[None, :]
+
+
+@triton.jit
+def _int4_ahead_step(acc, int4_tile, xs, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, k_end, cols, col_mask, N,
+                     group_size, BLOCK_K: tl.constexpr, HALF_FMA: tl.constexpr, ASM: tl.constexpr,
+                     X_BF16_PAIRS: tl.constexpr):
+    """One step of the int4 load-ahead loop (GemvConfig.load_ahead): the next tile's words, scales, zero points and
+    x (inputs k0 + BLOCK_K ...) are loaded before this tile's math, so that they are in flight during it. Returns
+    (acc, the next tile, its x). Past the slice (from k_end on) the words and x are masked, so the last step reads
+    nothing new (its scales come from the slice's last group, already cached; that tile is never used)."""
+    k_next = k0 + BLOCK_K
+    words_k, row_mask, words = _int4_tile_words(w_ptr, k_next, cols, col_mask, N, k_end, BLOCK_K)
+    scale, zero = _group_params(scale_ptr, zero_ptr, tl.minimum(k_next, k_end - 1), cols, col_mask, N, group_size)
+    next_xs = _int4_x(x_ptr, words_k, row_mask, HALF_FMA, X_BF16_PAIRS)
+    acc = _int4_tile_math(acc, int4_tile, xs, HALF_FMA, ASM)
+    return acc, (words_k, row_mask, words, scale, zero), next_xs
 
 
 @triton.jit
@@ -643,11 +678,11 @@ def _gemv_kernel(
     ASM: tl.constexpr,  # PTX inline assembly allowed (not in Triton's interpreter)
     X_BF16_PAIRS: tl.constexpr,  # x in bf16 at a 4-byte aligned address (INT4 FMA path: read in pairs)
     SLOT_DOT: tl.constexpr,  # INT4 tl.dot path: one dot per nibble slot (`_int4_slot_dot_step`; BLOCK_K >= 128)
-    HALF_FMA: tl.constexpr,  # INT4 FMA path: each word's products summed in bf16x2 (`_int4_half_fma_step`)
+    HALF_FMA: tl.constexpr,  # INT4 FMA path: each word's products summed in bf16x2 (`_int4_tile_math`)
     REDUCE_CHUNK: tl.constexpr,  # PARTIAL: K slices summed per load round by the last program (`_sum_partials`)
     X_FP16: tl.constexpr,  # x in fp16
     FP8_WORDS: tl.constexpr,  # FP8 W on the FMA path read as words of 4 (`_fp8_words_step`)
-    LOAD_AHEAD: tl.constexpr,  # dense FMA path: each step loads the next tile before its math
+    LOAD_AHEAD: tl.constexpr,  # FMA paths (dense and INT4): each step loads the next tile before its math
     E4M3_PTX: tl.constexpr,  # FP8_WORDS: e4m3 converted by inline PTX (`e4m3_ptx_ok`)
     BLOCK_M: tl.constexpr,  # 16, 32 or 64 (>= M) with USE_DOT, else 1
     BLOCK_N: tl.constexpr,
@@ -688,7 +723,14 @@ def _gemv_kernel(
     else:
         acc = tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32)
     k_loop = k_start
-    if INT4_FMA:  # the first tile's math, peeled (the loop's steps load their own tiles)
+    if INT4_FMA and LOAD_AHEAD:  # the whole slice here: each step loads the next tile, x included, before its math
+        xs = _int4_x(x_ptr, int4_tile[0], int4_tile[1], HALF_FMA, X_BF16_PAIRS)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            acc, int4_tile, xs = _int4_ahead_step(acc, int4_tile, xs, x_ptr, w_ptr, scale_ptr, zero_ptr, k0, k_end,
+                                                  cols, col_mask, N, group_size, BLOCK_K, HALF_FMA, ASM,
+                                                  X_BF16_PAIRS)
+        k_loop = k_end  # the loop below has nothing left
+    elif INT4_FMA:  # the first tile's math, peeled (the loop's steps load their own tiles)
         acc = _int4_fma_math(acc, x_ptr, int4_tile, HALF_FMA, ASM, X_BF16_PAIRS)
         k_loop = k_start + BLOCK_K
     elif FP8_WORDS and not LOAD_AHEAD:  # likewise
@@ -709,7 +751,7 @@ def _gemv_kernel(
         elif FP8_WORDS:
             acc, tile = _fp8_words_step(acc, tile, x_ptr, w_ptr, scale_ptr, k0, k_end, cols, col_mask, N, K,
                                         stride_wn, group_size, BLOCK_K, E4M3_PTX, LOAD_AHEAD, GROUP_SCALE)
-        elif LOAD_AHEAD:
+        elif LOAD_AHEAD:  # dense (int4's load-ahead ran above)
             acc, tile = _dense_load_ahead_step(acc, tile, x_ptr, w_ptr, k0, k_end, cols, col_mask, K, stride_wn,
                                              BLOCK_K, VEC)
         else:
@@ -858,8 +900,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
     group_scale = group_size is not None and not int4
     if group_scale and not (use_dot or config.fp8_words):
         raise ValueError("decode GEMV: FP8 group scales need the FP8 word path at M == 1 (fp8_words) or tl.dot")
-    if config.load_ahead and (int4 or use_dot):
-        raise ValueError("GemvConfig.load_ahead applies to dense weights at M == 1 on the FMA path (dot=False) only")
+    if config.load_ahead and use_dot:
+        raise ValueError("GemvConfig.load_ahead applies at M == 1 on the FMA path (dot=False) only")
     partial = fit.split_k > 1
     out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out

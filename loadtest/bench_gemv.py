@@ -107,15 +107,16 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
         for bn, bk, warps, stages in shapes:
             if group.fmt == "int4" and GROUP_SIZE % bk:
                 continue
-            # alternatives: int4 one tl.dot per nibble slot (block_k 128) or bf16x2 sums per word (the FMA path);
+            # alternatives: int4 one tl.dot per nibble slot (block_k 128) or bf16x2 sums per word and the load-ahead
+            # of the next tile and its x (the FMA path);
             # at M = 1 FP8's word path with and without the load-ahead of the next tile (its load-ahead on the byte
             # tile repacks every byte in registers: 1.5-2x the SASS and registers on sm_90), bf16's load-ahead
             # (slot_dot, half_fma, fp8_words, load_ahead)
             variants = [(False, False, False, False)]
             if group.fmt == "int4" and dot and bk >= 128:
                 variants.append((True, False, False, False))
-            if group.fmt == "int4" and not dot:
-                variants.append((False, True, False, False))
+            if group.fmt == "int4" and not dot:  # bf16x2 sums, each with and without the load-ahead
+                variants += [(False, True, False, False), (False, False, False, True), (False, True, False, True)]
             if group.fmt == "fp8" and not dot:
                 variants += [(False, False, True, False), (False, False, True, True)]
             if group.fmt == "bf16" and not dot:
@@ -386,7 +387,8 @@ def _best_per_path(best: list) -> dict[str, float]:
 
 
 def _fp8_variant(config) -> str:
-    """A winner's FP8 word path as GemvConfig's keyword arguments (none: the default path)."""
+    """A winner's FP8 word path and load-ahead (any format's) as GemvConfig's keyword arguments (none: the default
+    path)."""
     return (", fp8_words=True" if config.fp8_words else "") + (", load_ahead=True" if config.load_ahead else "")
 
 

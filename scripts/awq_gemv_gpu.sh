@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue 14): the dense int4 decode GEMV at M = 1 (`bench_gemv --gemv-sweep --formats int4 --ms 1`
-# within SWEEP_BUDGET seconds, default 150: the table's tiles and the sweep's winners at the 8B shapes), then AWQ
+# within SWEEP_BUDGET seconds, default 150; its winners written into the table as rows of this GPU), then AWQ
 # W3 (`bench_offline --quant --quant-formats awq --quick`) of an older revision unpacked in .old/ (`bash
 # scripts/prepare_old.sh REV`, carried; skipped when absent) and of this tree. Logs under $OUT; a table last.
 set -uo pipefail
@@ -9,7 +9,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m loadtest.bench_kernels --gemv-sweep --formats int4 --ms 1 --budget-s "${SWEEP_BUDGET:-150}" \
-  > "$OUT/gemv_sweep_int4.txt" 2>&1
+  --write-table > "$OUT/gemv_sweep_int4.txt" 2>&1
+cp kernels/quant_gemv_configs.py "$OUT/"  # the winners written as rows of this GPU: this tree's W3 below takes them
 w3=(--quant --quant-formats awq --quick --skip-peers)
 if [[ -d .old ]]; then
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/old ./.old \

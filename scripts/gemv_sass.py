@@ -8,13 +8,14 @@ at the 8B shapes) for each M = 1 row of the tile table at the Llama-3-8B shapes,
 block that branches back), and prints its SASS instructions per weight (one loop step covers BLOCK_K x BLOCK_N
 weights over 32 x num_warps threads), by kind. Issue rate, not time: a GPU run still decides.
 
-    python scripts/gemv_sass.py [--formats int4,fp8,bf16] [--keep DIR]
+    python scripts/gemv_sass.py [--formats int4,fp8,bf16] [--keep DIR] [--int4-load-ahead]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import subprocess
@@ -126,6 +127,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default="int4,fp8,bf16")
     parser.add_argument("--keep", type=Path, help="write each kernel's SASS into this folder")
+    parser.add_argument("--int4-load-ahead", action="store_true",
+                        help="compile the int4 rows with GemvConfig.load_ahead (the next tile and its x loaded a "
+                             "step ahead) whatever the table says")
     args = parser.parse_args()
     from asyncengine.kernels import quant_gemv
 
@@ -137,6 +141,8 @@ def main() -> int:
     for fmt in args.formats.split(","):
         for shape, (n, k) in SHAPES_8B.items():
             config = quant_gemv.config_for(fmt, 1, n, k, 132)
+            if fmt == "int4" and args.int4_load_ahead:
+                config = dataclasses.replace(config, load_ahead=True)
             constants = constexprs(fmt, config, k, n)
             body = k_loop(sass_of(fmt, constants, config.num_warps, args.keep, f"{fmt}_{shape}"))
             weights = constants["BLOCK_K"] * config.block_n // (32 * config.num_warps)

@@ -153,22 +153,47 @@ def test_int4_gemv_with_odd_n_and_a_k_tail_matches_reference(m, group_size, dtyp
     check_int4(m, 2 * group_size + 40, 37, group_size, dtype, bias=m == 3, num_sms=4)
 
 
+@pytest.mark.parametrize("load_ahead", [False, True])
 @pytest.mark.parametrize("half_fma", [False, True])
 @pytest.mark.parametrize("block_n, block_k, split_k", [(64, 16, 3), (128, 32, 1), (32, 128, 2)])
-def test_int4_fma_gemv_reads_bf16_x_in_pairs_or_one_by_one_alike(block_n, block_k, split_k, half_fma):
-    """bf16 x at a 4-byte aligned address is read as int32 pairs; at an odd offset (a view) one input at a time:
-    both equal the reference, under tiles that split K, cut it below a group and cover N with one ragged tile.
-    half_fma (bf16x2 word sums, inline PTX) applies on CUDA to the aligned x only; elsewhere the float32 path."""
+def test_int4_fma_gemv_reads_bf16_x_in_pairs_or_one_by_one_alike(block_n, block_k, split_k, half_fma, load_ahead):
+    """bf16 x at a 4-byte aligned address is read as 16-byte vectors of int32 pairs; at an odd offset (a view) one
+    input at a time: both equal the reference, under tiles that split K, cut it below a group and cover N with one
+    ragged tile. half_fma (bf16x2 word sums, inline PTX) applies on CUDA to the aligned x only; elsewhere the
+    float32 path. load_ahead (each step loads the next tile and its x before its math) gives the same bits."""
     from asyncengine.kernels import quant_gemv, quant_reference
 
     _, qweight, scales, zeros = int4_case(1, 256, 72, 64, torch.bfloat16)
     buffer = torch.randn(1, 257, dtype=torch.bfloat16, device=qweight.device)
     assert not quant_gemv.half_fma_ok(buffer[:, 1:]), "an odd address must take the float32 path"
-    config = quant_gemv.GemvConfig(block_n, block_k, split_k, half_fma=half_fma)
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, half_fma=half_fma, load_ahead=load_ahead)
+    plain = quant_gemv.GemvConfig(block_n, block_k, split_k, half_fma=half_fma)
     for x in (buffer[:, :256], buffer[:, 1:]):  # data_ptr % 4 == 0, then == 2
         out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, config=config)
         ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 64, 4)
         assert not out.isnan().any() and rel_error(out, ref) < INT4_REL_ERROR[torch.bfloat16], rel_error(out, ref)
+        if load_ahead:
+            assert torch.equal(out, quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, config=plain))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_n, block_k, split_k", [(16, 32, 1), (32, 64, 3), (64, 128, 2)])
+def test_int4_gemv_load_ahead_with_a_k_tail_matches_reference(block_n, block_k, split_k, dtype):
+    """GemvConfig.load_ahead on int4 at M == 1: K ending in a partial group (2 groups + 40 inputs, so the last
+    tile is ragged), N odd, K split in slices whose last load-ahead falls past their end (masked: no read past
+    the weight, the scales of the slice's last group read again)."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    x, qweight, scales, zeros = int4_case(1, 2 * 128 + 40, 37, 128, dtype)
+    bias = torch.randn(37, dtype=dtype, device=x.device)
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, load_ahead=True)
+    out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 128, bias, config=config)
+    ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 128, 4, bias)
+    if dtype == torch.float32:
+        assert_matches(out, ref, INT4_TOLERANCE)
+    else:
+        assert out.dtype == dtype and not out.isnan().any()
+        assert rel_error(out, ref) < INT4_REL_ERROR[dtype], rel_error(out, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -509,11 +534,14 @@ def test_fp8_words_rejects_what_it_cannot_read():
     with pytest.raises(ValueError, match="fp8_words needs FP8"):
         quant_gemv.dense_gemv(torch.randn(1, 64, device=DEVICE), torch.randn(16, 64, device=DEVICE), config=config)
     load_ahead = quant_gemv.GemvConfig(16, 32, 1, load_ahead=True)
-    with pytest.raises(ValueError, match="load_ahead applies to dense weights at M == 1"):
+    with pytest.raises(ValueError, match="load_ahead applies at M == 1 on the FMA path"):
         quant_gemv.dense_gemv(torch.randn(2, 64, device=DEVICE), w8, None, scale, config=load_ahead)
-    x, qweight, scales, zeros = int4_case(1, 128, 16, 32, torch.float32)
-    with pytest.raises(ValueError, match="load_ahead applies to dense weights"):
+    x, qweight, scales, zeros = int4_case(2, 128, 16, 32, torch.float32)
+    with pytest.raises(ValueError, match="load_ahead applies at M == 1 on the FMA path"):
         quant_gemv.int4_gemv(x, qweight, scales, zeros, 32, config=load_ahead)
+    with pytest.raises(ValueError, match="load_ahead applies at M == 1 on the FMA path"):
+        quant_gemv.int4_gemv(x[:1], qweight, scales, zeros, 32,
+                             config=quant_gemv.GemvConfig(16, 32, 1, dot=True, load_ahead=True))
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8"])
@@ -536,6 +564,7 @@ def test_dense_gemv_load_ahead_matches_reference(fmt, n, k, config):
 @pytest.mark.parametrize("fmt, config", [
     ("int4", dict(block_n=64, block_k=32, split_k=3)), ("int4", dict(block_n=32, block_k=128)),
     ("int4", dict(block_n=16, block_k=64, split_k=2, half_fma=True)),
+    ("int4", dict(block_n=32, block_k=32, split_k=3, load_ahead=True)),
     ("bf16", dict(block_n=16, block_k=64, split_k=2, load_ahead=True)),
     ("fp8", dict(block_n=32, block_k=64, split_k=3, fp8_words=True, load_ahead=True)),
     ("fp8", dict(block_n=32, block_k=64, fp8_words=True)), ("fp32", dict(block_n=16, block_k=32))])
