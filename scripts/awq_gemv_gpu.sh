@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # One device call (issue 14): the dense int4 decode GEMV at M = 1 (`bench_gemv --gemv-sweep --formats int4 --ms 1`
 # within SWEEP_BUDGET seconds, default 150; its winners written into the table as rows of this GPU), then AWQ
-# W3 (`bench_offline --quant --quant-formats awq --quick`) of an older revision unpacked in .old/ (`bash
-# scripts/prepare_old.sh REV`, carried; skipped when absent) and of this tree. Logs under $OUT; a table last.
+# W3 (`bench_offline --quant --quant-formats awq --quick`) of this tree, then of an older revision unpacked in .old/
+# (`bash scripts/prepare_old.sh REV`, carried; skipped when absent). Each step is cut after STEP_TIMEOUT seconds
+# (default 600). Logs under $OUT; a table last.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+step=(timeout "${STEP_TIMEOUT:-600}")
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m loadtest.bench_kernels --gemv-sweep --formats int4 --ms 1 --budget-s "${SWEEP_BUDGET:-150}" \
+"${step[@]}" python3 -m loadtest.bench_kernels --gemv-sweep --formats int4 --ms 1 --budget-s "${SWEEP_BUDGET:-150}" \
   --write-table > "$OUT/gemv_sweep_int4.txt" 2>&1
 cp kernels/quant_gemv_configs.py "$OUT/"  # the winners written as rows of this GPU: this tree's W3 below takes them
+sed -n "/^winners/,\$p" "$OUT/gemv_sweep_int4.txt"
 w3=(--quant --quant-formats awq --quick --skip-peers)
+"${step[@]}" python3 -m loadtest.bench_offline "${w3[@]}" --out "$OUT/after" 2>&1 \
+  | grep -v "rope_parameters\|Loading weights" > "$OUT/awq_after.log"
+echo "== after"; grep -A4 "^NVIDIA" "$OUT/awq_after.log"
 if [[ -d .old ]]; then
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/old ./.old \
     > "$OUT/old_install.log" 2>&1
-  (cd /tmp && PYTHONPATH=/tmp/old${PYTHONPATH:+:$PYTHONPATH} python3 -m asyncengine.loadtest.bench_offline \
+  (cd /tmp && PYTHONPATH=/tmp/old${PYTHONPATH:+:$PYTHONPATH} "${step[@]}" python3 -m asyncengine.loadtest.bench_offline \
     "${w3[@]}" --out "$OUT/before" 2>&1 | grep -v "rope_parameters\|Loading weights" > "$OUT/awq_before.log")
+  echo "== before"; grep -A4 "^NVIDIA" "$OUT/awq_before.log"
 fi
-python3 -m loadtest.bench_offline "${w3[@]}" --out "$OUT/after" 2>&1 | grep -v "rope_parameters\|Loading weights" \
-  > "$OUT/awq_after.log"
-sed -n "/^winners/,\$p" "$OUT/gemv_sweep_int4.txt"
-for f in before after; do echo "== $f"; grep -i "awq\|W3\|device" "$OUT/awq_$f.log" | tail -6; done
