@@ -262,7 +262,7 @@ _HALF_FMA_WORD_ASM = tl.constexpr("""{
 def _x_pair_vectors(x_ptr, words_k, row_mask):
     """bf16 x's inputs 8 w ... 8 w + 7 of the words w in words_k [R] (x at a 4-byte aligned address) as their four
     int32 pairs (x01, x23, x45, x67), [R] each: each word's 16 bytes one vector load, split in registers (a load
-    per pair issued four loads a word, most of a step's loads: 930 -> 893 SASS instructions a step at the 8B
+    per pair issued four loads a word, most of a step's loads: 909 -> 866 SASS instructions a step at the 8B
     gate_up tile, and the MoE's decode kernels alike)."""
     pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     pairs = tl.load(pair_ptr + 4 * words_k[:, None] + tl.arange(0, 4)[None, :], mask=row_mask[:, None], other=0)
