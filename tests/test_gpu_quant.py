@@ -25,11 +25,13 @@ def test_gpu_int4_at_llama_8b_sizes(m, k, n):
 
 
 # int4 GEMV tiles beyond the table's: wide N tiles of the M = 1 FMA path (several columns a thread, K cut below a
-# group), in float32 and with bf16x2 word sums (half_fma), and the one-dot-per-nibble-slot tl.dot path (block_k 128)
-INT4_TILES = [(512, 32, 4, 4, False, False, False), (1024, 32, 2, 8, False, False, False),
-              (512, 32, 4, 4, False, False, True), (128, 128, 17, 4, False, False, True),
-              (64, 128, 4, 4, True, True, False), (128, 128, 1, 4, True, True, False)]
-# (block_n, block_k, split_k, num_warps, dot, slot_dot, half_fma)
+# group), in float32 and with bf16x2 word sums (half_fma), each also loading a step ahead (load_ahead), and the
+# one-dot-per-nibble-slot tl.dot path (block_k 128)
+INT4_TILES = [(512, 32, 4, 4, False, False, False, False), (1024, 32, 2, 8, False, False, False, False),
+              (512, 32, 4, 4, False, False, True, False), (128, 128, 17, 4, False, False, True, False),
+              (512, 64, 44, 4, False, False, False, True), (1024, 64, 10, 8, False, False, True, True),
+              (64, 128, 4, 4, True, True, False, False), (128, 128, 1, 4, True, True, False, False)]
+# (block_n, block_k, split_k, num_warps, dot, slot_dot, half_fma, load_ahead)
 
 
 @pytest.mark.gpu
@@ -39,13 +41,19 @@ INT4_TILES = [(512, 32, 4, 4, False, False, False), (1024, 32, 2, 8, False, Fals
 @pytest.mark.parametrize("k, n", SHAPES)
 def test_gpu_int4_gemv_tiles_at_llama_8b_sizes(m, tiles, k, n):
     """Each candidate path and tile of the sweep against the reference in bf16, outputs poisoned (the inline PTX
-    of the FMA paths and the slot dots run only on a GPU). half_fma's bf16 word sums stay within bf16's error."""
+    of the FMA paths and the slot dots run only on a GPU). half_fma's bf16 word sums stay within bf16's error.
+    load_ahead applies at M == 1 only: above it, a ValueError."""
     from asyncengine.kernels import quant_gemv, quant_reference
     from test_quant_kernels import int4_case
 
-    block_n, block_k, split_k, warps, dot, slot_dot, half_fma = tiles
-    config = quant_gemv.GemvConfig(block_n, block_k, split_k, warps, 3, dot, slot_dot, half_fma)
+    block_n, block_k, split_k, warps, dot, slot_dot, half_fma, load_ahead = tiles
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, warps, 3, dot, slot_dot, half_fma,
+                                   load_ahead=load_ahead)
     x, qweight, scales, zeros = int4_case(m, k, n, 128, torch.bfloat16)
+    if load_ahead and m > 1:
+        with pytest.raises(ValueError, match="load_ahead applies at M == 1"):
+            quant_gemv.int4_gemv(x, qweight, scales, zeros, 128, config=config)
+        return
     out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 128, config=config)
     ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 128, 4)
     assert out.dtype == ref.dtype and not out.isnan().any()
