@@ -38,7 +38,7 @@ from asyncengine.api.reasoning import REASONING_PARSERS
 from asyncengine.api.tool_calls import TOOL_PARSERS
 from asyncengine.engine_core import (API_CPU_PRIORITIES, check_api_cpu_priority, leave_a_core_for_the_event_loop,
                                      let_a_cpu_engine_process_wait_passively, run_threads_at_idle_priority)
-from asyncengine.quantization import QUANTIZATION_METHODS
+from asyncengine.quantization import QUANTIZATION_CHOICES
 
 logger = logging.getLogger("asyncengine.api")
 
@@ -156,9 +156,10 @@ def _engine_args(engine) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of the GPU's memory the engine may use (weights, activations, KV cache)")
     engine.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    engine.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+    engine.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES),
                         help="weight format (default: the checkpoint's quantization_config); fp8 (and int8, on CPU) "
-                             "on an unquantized checkpoint quantize its weights at load time")
+                             "on an unquantized checkpoint quantize its weights at load time; awq_marlin and "
+                             "gptq_marlin (vLLM's names) load AWQ and GPTQ checkpoints on our own int4 kernels")
     engine.add_argument("--kv-cache-dtype", default="auto",
                         help="KV cache storage: auto (the model's dtype), fp8 or fp8_e4m3 (e4m3 with the "
                              "checkpoint's per-layer k/v scales, else 1.0: half the memory of bf16, twice the "

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from asyncengine.quantization import QUANTIZATION_METHODS, quantization_config_for
+from asyncengine.quantization import QUANTIZATION_CHOICES, quantization_config_for
 
 _DTYPES = {
     "float32": torch.float32,
@@ -106,7 +106,8 @@ class EngineConfig:
     engine_process: bool = False
     # ranks the model's layers are split over (Megatron style): one GPU each on CUDA, one process each on CPU
     tensor_parallel_size: int = 1
-    # weight format, vLLM's spelling (awq, gptq, fp8, compressed-tensors, int8); None: the checkpoint's own
+    # weight format, vLLM's spelling (awq, gptq, fp8, compressed-tensors, int8; awq_marlin and gptq_marlin name
+    # awq and gptq, run on our own kernels); None: the checkpoint's own
     # quantization_config. fp8 (and int8, on CPU: W8A8 with per-token activations) on an unquantized checkpoint
     # quantize it at load time.
     quantization: Optional[str] = None
@@ -160,8 +161,8 @@ class EngineConfig:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be one of auto, generate, pooling; got {self.runner!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; "
                              f"got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")

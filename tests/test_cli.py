@@ -49,6 +49,8 @@ def test_every_vllm_flag_reaches_its_setting(tmp_path):
     assert args.log_level == "debug" and args.allowed_origins == ["https://a.example"] and args.root_path == "/api"
     assert args.log_requests is False and parse("serve", "--enable-log-requests").log_requests is True
     assert serving_options(args, str(tmp_path)).policy.max_logprobs == 3
+    for name in ("awq", "gptq_marlin", "awq_marlin", "fp8"):  # vLLM's Marlin names are accepted too
+        assert engine_config(parse("serve", "/m", "--quantization", name)).quantization == name
 
 
 def test_the_model_positional_or_by_flag_but_not_two_different_ones():
@@ -62,6 +64,7 @@ def test_the_model_positional_or_by_flag_but_not_two_different_ones():
     (["serve", "--allowed-origins", "*"], "JSON list"),
     (["serve", "--gpu-memory-utilization", "lots"], "invalid float"),
     (["serve", "--uvicorn-log-level", "loud"], "invalid choice"),
+    (["serve", "--quantization", "marlin"], "invalid choice"),
     (["serve", "--enable-log-requests", "--disable-log-requests"], "not allowed with"),
 ])
 def test_bad_flags_are_usage_errors(argv, fragment, capsys):

@@ -215,8 +215,31 @@ def _with_quant_config(src: Path, dst: Path, quantization_config: dict) -> Path:
 
 
 def test_unknown_quantization_name_is_rejected_with_the_supported_ones():
-    with pytest.raises(ValueError, match="quantization must be one of awq, gptq, fp8, compressed-tensors"):
+    with pytest.raises(ValueError, match="quantization must be one of awq, gptq, fp8, compressed-tensors, int8, "
+                                         "awq_marlin, gptq_marlin; got 'int3'"):
         EngineConfig(quantization="int3")
+
+
+@pytest.mark.parametrize("alias, producer", [("awq_marlin", qc.awq_checkpoint), ("gptq_marlin", qc.gptq_checkpoint)])
+def test_vllm_marlin_names_load_their_format_on_our_kernels(llama_dir, tmp_path, alias, producer, caplog):
+    """--quantization awq_marlin / gptq_marlin (vLLM's names for AWQ / GPTQ checkpoints on its Marlin kernels, as
+    vLLM users pass them): the checkpoint loads as its own format and gives transformers' greedy tokens on the
+    dequantized weights; the log says which kernels run it. Against the other format's checkpoint, the mismatch
+    error names the alias the user gave."""
+    import logging
+
+    quantized, dequantized = producer(llama_dir, tmp_path)
+    with caplog.at_level(logging.INFO, logger="asyncengine.quantization"):
+        assert_same_greedy(quantized, dequantized, quantization=alias)
+    assert any(alias in r.getMessage() and "asyncengine's own int4 kernels" in r.getMessage() for r in caplog.records)
+    other = "gptq_marlin" if alias == "awq_marlin" else "awq_marlin"
+    with pytest.raises(ValueError, match=f"quantization '{other}' does not match the checkpoint's"):
+        LLM(str(quantized), quantization=other)
+
+
+def test_marlin_name_on_an_unquantized_checkpoint_needs_a_quantized_one(llama_dir):
+    with pytest.raises(ValueError, match="quantization 'awq_marlin' needs a checkpoint quantized in that format"):
+        LLM(str(llama_dir), quantization="awq_marlin")
 
 
 def test_awq_on_an_unquantized_checkpoint_says_fp8_quantizes_at_load(llama_dir):
