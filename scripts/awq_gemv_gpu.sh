@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call (issue 14): the dense int4 decode GEMV at M = 1 (`bench_gemv --gemv-sweep --formats int4 --ms 1`
+# One device call (issue 14): the int4 GEMV's GPU tests, then the dense int4 decode GEMV at M = 1
+# (`bench_kernels --gemv-sweep --formats int4 --ms 1`
 # within SWEEP_BUDGET seconds, default 150; its winners written into the table as rows of this GPU), then AWQ
 # W3 (`bench_offline --quant --quant-formats awq --quick`) of this tree, then of an older revision unpacked in .old/
 # (`bash scripts/prepare_old.sh REV`, carried; skipped when absent). Each step is cut after STEP_TIMEOUT seconds
@@ -10,6 +11,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 step=(timeout "${STEP_TIMEOUT:-600}")
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+# correctness first: every int4 GEMV tile of the GPU tests (load_ahead among them) against the reference
+"${step[@]}" python3 -m pytest -q -m gpu tests/test_gpu_quant.py -k "int4_gemv_tiles or int4_at_llama" \
+  -p no:cacheprovider > "$OUT/gpu_tests_int4_gemv.txt" 2>&1
+tail -2 "$OUT/gpu_tests_int4_gemv.txt"
 "${step[@]}" python3 -m loadtest.bench_kernels --gemv-sweep --formats int4 --ms 1 --budget-s "${SWEEP_BUDGET:-150}" \
   --write-table > "$OUT/gemv_sweep_int4.txt" 2>&1
 cp kernels/quant_gemv_configs.py "$OUT/"  # the winners written as rows of this GPU: this tree's W3 below takes them
