@@ -52,7 +52,7 @@ from asyncengine.kernels import activation, arrival_counters, interpreting, sm_c
 from asyncengine.kernels.attention import _dot_f32, _precision
 from asyncengine.kernels.pdl import enabled as pdl_enabled, wait_for_prior_grids
 from asyncengine.kernels.quant_gemv import (_half_fma_word_sums, _int4_centered, _x_half_pairs, _x_words,
-                                            group_scale, half_fma_ok)
+                                            codes_minus_zero, group_scale, half_fma_ok)
 
 
 COUNTER_SLOTS = 1 << 14  # route's one counter, or down_reduce's T * cdiv(H, BLOCK_N)
@@ -524,16 +524,14 @@ def _int4_tile(col_words, k_start, k_dim, cols, col_valid, expert_scales, expert
     with its group's scales and zero points ([G, n_out] of the expert; the tile lies in one group). col_words:
     [1, BLOCK_N] pointers to the columns' packed rows (8 inputs a word). Whole words are loaded [BLOCK_K / 8,
     BLOCK_N] and unpacked in registers ([BLOCK_K / 8, 8, BLOCK_N], then rows 8 w + j), so no word is loaded twice;
-    each nibble becomes a float by one LOP3 under float32's exponent of 2**23 (as quant_gemv._int4_tile_f32), not
-    by an int-to-float conversion (a quarter of the FMA rate on sm_90)."""
+    q - z is made exactly without an int-to-float conversion (quant_gemv.codes_minus_zero)."""
     word = k_start // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]
     words = tl.load(col_words + word[:, None], mask=(word * 8 < k_dim)[:, None] & col_valid[None, :], other=0)
     nibbles = tl.arange(0, 8)
-    q = ((words[:, None, :] >> (nibbles * 4)[None, :, None]) & 0xF) | 0x4B000000  # [BLOCK_K / 8, 8, BLOCK_N]
-    q_plus = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32, bitcast=True)  # 2**23 + q: no int-to-float conversion
+    q = (words[:, None, :] >> (nibbles * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
     scale = group_scale(expert_scales, k_start, cols, col_valid, n_out, group_size).to(tl.float32)
     zero = group_scale(expert_zeros, k_start, cols, col_valid, n_out, group_size).to(tl.float32)
-    return (q_plus - (zero + 8388608.0)[None, :]) * scale[None, :]  # q - z exactly (integers below 2**23)
+    return codes_minus_zero(tl.reshape(q, (BLOCK_K, BLOCK_N)), zero[None, :]) * scale[None, :]
 
 
 @triton.jit
@@ -553,8 +551,8 @@ def _int4_step_loads(row_words, rows, row_valid, x_row, k_start, k_dim, expert_s
     """Everything one step of `_int4_rows_times_x` reads, inputs k_start ... k_start + BLOCK_K (masked past k_dim):
     per sub-tile (words [BLOCK_N, SUB_K / 8], scale [BLOCK_N], zero [BLOCK_N], x's inputs: bf16x2 pairs for
     HALF_FMA, else float32; bf16 x read a word's 16 bytes at a time, `quant_gemv._x_pair_vectors`). All loads
-    issued here, before any math: written sub-tile by sub-tile with the math between, ptxas kept each sub-tile's loads behind the
-    previous one's math (a memory round trip per sub-tile in a row). GROUP_SUBS: sub-tiles per scale group (a
+    issued here, before any math: written sub-tile by sub-tile with the math between, ptxas kept each sub-tile's
+    loads behind the previous one's math (a memory round trip per sub-tile in a row). GROUP_SUBS: sub-tiles per scale group (a
     constant, so the group index is no runtime division: that cost about 50 instructions a sub-tile in SASS).
     WHOLE_SUBS: k_dim is a multiple of SUB_K, so a sub-tile is wholly in or past K: one mask per sub-tile, which
     lets the words' loads be vectorized (a per-word mask did not)."""

@@ -126,14 +126,21 @@ def _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size):
 
 
 @triton.jit
+def codes_minus_zero(nibbles, zero):
+    """int32 codes q in 0 ... 15 (any shape) -> q - z in float32, exactly, with no int-to-float conversion (a
+    quarter of the FMA rate on sm_90): 2**23 + q is q's bits under float32's exponent of 2**23 (one OR), and
+    2**23 + z is exact too (z an integer below 2**23). zero: float32, broadcastable to nibbles."""
+    q_plus = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)  # 8388608 + q
+    return q_plus - (zero + 8388608.0)
+
+
+@triton.jit
 def _int4_tile_f32(w_ptr, scale_ptr, zero_ptr, k0, cols, col_mask, N, K, group_size,
                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The dequantized [BLOCK_K // 8, 8, BLOCK_N] float32 tile of W: (q - z) * s, exact like the reference.
-    2**23 + q is q's bits under float32's exponent of 2**23 (one OR), and 2**23 + z is exact too."""
+    """The dequantized [BLOCK_K // 8, 8, BLOCK_N] float32 tile of W: (q - z) * s, exact like the reference."""
     nibbles = _int4_words(w_ptr, k0, cols, col_mask, N, K, BLOCK_K)
     scale, zero = _group_params(scale_ptr, zero_ptr, k0, cols, col_mask, N, group_size)
-    q_plus = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)  # 8388608 + q
-    return (q_plus - (zero + 8388608.0)[None, None, :]) * scale[None, None, :]
+    return codes_minus_zero(nibbles, zero[None, None, :]) * scale[None, None, :]
 
 
 @triton.jit

@@ -353,7 +353,7 @@ def winner_line(r: Result, copy_gbps: float, gpu: str = "") -> str:
     lib = ", ".join(f"{name} {t:.1f} us" for name, t in r.library.items())
     gpu_key = f", {gpu!r}".replace("'", '"') if gpu else ""
     return (f'    ("{g.fmt}", {g.n}, {g.k}, {g.m}{gpu_key}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, '
-            f'{c.num_warps}, {c.num_stages}, {c.dot}{_int4_variant(c)}{_fp8_variant(c)}),  '
+            f'{c.num_warps}, {c.num_stages}, {c.dot}{_path_flags(c)}),  '
             f'# {g.name}: {us:.1f} us,{_rate(r.bytes, us, copy_gbps)}'
             f"{'; ' + lib if lib else ''}")
 
@@ -380,21 +380,19 @@ def _best_per_path(best: list) -> dict[str, float]:
     alternative (int4 slot_dot / half_fma, FP8 word path, load_ahead)."""
     paths: dict[str, float] = {}
     for us, c in best:
-        flags = _int4_variant(c) + _fp8_variant(c)  # ", half_fma=True, ..."
+        flags = _path_flags(c)  # ", half_fma=True, ..."
         name = ("dot" if c.dot else "fma") + flags.replace(", ", " ").replace("=True", "")
         paths.setdefault(name, us)
     return paths
 
 
-def _fp8_variant(config) -> str:
-    """A winner's FP8 word path and load-ahead (any format's) as GemvConfig's keyword arguments (none: the default
-    path)."""
-    return (", fp8_words=True" if config.fp8_words else "") + (", load_ahead=True" if config.load_ahead else "")
+PATH_FLAGS = ("slot_dot", "half_fma", "fp8_words", "load_ahead")  # GemvConfig's booleans after dot, in order
 
 
-def _int4_variant(config) -> str:
-    """A winner's int4 alternative as GemvConfig's keyword arguments (none: the default paths)."""
-    return (", slot_dot=True" if config.slot_dot else "") + (", half_fma=True" if config.half_fma else "")
+def _path_flags(config) -> str:
+    """A config's alternative paths (int4 slot_dot / half_fma, the FP8 word path, any format's load_ahead) as
+    GemvConfig's keyword arguments, ", half_fma=True, ..." (none: the default path)."""
+    return "".join(f", {flag}=True" for flag in PATH_FLAGS if getattr(config, flag))
 
 
 def groups_for(formats: list[str], tiny: bool, shape_sets: tuple[str, ...] = ("8b",),

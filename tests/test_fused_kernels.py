@@ -597,7 +597,8 @@ def gemv_loads_before_wait(entry, early):
     return sum("ld.global" in line for line in lines[:wait])
 print("gemv loads before its wait", [gemv_loads_before_wait(kernels[i], early) for i in (8, 10) for early in (True, False)])
 int4_ahead = (kernels[8][0], kernels[8][1], dict(kernels[8][2], LOAD_AHEAD=True))  # the int4 load-ahead loop
-print("gemv int4 load-ahead loads before its wait", [gemv_loads_before_wait(int4_ahead, early) for early in (True, False)])
+print("gemv int4 load-ahead loads before its wait",
+      [gemv_loads_before_wait(int4_ahead, early) for early in (True, False)])
 # the MoE grouped GEMM (prefill; no PDL) on FP8 experts with group scales, and on int4 experts
 grouped = moe._grouped_gemm_kernel
 def grouped_ptx(weight_type, scale_type, **constants):
@@ -632,8 +633,8 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     launch_dependents in its PTX (and ptxas accepts it), the trigger before the wait in exactly the kernels that
     pdl.EARLY_LAUNCH_KERNELS names (rule 3; those writing an FP8 copy excepted) and after it elsewhere; the GEMV
     prefetches; the GEMV's FMA paths load their first weight tile before the wait (and none without
-    EARLY_TILE), int4's load-ahead loop too; and a bar.sync separates the stores and loads of one program that other threads of it read back
-    (run 51 found the one-split merge without it); the MoE kernels on FP8 experts with group scales and on int4
+    EARLY_TILE), int4's load-ahead loop too; and a bar.sync separates the stores and loads of one program that
+    other threads of it read back (run 51 found the one-split merge without it); the MoE kernels on FP8 experts with group scales and on int4
     experts (the decode kernels' bf16x2 and float32 word sums) compile (the grouped GEMM's product on the tensor
     cores). About a minute on 2 loaded cores (a fresh Triton cache)."""
     import subprocess

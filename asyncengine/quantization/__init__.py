@@ -66,9 +66,10 @@ def _from_checkpoint(cfg: dict) -> QuantizationConfig:
 
 def quantization_config_for(checkpoint_cfg: Optional[dict], requested: Optional[str]) -> Optional[QuantizationConfig]:
     """The format to run: the checkpoint's `quantization_config` (None when unquantized), checked against
-    `requested` (--quantization, vLLM's spelling; its awq_marlin / gptq_marlin name AWQ / GPTQ) when both are given. `--quantization fp8` on an unquantized
-    checkpoint quantizes it at load time, and so does `int8` (CPU only); other methods need a checkpoint already in
-    that format. ValueError names the field and what is supported."""
+    `requested` (--quantization, vLLM's spelling; its awq_marlin / gptq_marlin name AWQ / GPTQ) when both are
+    given. `--quantization fp8` on an unquantized checkpoint quantizes it at load time, and so does `int8` (CPU
+    only); other methods need a checkpoint already in that format. ValueError names the field (and the spelling
+    given) and what is supported."""
     from asyncengine.quantization.cpu_int8 import Int8Config
     from asyncengine.quantization.fp8 import Fp8Config
 
