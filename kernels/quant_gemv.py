@@ -72,7 +72,12 @@ class GemvConfig:
     (`_fp8_words_step`); exact like the default path. Needs K % 4 == 0 and a weight row stride and base address
     that are multiples of 4 bytes (checked per call: a ValueError). load_ahead: at M == 1 on the FMA path (dense,
     fp8_words or not, and int4, where x's inputs are loaded ahead too: `_int4_ahead_step`): each step issues the
-    next tile's loads before its own math (two tiles in flight per thread)."""
+    next tile's loads before its own math (two tiles in flight per thread).
+    mma: int4 at M == 1 with bf16 x (`mma_ok`): the tensor-core path (`_int4_mma_kernel`): block_n must be 32 *
+    num_warps (a warp owns 32 columns), block_k a multiple of 32 (chunks of 32 inputs a step), and each step
+    loads the next tile ahead; dot, slot_dot, half_fma, fp8_words and load_ahead do not apply. Its sums are
+    float32 products of exact bf16 operands (~1e-6 relative to the float32 reference). With other x it is the
+    float32 FMA path with the same tiles."""
 
     block_n: int
     block_k: int
@@ -84,6 +89,7 @@ class GemvConfig:
     half_fma: bool = False
     fp8_words: bool = False
     load_ahead: bool = False
+    mma: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -92,6 +98,16 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
         if self.split_k < 1:
             raise ValueError(f"GemvConfig.split_k must be >= 1, got {self.split_k}")
+        if self.mma:
+            if self.block_n != 32 * self.num_warps:
+                raise ValueError(f"GemvConfig.mma needs block_n = 32 * num_warps (a warp owns 32 columns), got "
+                                 f"block_n={self.block_n}, num_warps={self.num_warps}")
+            if self.block_k < 32:
+                raise ValueError(f"GemvConfig.mma needs block_k >= 32 (32-input chunks), got {self.block_k}")
+            others = [name for name in ("dot", "slot_dot", "half_fma", "fp8_words", "load_ahead")
+                      if getattr(self, name)]
+            if others:
+                raise ValueError(f"GemvConfig.mma is a path of its own: {', '.join(others)} cannot be set with it")
 
 
 # -- the kernel ---------------------------------------------------------------------------------------------
@@ -782,6 +798,261 @@ def _gemv_kernel(
                       HAS_BIAS)
 
 
+# -- the int4 tensor-core path at one row (GemvConfig.mma) ------------------------------------------------------
+#
+# The FMA paths above issue 3.4-4.4 instructions per weight at the 8B shapes (scripts/gemv_sass.py): the int4 W3
+# target needs about one. This path hands the products to the tensor cores, one warp-wide
+# `mma.sync.m16n8k16` (bf16 in, float32 sums) per 16 x 16 block of W, without staging anything in shared memory:
+# each thread's own packed words already hold its A fragment, once K is read in a thread-specific order.
+#
+# The fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"; lane l, g = l // 4, c = l % 4): A's registers hold
+# the pairs (row g, k-pair c), (row g + 8, k-pair c), (row g, k-pair c + 4), (row g + 8, k-pair c + 4); B's hold
+# (k-pairs c and c + 4, column g); D's (row g, columns 2c, 2c + 1), (row g + 8, the same columns). A product sums
+# over k, so the 16 logical k of an MMA may be any 16 real inputs, taken in the same order for A and B. Here lane
+# c of a quad takes the packed word c of a 32-input chunk (inputs 8c ... 8c + 7, one word of each of its rows):
+# the first MMA's k-pairs c and c + 4 are the word's nibbles (0, 4) and (1, 5), the second MMA's (2, 6) and
+# (3, 7); one LOP3 ORs a pair (j, j + 4) of a word shifted right by 4j under bf16's exponent of 128, whose unit
+# in the last place is 1: the exact bf16 pair (128 + q_j, 128 + q_j+4). x's matching pairs are `_nibble_pairs`'.
+# B's eight columns are eight copies of x (every lane loads row 0 of x), so each D value is the row's sum.
+#
+# No q - z per weight: the MMAs sum (128 + q) x exactly in float32, one more MMA per chunk with A all ones sums x,
+# and each step (a tile never crosses a group) adds scale * (sum - (128 + z) * sum(x)) per row. Per packed word (8
+# weights): 4 LOP3, 3 shifts and half of one MMA, against ~19 instructions on the bf16x2 FMA path.
+#
+# A warp owns 32 columns of W per step, two MMA row tiles: thread (g, c) holds the words of columns 4g ... 4g + 3
+# (tile 0's rows g and g + 8, tile 1's rows g and g + 8), so its loads are 16 contiguous bytes of one qweight row.
+# Every tensor below is one value per thread ([32 * num_warps], element i on lane i % 32 of warp i // 32:
+# Triton's layout of a 1-D tensor of that size), which is what lets inline assembly address the lanes. In Triton's
+# interpreter (no lanes, no PTX) `_mma_rows` and `_mma_x_sum` compute the same sums with a reshape over each quad.
+
+_MMA_ROWS_ASM = tl.constexpr("""{
+    .reg .b32 a0, a1, a2, a3, s0, s1;
+    .reg .f32 t0, t1, t2, t3;
+    lop3.b32 a0, $4, 0x000f000f, 0x43004300, 0xea;
+    lop3.b32 a1, $5, 0x000f000f, 0x43004300, 0xea;
+    shr.u32 s0, $4, 4;
+    shr.u32 s1, $5, 4;
+    lop3.b32 a2, s0, 0x000f000f, 0x43004300, 0xea;
+    lop3.b32 a3, s1, 0x000f000f, 0x43004300, 0xea;
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {t0, t1, t2, t3}, {a0, a1, a2, a3}, {$6, $7}, {$10, $11, $12, $13};
+    shr.u32 s0, $4, 8;
+    shr.u32 s1, $5, 8;
+    lop3.b32 a0, s0, 0x000f000f, 0x43004300, 0xea;
+    lop3.b32 a1, s1, 0x000f000f, 0x43004300, 0xea;
+    shr.u32 s0, $4, 12;
+    shr.u32 s1, $5, 12;
+    lop3.b32 a2, s0, 0x000f000f, 0x43004300, 0xea;
+    lop3.b32 a3, s1, 0x000f000f, 0x43004300, 0xea;
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$8, $9}, {t0, t1, t2, t3};
+}""")
+
+_MMA_X_SUM_ASM = tl.constexpr("""{
+    .reg .b32 one;
+    .reg .f32 t0, t1, t2, t3;
+    mov.b32 one, 0x3f803f80;
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {t0, t1, t2, t3}, {one, one, one, one}, {$4, $5}, {$8, $9, $10, $11};
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {one, one, one, one}, {$6, $7}, {t0, t1, t2, t3};
+}""")
+
+
+# x's bf16 pairs of a packed word, (x_2i, x_2i+1) as int32 -> the pairs (x_j, x_j+4) its nibbles j and j + 4 take
+# (`_nibble_pairs`' result): one PRMT each, from the low or the high halves of two pairs.
+_X_MMA_PAIRS_ASM = tl.constexpr("""
+    prmt.b32 $0, $4, $6, 0x5410;
+    prmt.b32 $1, $4, $6, 0x7632;
+    prmt.b32 $2, $5, $7, 0x5410;
+    prmt.b32 $3, $5, $7, 0x7632;
+""")
+
+
+@triton.jit
+def _mma_x_pairs(xs, ASM: tl.constexpr):
+    """(x01, x23, x45, x67), x's bf16 pairs of each thread's word ([T] int32 each) -> (x04, x15, x26, x37)."""
+    if ASM:
+        pairs = tl.inline_asm_elementwise(_X_MMA_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r", [xs[0], xs[1], xs[2], xs[3]],
+                                          dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    else:
+        pairs = _nibble_pairs(xs[0], xs[1], xs[2], xs[3])
+    return pairs
+
+
+@triton.jit
+def _quad_sum(values, THREADS: tl.constexpr):
+    """[THREADS] -> each lane's value replaced by the sum over its quad (lanes 4q ... 4q + 3): the interpreter's
+    stand-in for an MMA's sum over the four lanes that hold a row's k."""
+    sums = tl.sum(tl.reshape(values, (THREADS // 4, 4)), axis=1)
+    return tl.reshape(tl.broadcast_to(sums[:, None], (THREADS // 4, 4)), (THREADS,))
+
+
+@triton.jit
+def _mma_rows(word_g, word_g8, pairs, acc, ASM: tl.constexpr, THREADS: tl.constexpr):
+    """acc (an MMA row tile's D: rows g, g, g + 8, g + 8, each the row's sum so far) plus the sums (128 + q) . x
+    over one 32-input chunk of rows g and g + 8 (module notes above). word_g, word_g8: this thread's packed word
+    of each row; pairs: x's (x04, x15, x26, x37) of the thread's word (`_mma_x_pairs`); all [THREADS]."""
+    if ASM:
+        acc = tl.inline_asm_elementwise(
+            _MMA_ROWS_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [word_g, word_g8, pairs[0], pairs[1], pairs[2], pairs[3], acc[0], acc[1], acc[2],
+                                             acc[3]],
+            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        part_g = tl.zeros((THREADS,), dtype=tl.float32)
+        part_g8 = tl.zeros((THREADS,), dtype=tl.float32)
+        for j in tl.static_range(4):
+            x_j = (pairs[j] << 16).to(tl.float32, bitcast=True)  # the low half: input j of the word
+            x_j4 = (pairs[j] & -65536).to(tl.float32, bitcast=True)  # input j + 4
+            part_g += (((word_g >> (4 * j)) & 0xF) + 128).to(tl.float32) * x_j
+            part_g += (((word_g >> (4 * j + 16)) & 0xF) + 128).to(tl.float32) * x_j4
+            part_g8 += (((word_g8 >> (4 * j)) & 0xF) + 128).to(tl.float32) * x_j
+            part_g8 += (((word_g8 >> (4 * j + 16)) & 0xF) + 128).to(tl.float32) * x_j4
+        sum_g = _quad_sum(part_g, THREADS)
+        sum_g8 = _quad_sum(part_g8, THREADS)
+        acc = (acc[0] + sum_g, acc[1] + sum_g, acc[2] + sum_g8, acc[3] + sum_g8)
+    return acc
+
+
+@triton.jit
+def _mma_x_sum(pairs, acc, ASM: tl.constexpr, THREADS: tl.constexpr):
+    """acc (4 copies, as an MMA's D) plus the sum of x's 32 inputs of one chunk, as an MMA with A all ones makes
+    it: the (128 + z) * sum(x) that `_mma_rows`' sums carry beyond sum((q - z) x). pairs: `_mma_x_pairs`'."""
+    if ASM:
+        acc = tl.inline_asm_elementwise(_MMA_X_SUM_ASM, "=f,=f,=f,=f,r,r,r,r,f,f,f,f", [pairs[0], pairs[1], pairs[2], pairs[3], acc[0], acc[1],
+                                                                         acc[2], acc[3]],
+                                        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        part = tl.zeros((THREADS,), dtype=tl.float32)
+        for j in tl.static_range(4):
+            part += (pairs[j] << 16).to(tl.float32, bitcast=True) + (pairs[j] & -65536).to(tl.float32, bitcast=True)
+        total = _quad_sum(part, THREADS)
+        acc = (acc[0] + total, acc[1] + total, acc[2] + total, acc[3] + total)
+    return acc
+
+
+@triton.jit
+def _split_four(values):
+    """[T, 4] (one thread's vector per row) -> its 4 columns as tensors [T]."""
+    first_two, last_two = tl.split(tl.reshape(values, (values.shape[0], 2, 2)))
+    v0, v2 = tl.split(first_two)
+    v1, v3 = tl.split(last_two)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _mma_tile(w_ptr, scale_ptr, zero_ptr, k0, k_end, quad_lane, col0, N, group_size, CHUNKS: tl.constexpr):
+    """The thread's share of W's tile at inputs k0 ... k0 + 32 CHUNKS (weights only: loadable before the PDL wait):
+    (words: CHUNKS tuples of its 4 columns' packed word in word row k0 / 8 + 4 chunk + quad_lane; the 4 columns'
+    group scales; their 128 + z), all [THREADS]. Words past k_end (the slice) read as 0; at or past k_end the
+    scales and zeros are the slice's last group's (never used)."""
+    four = tl.arange(0, 4)
+    cols = col0[:, None] + four[None, :]  # [T, 4]
+    col_ok = cols < N
+    words = ()
+    for chunk in tl.static_range(CHUNKS):
+        word_row = k0 // 8 + 4 * chunk + quad_lane
+        valid = (word_row < k_end // 8)[:, None] & col_ok
+        words = words + (_split_four(tl.load(w_ptr + word_row.to(tl.int64)[:, None] * N + cols, mask=valid,
+                                             other=0)),)
+    group_offsets = (tl.minimum(k0, k_end - 1) // group_size) * N + cols
+    scales = tl.load(scale_ptr + group_offsets, mask=col_ok, other=0.0).to(tl.float32)
+    zero_points = tl.load(zero_ptr + group_offsets, mask=col_ok, other=0.0).to(tl.float32) + 128.0
+    return words, _split_four(scales), _split_four(zero_points)
+
+
+@triton.jit
+def _mma_step(totals, tile, x_ptr, k0, k_end, quad_lane, ASM: tl.constexpr, CHUNKS: tl.constexpr,
+              THREADS: tl.constexpr):
+    """totals (the thread's 4 columns' float32 sums) plus one tile's products with x's row 0 (inputs k0 ...)."""
+    words, scales, zero_points = tile
+    zero = tl.zeros((THREADS,), dtype=tl.float32)
+    tile0 = (zero, zero, zero, zero)  # D of MMA row tile 0 (columns col0, col0 + 1) and of tile 1 (col0 + 2, + 3)
+    tile1 = (zero, zero, zero, zero)
+    x_sum = (zero, zero, zero, zero)
+    pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    four = tl.arange(0, 4)
+    for chunk in tl.static_range(CHUNKS):
+        word_row = k0 // 8 + 4 * chunk + quad_lane  # x's inputs 8 w ... 8 w + 7 of word row w: 16 bytes
+        xs = _split_four(tl.load(pair_ptr + 4 * word_row[:, None] + four[None, :],
+                                 mask=(word_row < k_end // 8)[:, None], other=0))
+        pairs = _mma_x_pairs(xs, ASM)
+        quad = words[chunk]
+        tile0 = _mma_rows(quad[0], quad[1], pairs, tile0, ASM, THREADS)
+        tile1 = _mma_rows(quad[2], quad[3], pairs, tile1, ASM, THREADS)
+        x_sum = _mma_x_sum(pairs, x_sum, ASM, THREADS)
+    sums = (tile0[0], tile0[2], tile1[0], tile1[2])  # columns col0 + j
+    out = ()
+    for j in tl.static_range(4):
+        out = out + (totals[j] + scales[j] * (sums[j] - zero_points[j] * x_sum[0]),)
+    return out
+
+
+@triton.jit
+def _int4_mma_kernel(
+    out_ptr,  # [1, N] in x's dtype (bf16)
+    partial_ptr,  # [SPLIT_K, 1, N] float32 (PARTIAL)
+    counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero between calls (PARTIAL)
+    x_ptr,  # [1, K] bf16, 4-byte aligned
+    w_ptr,  # [K // 8, N] int32
+    scale_ptr,  # [G, N]
+    zero_ptr,  # [G, N]
+    bias_ptr,  # [N] (HAS_BIAS)
+    N,
+    K,
+    group_size: tl.constexpr,
+    k_per_split,  # a multiple of BLOCK_K
+    split_k,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    ASM: tl.constexpr,  # inline PTX (mma.sync), else the interpreter's stand-in
+    REDUCE_CHUNK: tl.constexpr,
+    THREADS: tl.constexpr,  # 32 * num_warps = BLOCK_N: a warp owns 32 columns
+    BLOCK_K: tl.constexpr,  # 32 * chunks a step
+    USE_PDL: tl.constexpr,
+    PF_ROWS: tl.constexpr,
+    PF_LINES: tl.constexpr,
+    PF_STEP: tl.constexpr,
+):
+    """y[0, n] = sum_k x[0, k] W[k, n] for the N tile of THREADS columns and K slice of this program (the split-K,
+    PDL and reduction contract of `_gemv_kernel`); the MMA notes above."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    thread = tl.arange(0, THREADS)
+    quad_lane = thread % 4  # c: which packed word of a 32-input chunk
+    col0 = pid_n * THREADS + (thread // 32) * 32 + 4 * ((thread % 32) // 4)  # columns col0 ... col0 + 3
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if USE_PDL:
+        _prefetch_weights(w_ptr, pid_n, k_start, k_start + k_per_split, N, K, 0, True, THREADS, PF_ROWS, PF_LINES,
+                          PF_STEP)
+    tile = _mma_tile(w_ptr, scale_ptr, zero_ptr, k_start, k_end, quad_lane, col0, N, group_size, BLOCK_K // 32)
+    wait_for_prior_grids(USE_PDL)  # x is the previous kernel's output; the counters its to finish with
+    zero = tl.zeros((THREADS,), dtype=tl.float32)
+    totals = (zero, zero, zero, zero)
+    for k0 in range(k_start, k_end, BLOCK_K):  # each step loads the next tile before its own math
+        next_tile = _mma_tile(w_ptr, scale_ptr, zero_ptr, k0 + BLOCK_K, k_end, quad_lane, col0, N, group_size,
+                              BLOCK_K // 32)
+        totals = _mma_step(totals, tile, x_ptr, k0, k_end, quad_lane, ASM, BLOCK_K // 32, THREADS)
+        tile = next_tile
+    writer = quad_lane == 0  # the quad's four lanes hold the same sums
+    if PARTIAL:
+        for j in tl.static_range(4):
+            tl.store(partial_ptr + pid_k * N + col0 + j, totals[j], mask=writer & (col0 + j < N))
+        tl.debug_barrier()  # every thread's partial sums stored before the (release) atomic below
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == split_k - 1:  # the last slice of this N tile: reduce, finish, reset the counter
+            rows = tl.arange(0, 1)
+            cols = pid_n * THREADS + tl.arange(0, THREADS)
+            offsets = rows[:, None] * N + cols[None, :]
+            mask = (rows < 1)[:, None] & (cols < N)[None, :]
+            total = _sum_partials(partial_ptr, offsets, mask, 1, N, split_k, 1, THREADS, REDUCE_CHUNK)
+            _store_output(out_ptr, total, out_ptr, 0, bias_ptr, rows, cols, rows < 1, cols < N, N, False, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+    else:
+        for j in tl.static_range(4):
+            value = totals[j]
+            col_ok = col0 + j < N
+            if HAS_BIAS:
+                value += tl.load(bias_ptr + col0 + j, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + col0 + j, value.to(out_ptr.dtype.element_ty), mask=writer & col_ok)
+
+
 # -- configuration ------------------------------------------------------------------------------------------
 
 def weight_format(weight: torch.Tensor) -> str:
@@ -909,6 +1180,11 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         raise ValueError("decode GEMV: FP8 group scales need the FP8 word path at M == 1 (fp8_words) or tl.dot")
     if config.load_ahead and use_dot:
         raise ValueError("GemvConfig.load_ahead applies at M == 1 on the FMA path (dot=False) only")
+    if config.mma and (m > 1 or not int4):
+        raise ValueError(f"GemvConfig.mma applies to int4 weights at M == 1 only, got M={m}"
+                         f"{'' if int4 else ', a dense weight'}")
+    if config.mma and mma_ok(x2) and fit.block_k >= 32:
+        return _launch_mma(x2, weight, n, scale, zeros, bias, group_size, fit)
     partial = fit.split_k > 1
     out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
@@ -932,6 +1208,35 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         BLOCK_N=config.block_n, BLOCK_K=fit.block_k, VEC=_vec(config, int4, weight, fit.block_k),
         USE_PDL=pdl, INT4_FMA=int4 and not use_dot, EARLY_TILE=FIRST_TILE_BEFORE_WAIT, PF_ROWS=prefetch[0],
         PF_LINES=prefetch[1], PF_STEP=prefetch[2], GROUP_SCALE=group_scale, num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=pdl)
+    return out
+
+
+def mma_ok(x2: torch.Tensor) -> bool:
+    """Whether GemvConfig.mma can take x: bf16 at a 4-byte aligned address, on CUDA of compute capability 8.0+
+    (mma.sync with bf16 operands) or in Triton's interpreter (its stand-in for the MMA)."""
+    if x2.dtype != torch.bfloat16 or x2.data_ptr() % 4:
+        return False
+    return interpreting() or (x2.is_cuda and compute_capability(x2.device.index) >= (8, 0))
+
+
+def _launch_mma(x2: torch.Tensor, qweight: torch.Tensor, n: int, scale: torch.Tensor, zeros: torch.Tensor, bias,
+                group_size: int, fit: _Launch) -> torch.Tensor:
+    """One launch of the int4 tensor-core path (`_int4_mma_kernel`; x2 [1, K] bf16, `mma_ok`)."""
+    config = fit.config
+    k = x2.shape[1]
+    tiles = triton.cdiv(n, config.block_n)
+    partial = fit.split_k > 1
+    out = torch.empty((1, n), device=x2.device, dtype=x2.dtype)
+    workspace = torch.empty((fit.split_k, 1, n), device=x2.device, dtype=torch.float32) if partial else out
+    counters = _counter_buffer(x2.device)
+    pdl = pdl_enabled(x2.device)
+    prefetch = _prefetch_shape(qweight, True, config.block_n, fit.k_per_split)
+    _int4_mma_kernel[(tiles, fit.split_k)](
+        out, workspace, counters, x2, qweight, scale, zeros, bias if bias is not None else out, n, k, group_size,
+        fit.k_per_split, fit.split_k, HAS_BIAS=bias is not None, PARTIAL=partial, ASM=not interpreting(),
+        REDUCE_CHUNK=_reduce_chunk(1, config), THREADS=config.block_n, BLOCK_K=fit.block_k, USE_PDL=pdl,
+        PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl)
     return out
 

@@ -124,6 +124,26 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
             for split in _splits(group.n, group.k, bn, bk, num_sms):
                 out += [GemvConfig(bn, bk, split, warps, stages, dot, slot_dot, half_fma, fp8_words, load_ahead)
                         for slot_dot, half_fma, fp8_words, load_ahead in variants]
+    if group.fmt == "int4" and group.m == 1:
+        out += _mma_candidates(group, num_sms, tiny)
+    return out
+
+
+def _mma_candidates(group: Group, num_sms: int, tiny: bool):
+    """The int4 tensor-core path's configs at M = 1 (GemvConfig.mma: a warp owns 32 columns, so block_n is 32 *
+    num_warps): 1 to 8 warps, 32 to 128 inputs a step, and splits for up to 8 programs per SM (its programs are
+    smaller than the FMA path's)."""
+    from triton import cdiv
+
+    from asyncengine.kernels.quant_gemv import GemvConfig
+
+    shapes = [(1, 32), (2, 64)] if tiny else [(w, bk) for w in (1, 2, 4, 8) for bk in (32, 64, 128)]
+    out = []
+    for warps, bk in shapes:
+        bn = 32 * warps
+        splits = set(_splits(group.n, group.k, bn, bk, num_sms))
+        splits.add(min(cdiv(group.k, bk), max(1, cdiv(8 * num_sms, cdiv(group.n, bn)))))
+        out += [GemvConfig(bn, bk, split, warps, 3, mma=True) for split in sorted(splits)]
     return out
 
 
@@ -231,7 +251,7 @@ def compile_key(group: Group, config) -> tuple:
     fit = _fit(config, group.k, GROUP_SIZE if group.fmt == "int4" else None)
     return (group.fmt, m_bucket(group.m, group.fmt), config.block_n, fit.block_k, config.num_warps,
             config.num_stages, config.dot, config.slot_dot and fit.block_k >= 128, config.half_fma,
-            config.fp8_words, config.load_ahead, fit.split_k > 1, fit.split_k % 16 == 0)
+            config.fp8_words, config.load_ahead, config.mma, fit.split_k > 1, fit.split_k % 16 == 0)
 
 
 def _compile_tasks(tasks: list[tuple[Group, object]]) -> list[tuple]:
@@ -386,13 +406,23 @@ def _best_per_path(best: list) -> dict[str, float]:
     return paths
 
 
-PATH_FLAGS = ("slot_dot", "half_fma", "fp8_words", "load_ahead")  # GemvConfig's booleans after dot, in order
+PATH_FLAGS = ("slot_dot", "half_fma", "fp8_words", "load_ahead", "mma")  # GemvConfig's booleans after dot
 
 
 def _path_flags(config) -> str:
     """A config's alternative paths (int4 slot_dot / half_fma, the FP8 word path, any format's load_ahead) as
     GemvConfig's keyword arguments, ", half_fma=True, ..." (none: the default path)."""
     return "".join(f", {flag}=True" for flag in PATH_FLAGS if getattr(config, flag))
+
+
+def _only_path(group: Group, configs: list, flag: str, num_sms: int, device: str) -> list:
+    """The candidates taking path `flag`, and the group's current table row (its baseline in the same run)."""
+    from asyncengine.kernels import device_name
+    from asyncengine.kernels.quant_gemv import config_for
+
+    gpu = device_name(0) if device == "cuda" else ""
+    row = config_for(group.fmt, group.m, group.n, group.k, num_sms, gpu)
+    return [c for c in configs if getattr(c, flag)] + ([row] if not getattr(row, flag) else [])
 
 
 def groups_for(formats: list[str], tiny: bool, shape_sets: tuple[str, ...] = ("8b",),
@@ -424,6 +454,9 @@ def run_sweep(argv: list[str]) -> int:
     parser.add_argument("--ms", default="", help="comma-separated M values (default: each format's own)")
     parser.add_argument("--write-table", action="store_true",
                         help="also write the winners into kernels/quant_gemv_configs.py (replacing their keys' rows)")
+    parser.add_argument("--only", choices=PATH_FLAGS,
+                        help="time only the candidates of this path (a GemvConfig flag, e.g. mma), beside each "
+                             "shape's current table row")
     parser.add_argument("--any-gpu", action="store_true",
                         help="winners as rows for any GPU (default: rows keyed by the name of the GPU measured)")
     args = parser.parse_args(argv)
@@ -451,6 +484,8 @@ def run_sweep(argv: list[str]) -> int:
         parser.error(f"--ms: comma-separated integers, not {args.ms!r}")
     groups = groups_for(formats, args.tiny, tuple(args.shapes.split(",")), ms)
     work = [(g, candidates(g, num_sms, args.tiny)) for g in groups]
+    if args.only:
+        work = [(g, _only_path(g, configs, args.only, num_sms, device)) for g, configs in work]
     print(f"{len(work)} groups, {sum(len(c) for _, c in work)} candidates; compiling in {args.jobs} processes")
     flush()
     failed = precompile(work, args.jobs)  # on CPU too: a smoke run of the pool (the interpreter compiles nothing)

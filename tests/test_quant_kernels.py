@@ -176,6 +176,71 @@ def test_int4_fma_gemv_reads_bf16_x_in_pairs_or_one_by_one_alike(block_n, block_
             assert torch.equal(out, quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, config=plain))
 
 
+def assert_mma_sums_are_float32(out, x, qweight, scales, zeros, group_size, bias=None):
+    """GemvConfig.mma's y against the float32 reference (x, scales and zeros widened), element by element: within
+    one bf16 ulp (y is rounded to bf16: half an ulp, up to 2^-8 relative) and 1e-4 of the largest output (float32
+    sums of (128 + q) x less (128 + z) sum(x): ~1e-6 relative to the largest)."""
+    from asyncengine.kernels import quant_reference
+
+    ref = quant_reference.int_weight_matmul(x.float(), qweight, scales.float(), zeros.float(), group_size, 4,
+                                            None if bias is None else bias.float())
+    assert out.dtype == torch.bfloat16 and not out.isnan().any(), "kernel left NaN (unwritten elements?)"
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-4 * ref.abs().max().item())
+
+
+# (block_n, block_k, split_k, num_warps) of GemvConfig.mma: a warp per 32 columns; steps of 1 to 4 chunks of 32
+# inputs; K split in slices that end inside a group; N ragged (37: the last tile mostly empty)
+MMA_TILES = [(32, 32, 1, 1), (64, 64, 3, 2), (128, 128, 2, 4), (32, 128, 4, 1)]
+
+
+@pytest.mark.parametrize("block_n, block_k, split_k, warps", MMA_TILES)
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_int4_mma_gemv_matches_the_float32_reference(block_n, block_k, split_k, warps, group_size):
+    """The int4 tensor-core path at M = 1 (GemvConfig.mma; in the interpreter its stand-in for mma.sync, the same
+    sums per quad of lanes): K ending in a partial group (2 groups + 40 inputs), N odd, a bias, fresh weights with
+    zero points. Its sums (128 + q) . x less (128 + z) sum(x) are float32: y is the float32 reference's rounded."""
+    from asyncengine.kernels import quant_gemv
+
+    x, qweight, scales, zeros = int4_case(1, 2 * group_size + 40, 37, group_size, torch.bfloat16)
+    bias = torch.randn(37, dtype=torch.bfloat16, device=x.device)
+    config = quant_gemv.GemvConfig(block_n, block_k, split_k, warps, mma=True)
+    assert quant_gemv.mma_ok(x)
+    out = quant_gemv.int4_gemv(x, qweight, scales, zeros, group_size, bias, config=config)
+    assert_mma_sums_are_float32(out, x, qweight, scales, zeros, group_size, bias)
+
+
+def test_int4_mma_gemv_with_x_it_cannot_take_runs_the_float32_fma_path():
+    """x the MMA cannot take (float32, or bf16 at an address that is not 4-byte aligned) runs the float32 FMA path
+    with the same tiles, to the reference's precision; the MMA applies at M == 1 to int4 weights only."""
+    from asyncengine.kernels import quant_gemv, quant_reference
+
+    _, qweight, scales, zeros = int4_case(1, 256, 64, 64, torch.bfloat16)
+    config = quant_gemv.GemvConfig(64, 64, 2, 2, mma=True)
+    buffer = torch.randn(1, 257, dtype=torch.bfloat16, device=qweight.device)
+    for x in (buffer[:, 1:], buffer[:, :256].float()):
+        assert not quant_gemv.mma_ok(x)
+        out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, config=config)
+        ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 64, 4)
+        assert not out.isnan().any() and rel_error(out, ref) < INT4_REL_ERROR[torch.bfloat16], rel_error(out, ref)
+    with pytest.raises(ValueError, match="GemvConfig.mma applies to int4 weights at M == 1 only, got M=2"):
+        quant_gemv.int4_gemv(buffer[:, :256].expand(2, 256), qweight, scales, zeros, 64, config=config)
+    with pytest.raises(ValueError, match="a dense weight"):
+        quant_gemv.dense_gemv(buffer[:, :256], torch.randn(64, 256, dtype=torch.bfloat16, device=qweight.device),
+                              config=config)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_n=64, num_warps=4), "block_n = 32 \\* num_warps"),
+    (dict(block_n=128, block_k=16), "block_k >= 32"),
+    (dict(block_n=128, half_fma=True), "half_fma cannot be set with it"),
+    (dict(block_n=128, load_ahead=True, dot=True), "dot, load_ahead cannot be set with it")])
+def test_int4_mma_config_refuses_tiles_it_cannot_run(kwargs, message):
+    from asyncengine.kernels.quant_gemv import GemvConfig
+
+    with pytest.raises(ValueError, match=message):
+        GemvConfig(**{"block_k": 64, **kwargs}, mma=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_n, block_k, split_k", [(16, 32, 1), (32, 64, 3), (64, 128, 2)])
 def test_int4_gemv_load_ahead_with_a_k_tail_matches_reference(block_n, block_k, split_k, dtype):
