@@ -73,8 +73,8 @@ class GemvConfig:
     that are multiples of 4 bytes (checked per call: a ValueError). load_ahead: at M == 1 on the FMA path (dense,
     fp8_words or not, and int4, where x's inputs are loaded ahead too: `_int4_ahead_step`): each step issues the
     next tile's loads before its own math (two tiles in flight per thread).
-    mma: int4 at M == 1 with bf16 x (`mma_ok`): the tensor-core path (`_int4_mma_kernel`): block_n must be 32 *
-    num_warps (a warp owns 32 columns), block_k a multiple of 32 (chunks of 32 inputs a step), and each step
+    mma: int4 at M == 1 with bf16 x (`mma_ok`): the tensor-core path (`_int4_mma_kernel`): block_n must be 32 or
+    64 * num_warps (a warp owns 32 or 64 columns, a thread 4 or 8), block_k a multiple of 32 (chunks of 32 inputs a step), and each step
     loads the next tile ahead; dot, slot_dot, half_fma, fp8_words and load_ahead do not apply. Its sums are
     float32 products of exact bf16 operands (~1e-6 relative to the float32 reference). With other x it is the
     float32 FMA path with the same tiles."""
@@ -99,9 +99,9 @@ class GemvConfig:
         if self.split_k < 1:
             raise ValueError(f"GemvConfig.split_k must be >= 1, got {self.split_k}")
         if self.mma:
-            if self.block_n != 32 * self.num_warps:
-                raise ValueError(f"GemvConfig.mma needs block_n = 32 * num_warps (a warp owns 32 columns), got "
-                                 f"block_n={self.block_n}, num_warps={self.num_warps}")
+            if self.block_n not in (32 * self.num_warps, 64 * self.num_warps):
+                raise ValueError(f"GemvConfig.mma needs block_n = 32 or 64 * num_warps (a warp owns 32 or 64 "
+                                 f"columns), got block_n={self.block_n}, num_warps={self.num_warps}")
             if self.block_k < 32:
                 raise ValueError(f"GemvConfig.mma needs block_k >= 32 (32-input chunks), got {self.block_k}")
             others = [name for name in ("dot", "slot_dot", "half_fma", "fp8_words", "load_ahead")
@@ -937,34 +937,47 @@ def _split_four(values):
 
 
 @triton.jit
-def _mma_tile(w_ptr, scale_ptr, zero_ptr, k0, k_end, quad_lane, col0, N, group_size, CHUNKS: tl.constexpr):
+def _split_columns(values, COLS: tl.constexpr):
+    """[T, COLS] (COLS = 4 or 8: one thread's vector per row) -> its COLS columns as tensors [T]."""
+    if COLS == 4:
+        columns = _split_four(values)
+    else:
+        low, high = tl.split(tl.reshape(values, (values.shape[0], 2, 4)).permute(0, 2, 1))  # columns 0-3, 4-7
+        columns = _split_four(low) + _split_four(high)
+    return columns
+
+
+@triton.jit
+def _mma_tile(w_ptr, scale_ptr, zero_ptr, k0, k_end, quad_lane, col0, N, group_size, CHUNKS: tl.constexpr,
+              COLS: tl.constexpr):
     """The thread's share of W's tile at inputs k0 ... k0 + 32 CHUNKS (weights only: loadable before the PDL wait):
-    (words: CHUNKS tuples of its 4 columns' packed word in word row k0 / 8 + 4 chunk + quad_lane; the 4 columns'
+    (words: CHUNKS tuples of its COLS columns' packed word in word row k0 / 8 + 4 chunk + quad_lane; the columns'
     group scales; their 128 + z), all [THREADS]. Words past k_end (the slice) read as 0; at or past k_end the
     scales and zeros are the slice's last group's (never used)."""
-    four = tl.arange(0, 4)
-    cols = col0[:, None] + four[None, :]  # [T, 4]
+    cols = col0[:, None] + tl.arange(0, COLS)[None, :]  # [T, COLS]
     col_ok = cols < N
     words = ()
     for chunk in tl.static_range(CHUNKS):
         word_row = k0 // 8 + 4 * chunk + quad_lane
         valid = (word_row < k_end // 8)[:, None] & col_ok
-        words = words + (_split_four(tl.load(w_ptr + word_row.to(tl.int64)[:, None] * N + cols, mask=valid,
-                                             other=0)),)
+        words = words + (_split_columns(tl.load(w_ptr + word_row.to(tl.int64)[:, None] * N + cols, mask=valid,
+                                                other=0), COLS),)
     group_offsets = (tl.minimum(k0, k_end - 1) // group_size) * N + cols
     scales = tl.load(scale_ptr + group_offsets, mask=col_ok, other=0.0).to(tl.float32)
     zero_points = tl.load(zero_ptr + group_offsets, mask=col_ok, other=0.0).to(tl.float32) + 128.0
-    return words, _split_four(scales), _split_four(zero_points)
+    return words, _split_columns(scales, COLS), _split_columns(zero_points, COLS)
 
 
 @triton.jit
 def _mma_step(totals, tile, x_ptr, k0, k_end, quad_lane, ASM: tl.constexpr, CHUNKS: tl.constexpr,
-              THREADS: tl.constexpr):
-    """totals (the thread's 4 columns' float32 sums) plus one tile's products with x's row 0 (inputs k0 ...)."""
+              COLS: tl.constexpr, THREADS: tl.constexpr):
+    """totals (the thread's COLS columns' float32 sums) plus one tile's products with x's row 0 (inputs k0 ...).
+    Column col0 + 2t is row g of MMA row tile t, col0 + 2t + 1 its row g + 8."""
     words, scales, zero_points = tile
     zero = tl.zeros((THREADS,), dtype=tl.float32)
-    tile0 = (zero, zero, zero, zero)  # D of MMA row tile 0 (columns col0, col0 + 1) and of tile 1 (col0 + 2, + 3)
-    tile1 = (zero, zero, zero, zero)
+    tiles = ()  # each MMA row tile's D (rows g, g, g + 8, g + 8)
+    for t in tl.static_range(COLS // 2):
+        tiles = tiles + ((zero, zero, zero, zero),)
     x_sum = (zero, zero, zero, zero)
     pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     four = tl.arange(0, 4)
@@ -973,14 +986,16 @@ def _mma_step(totals, tile, x_ptr, k0, k_end, quad_lane, ASM: tl.constexpr, CHUN
         xs = _split_four(tl.load(pair_ptr + 4 * word_row[:, None] + four[None, :],
                                  mask=(word_row < k_end // 8)[:, None], other=0))
         pairs = _mma_x_pairs(xs, ASM)
-        quad = words[chunk]
-        tile0 = _mma_rows(quad[0], quad[1], pairs, tile0, ASM, THREADS)
-        tile1 = _mma_rows(quad[2], quad[3], pairs, tile1, ASM, THREADS)
+        row_words = words[chunk]
+        updated = ()
+        for t in tl.static_range(COLS // 2):
+            updated = updated + (_mma_rows(row_words[2 * t], row_words[2 * t + 1], pairs, tiles[t], ASM, THREADS),)
+        tiles = updated
         x_sum = _mma_x_sum(pairs, x_sum, ASM, THREADS)
-    sums = (tile0[0], tile0[2], tile1[0], tile1[2])  # columns col0 + j
     out = ()
-    for j in tl.static_range(4):
-        out = out + (totals[j] + scales[j] * (sums[j] - zero_points[j] * x_sum[0]),)
+    for j in tl.static_range(COLS):
+        sums = tiles[j // 2][2 * (j % 2)]  # D's element 0 (row g) or 2 (row g + 8)
+        out = out + (totals[j] + scales[j] * (sums - zero_points[j] * x_sum[0]),)
     return out
 
 
@@ -1003,49 +1018,53 @@ def _int4_mma_kernel(
     PARTIAL: tl.constexpr,
     ASM: tl.constexpr,  # inline PTX (mma.sync), else the interpreter's stand-in
     REDUCE_CHUNK: tl.constexpr,
-    THREADS: tl.constexpr,  # 32 * num_warps = BLOCK_N: a warp owns 32 columns
+    THREADS: tl.constexpr,  # 32 * num_warps
+    COLS: tl.constexpr,  # columns a thread holds (4 or 8): a warp owns 8 COLS, a program BLOCK_N = THREADS * COLS / 4
     BLOCK_K: tl.constexpr,  # 32 * chunks a step
     USE_PDL: tl.constexpr,
     PF_ROWS: tl.constexpr,
     PF_LINES: tl.constexpr,
     PF_STEP: tl.constexpr,
 ):
-    """y[0, n] = sum_k x[0, k] W[k, n] for the N tile of THREADS columns and K slice of this program (the split-K,
+    """y[0, n] = sum_k x[0, k] W[k, n] for the N tile of BLOCK_N columns and K slice of this program (the split-K,
     PDL and reduction contract of `_gemv_kernel`); the MMA notes above."""
+    BLOCK_N: tl.constexpr = THREADS * COLS // 4
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     thread = tl.arange(0, THREADS)
     quad_lane = thread % 4  # c: which packed word of a 32-input chunk
-    col0 = pid_n * THREADS + (thread // 32) * 32 + 4 * ((thread % 32) // 4)  # columns col0 ... col0 + 3
+    col0 = pid_n * BLOCK_N + (thread // 32) * (8 * COLS) + COLS * ((thread % 32) // 4)  # columns col0 + j
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if USE_PDL:
-        _prefetch_weights(w_ptr, pid_n, k_start, k_start + k_per_split, N, K, 0, True, THREADS, PF_ROWS, PF_LINES,
+        _prefetch_weights(w_ptr, pid_n, k_start, k_start + k_per_split, N, K, 0, True, BLOCK_N, PF_ROWS, PF_LINES,
                           PF_STEP)
-    tile = _mma_tile(w_ptr, scale_ptr, zero_ptr, k_start, k_end, quad_lane, col0, N, group_size, BLOCK_K // 32)
+    tile = _mma_tile(w_ptr, scale_ptr, zero_ptr, k_start, k_end, quad_lane, col0, N, group_size, BLOCK_K // 32, COLS)
     wait_for_prior_grids(USE_PDL)  # x is the previous kernel's output; the counters its to finish with
     zero = tl.zeros((THREADS,), dtype=tl.float32)
-    totals = (zero, zero, zero, zero)
+    totals = ()
+    for j in tl.static_range(COLS):
+        totals = totals + (zero,)
     for k0 in range(k_start, k_end, BLOCK_K):  # each step loads the next tile before its own math
         next_tile = _mma_tile(w_ptr, scale_ptr, zero_ptr, k0 + BLOCK_K, k_end, quad_lane, col0, N, group_size,
-                              BLOCK_K // 32)
-        totals = _mma_step(totals, tile, x_ptr, k0, k_end, quad_lane, ASM, BLOCK_K // 32, THREADS)
+                              BLOCK_K // 32, COLS)
+        totals = _mma_step(totals, tile, x_ptr, k0, k_end, quad_lane, ASM, BLOCK_K // 32, COLS, THREADS)
         tile = next_tile
     writer = quad_lane == 0  # the quad's four lanes hold the same sums
     if PARTIAL:
-        for j in tl.static_range(4):
+        for j in tl.static_range(COLS):
             tl.store(partial_ptr + pid_k * N + col0 + j, totals[j], mask=writer & (col0 + j < N))
         tl.debug_barrier()  # every thread's partial sums stored before the (release) atomic below
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
         if arrived == split_k - 1:  # the last slice of this N tile: reduce, finish, reset the counter
             rows = tl.arange(0, 1)
-            cols = pid_n * THREADS + tl.arange(0, THREADS)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             offsets = rows[:, None] * N + cols[None, :]
             mask = (rows < 1)[:, None] & (cols < N)[None, :]
-            total = _sum_partials(partial_ptr, offsets, mask, 1, N, split_k, 1, THREADS, REDUCE_CHUNK)
+            total = _sum_partials(partial_ptr, offsets, mask, 1, N, split_k, 1, BLOCK_N, REDUCE_CHUNK)
             _store_output(out_ptr, total, out_ptr, 0, bias_ptr, rows, cols, rows < 1, cols < N, N, False, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + pid_n, 0)
     else:
-        for j in tl.static_range(4):
+        for j in tl.static_range(COLS):
             value = totals[j]
             col_ok = col0 + j < N
             if HAS_BIAS:
@@ -1235,7 +1254,8 @@ def _launch_mma(x2: torch.Tensor, qweight: torch.Tensor, n: int, scale: torch.Te
     _int4_mma_kernel[(tiles, fit.split_k)](
         out, workspace, counters, x2, qweight, scale, zeros, bias if bias is not None else out, n, k, group_size,
         fit.k_per_split, fit.split_k, HAS_BIAS=bias is not None, PARTIAL=partial, ASM=not interpreting(),
-        REDUCE_CHUNK=_reduce_chunk(1, config), THREADS=config.block_n, BLOCK_K=fit.block_k, USE_PDL=pdl,
+        REDUCE_CHUNK=_reduce_chunk(1, config), THREADS=32 * config.num_warps,
+        COLS=config.block_n // (8 * config.num_warps), BLOCK_K=fit.block_k, USE_PDL=pdl,
         PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl)
     return out

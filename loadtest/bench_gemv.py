@@ -130,17 +130,18 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
 
 
 def _mma_candidates(group: Group, num_sms: int, tiny: bool):
-    """The int4 tensor-core path's configs at M = 1 (GemvConfig.mma: a warp owns 32 columns, so block_n is 32 *
-    num_warps): 1 to 8 warps, 32 to 128 inputs a step, and splits for up to 8 programs per SM (its programs are
-    smaller than the FMA path's)."""
+    """The int4 tensor-core path's configs at M = 1 (GemvConfig.mma: a warp owns 32 or 64 columns, so block_n is
+    32 or 64 * num_warps): 1 to 8 warps, 32 to 128 inputs a step, and splits for up to 8 programs per SM (its
+    programs are smaller than the FMA path's)."""
     from triton import cdiv
 
     from asyncengine.kernels.quant_gemv import GemvConfig
 
-    shapes = [(1, 32), (2, 64)] if tiny else [(w, bk) for w in (1, 2, 4, 8) for bk in (32, 64, 128)]
+    shapes = [(1, 32, 4), (2, 64, 8)] if tiny else [(w, bk, cols) for w in (1, 2, 4, 8) for bk in (32, 64, 128)
+                                                   for cols in (4, 8)]
     out = []
-    for warps, bk in shapes:
-        bn = 32 * warps
+    for warps, bk, cols in shapes:
+        bn = 8 * cols * warps
         splits = set(_splits(group.n, group.k, bn, bk, num_sms))
         splits.add(min(cdiv(group.k, bk), max(1, cdiv(8 * num_sms, cdiv(group.n, bn)))))
         out += [GemvConfig(bn, bk, split, warps, 3, mma=True) for split in sorted(splits)]

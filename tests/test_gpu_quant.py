@@ -60,8 +60,9 @@ def test_gpu_int4_gemv_tiles_at_llama_8b_sizes(m, tiles, k, n):
     assert rel_error(out, ref) < 1e-2, rel_error(out, ref)
 
 
-# GemvConfig.mma tiles: (block_n, block_k, split_k, num_warps), a warp per 32 columns
-INT4_MMA_TILES = [(128, 128, 8, 4), (64, 64, 11, 2), (256, 128, 4, 8), (32, 32, 1, 1), (128, 32, 33, 4)]
+# GemvConfig.mma tiles: (block_n, block_k, split_k, num_warps), a warp per 32 or 64 columns
+INT4_MMA_TILES = [(128, 128, 8, 4), (64, 64, 11, 2), (256, 128, 4, 8), (32, 32, 1, 1), (128, 32, 33, 4),
+                  (256, 128, 8, 4), (128, 64, 1, 2)]
 
 
 @pytest.mark.gpu

@@ -188,9 +188,9 @@ def assert_mma_sums_are_float32(out, x, qweight, scales, zeros, group_size, bias
     torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-4 * ref.abs().max().item())
 
 
-# (block_n, block_k, split_k, num_warps) of GemvConfig.mma: a warp per 32 columns; steps of 1 to 4 chunks of 32
-# inputs; K split in slices that end inside a group; N ragged (37: the last tile mostly empty)
-MMA_TILES = [(32, 32, 1, 1), (64, 64, 3, 2), (128, 128, 2, 4), (32, 128, 4, 1)]
+# (block_n, block_k, split_k, num_warps) of GemvConfig.mma: a warp per 32 columns (4 a thread) or 64 (8 a thread);
+# steps of 1 to 4 chunks of 32 inputs; K split in slices that end inside a group; N ragged (37)
+MMA_TILES = [(32, 32, 1, 1), (64, 64, 3, 2), (128, 128, 2, 4), (32, 128, 4, 1), (64, 64, 2, 1), (128, 32, 1, 2)]
 
 
 @pytest.mark.parametrize("block_n, block_k, split_k, warps", MMA_TILES)
@@ -230,7 +230,7 @@ def test_int4_mma_gemv_with_x_it_cannot_take_runs_the_float32_fma_path():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(block_n=64, num_warps=4), "block_n = 32 \\* num_warps"),
+    (dict(block_n=64, num_warps=4), "block_n = 32 or 64 \\* num_warps"),
     (dict(block_n=128, block_k=16), "block_k >= 32"),
     (dict(block_n=128, half_fma=True), "half_fma cannot be set with it"),
     (dict(block_n=128, load_ahead=True, dot=True), "dot, load_ahead cannot be set with it")])
