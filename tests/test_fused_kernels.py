@@ -561,6 +561,10 @@ kernels = [
     (moe._down_reduce_kernel, dict(w2_ptr=i32, ids_ptr=i64, weights_ptr=f32, partial_ptr=f32, counter_ptr=i32),
      dict(TOP_K=8, BLOCK_N=32, BLOCK_K=256, LOAD_AHEAD=False, GROUP_SCALE=False, INT4=True, SUB_K=128, WHOLE_SUBS=True, GROUP_SUBS=1, ASM=True,
           X_BF16_PAIRS=True, HALF_FMA=False)),
+    # the int4 GEMV's tensor-core path at one row (GemvConfig.mma), 8 columns a thread
+    (quant_gemv._int4_mma_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=i32, scale_ptr=bf16, zero_ptr=bf16),
+     dict(group_size=128, HAS_BIAS=False, PARTIAL=True, ASM=True, REDUCE_CHUNK=8, THREADS=128, COLS=8, BLOCK_K=128,
+          PF_ROWS=8, PF_LINES=2, PF_STEP=32)),
 ]
 ok = [compile_kernel(*k) for k in kernels]
 print("with griddepcontrol", sum(ok), "of", len(ok))
@@ -596,6 +600,14 @@ def gemv_loads_before_wait(entry, early):
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     return sum("ld.global" in line for line in lines[:wait])
 print("gemv loads before its wait", [gemv_loads_before_wait(kernels[i], early) for i in (8, 10) for early in (True, False)])
+# the int4 MMA path: its first tile before the wait, the products on the tensor cores
+mma_fn, mma_types, mma_constants = kernels[-1]
+mma_lines = triton.compile(ASTSource(mma_fn, {a: "constexpr" if a in mma_constants or a == "USE_PDL" else mma_types.get(
+    a, "*bf16" if a.endswith("_ptr") else "i32") for a in mma_fn.arg_names}, dict(mma_constants, USE_PDL=True)),
+    target=target).asm["ptx"].splitlines()
+mma_wait = next(i for i, line in enumerate(mma_lines) if "griddepcontrol.wait" in line)
+print("gemv int4 mma loads before its wait", sum("ld.global" in line for line in mma_lines[:mma_wait]),
+      "mma.sync", sum("mma.sync" in line for line in mma_lines))
 int4_ahead = (kernels[8][0], kernels[8][1], dict(kernels[8][2], LOAD_AHEAD=True))  # the int4 load-ahead loop
 print("gemv int4 load-ahead loads before its wait",
       [gemv_loads_before_wait(int4_ahead, early) for early in (True, False)])
@@ -636,13 +648,13 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     EARLY_TILE), int4's load-ahead loop too; and a bar.sync separates the stores and loads of one program that
     other threads of it read back (run 51 found the one-split merge without it); the MoE kernels on FP8 experts with group scales and on int4
     experts (the decode kernels' bf16x2 and float32 word sums) compile (the grouped GEMM's product on the tensor
-    cores). About a minute on 2 loaded cores (a fresh Triton cache)."""
+    cores); the int4 GEMV's MMA path loads its first tile before the wait and multiplies with mma.sync. About a minute on 2 loaded cores (a fresh Triton cache)."""
     import subprocess
     import sys
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=600)
-    assert "with griddepcontrol 21 of 21" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "with griddepcontrol 22 of 22" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     assert "barriers [True, True, True, True]" in run.stdout, (run.stdout[-3000:], run.stderr[-3000:])
     preloads = int(run.stdout.split("decode loads before its wait")[1].split()[0])
     assert preloads >= 4, run.stdout[-3000:]  # metadata, block table, K and V tiles
@@ -654,6 +666,10 @@ def test_pdl_kernels_compile_for_hopper_with_griddepcontrol(tmp_path):
     assert ahead_early == int4_early and ahead_late == 0, run.stdout[-3000:]  # the same first tile, before the wait
     assert "moe grouped fp8 mma True" in run.stdout and "moe grouped int4 mma True" in run.stdout, run.stdout[-3000:]
     assert "fp8 group gemv dot mma True dequantize True" in run.stdout, run.stdout[-3000:]
+    mma_preloads, mma_count = (int(v) for v in run.stdout.split("gemv int4 mma loads before its wait ")[1]
+                               .split("\n")[0].split(" mma.sync "))
+    # its first tile's words (4 chunks x 2 vectors), scales and zeros before the wait; 10 MMAs a chunk, 4 a step
+    assert mma_preloads >= 8 and mma_count >= 40, run.stdout[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------------------------
