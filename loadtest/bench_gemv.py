@@ -131,13 +131,15 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
 
 def _mma_candidates(group: Group, num_sms: int, tiny: bool):
     """The int4 tensor-core path's configs at M = 1 (GemvConfig.mma: a warp owns 32 or 64 columns, so block_n is
-    32 or 64 * num_warps): 1 to 8 warps, 32 to 128 inputs a step, and splits for up to 8 programs per SM (its
+    32 or 64 * num_warps): 2 to 8 warps, 64 or 128 inputs a step, and splits for up to 8 programs per SM (its
     programs are smaller than the FMA path's)."""
     from triton import cdiv
 
     from asyncengine.kernels.quant_gemv import GemvConfig
 
-    shapes = [(1, 32, 4), (2, 64, 8)] if tiny else [(w, bk, cols) for w in (1, 2, 4, 8) for bk in (32, 64, 128)
+    # block_k 32 is left out: a step's fixed work (scales, zero points, the correction) over one chunk issues 3.8
+    # instructions a weight at 4 columns (sm_90 SASS), against 2.2 at block_k 128
+    shapes = [(1, 32, 4), (2, 64, 8)] if tiny else [(w, bk, cols) for w in (2, 4, 8) for bk in (64, 128)
                                                    for cols in (4, 8)]
     out = []
     for warps, bk, cols in shapes:
