@@ -48,6 +48,7 @@ from .pdl import enabled as pdl_enabled, wait_for_prior_grids
 from .quant_reference import check_fp8_group_scales
 
 MAX_M = 64
+MMA_MAX_M = 8  # GemvConfig.mma: B's eight columns are x's rows
 # Weight bytes each program asks L2 for before its PDL wait: at two programs per SM (the split-K rule) about 8 MB
 # on an H100, what its bandwidth moves in the few microseconds of a previous kernel's tail, well inside its L2.
 PREFETCH_BYTES = 32 * 1024
@@ -73,11 +74,11 @@ class GemvConfig:
     that are multiples of 4 bytes (checked per call: a ValueError). load_ahead: at M == 1 on the FMA path (dense,
     fp8_words or not, and int4, where x's inputs are loaded ahead too: `_int4_ahead_step`): each step issues the
     next tile's loads before its own math (two tiles in flight per thread).
-    mma: int4 at M == 1 with bf16 x (`mma_ok`): the tensor-core path (`_int4_mma_kernel`): block_n must be 32 or
+    mma: int4 at M <= 8 with bf16 x (`mma_ok`): the tensor-core path (`_int4_mma_kernel`): block_n must be 32 or
     64 * num_warps (a warp owns 32 or 64 columns, a thread 4 or 8), block_k a multiple of 32 (chunks of 32 inputs a step), and each step
     loads the next tile ahead; dot, slot_dot, half_fma, fp8_words and load_ahead do not apply. Its sums are
     float32 products of exact bf16 operands (~1e-6 relative to the float32 reference). With other x it is the
-    float32 FMA path with the same tiles."""
+    float32 FMA path (M == 1) or tl.dot (M > 1) with the same tiles."""
 
     block_n: int
     block_k: int
@@ -798,7 +799,7 @@ def _gemv_kernel(
                       HAS_BIAS)
 
 
-# -- the int4 tensor-core path at one row (GemvConfig.mma) ------------------------------------------------------
+# -- the int4 tensor-core path for up to 8 rows (GemvConfig.mma) -------------------------------------------------
 #
 # The FMA paths above issue 3.4-4.4 instructions per weight at the 8B shapes (scripts/gemv_sass.py): the int4 W3
 # target needs about one. This path hands the products to the tensor cores, one warp-wide
@@ -813,17 +814,18 @@ def _gemv_kernel(
 # the first MMA's k-pairs c and c + 4 are the word's nibbles (0, 4) and (1, 5), the second MMA's (2, 6) and
 # (3, 7); one LOP3 ORs a pair (j, j + 4) of a word shifted right by 4j under bf16's exponent of 128, whose unit
 # in the last place is 1: the exact bf16 pair (128 + q_j, 128 + q_j+4). x's matching pairs are `_nibble_pairs`'.
-# B's eight columns are eight copies of x (every lane loads row 0 of x), so each D value is the row's sum.
+# B's eight columns are x's rows (lane (g, c) loads row g; rows at or past M read as zeros), so D's (row, column)
+# is output n's sum for batch row 2c or 2c + 1: one MMA serves M up to 8 at the cost of M = 1.
 #
-# No q - z per weight: the MMAs sum (128 + q) x exactly in float32, one more MMA per chunk with A all ones sums x,
-# and each step (a tile never crosses a group) adds scale * (sum - (128 + z) * sum(x)) per row. Per packed word (8
+# No q - z per weight: the MMAs sum (128 + q) x exactly in float32, one more MMA per chunk with A all ones sums
+# each row of x, and each step (a tile never crosses a group) adds scale * (sum - (128 + z) * sum(x)) per output. Per packed word (8
 # weights): 4 LOP3, 3 shifts and half of one MMA, against ~19 instructions on the bf16x2 FMA path.
 #
 # A warp owns 32 columns of W per step, two MMA row tiles: thread (g, c) holds the words of columns 4g ... 4g + 3
 # (tile 0's rows g and g + 8, tile 1's rows g and g + 8), so its loads are 16 contiguous bytes of one qweight row.
 # Every tensor below is one value per thread ([32 * num_warps], element i on lane i % 32 of warp i // 32:
 # Triton's layout of a 1-D tensor of that size), which is what lets inline assembly address the lanes. In Triton's
-# interpreter (no lanes, no PTX) `_mma_rows` and `_mma_x_sum` compute the same sums with a reshape over each quad.
+# interpreter (no lanes, no PTX) `_mma_rows` and `_mma_x_sum` compute the same D from each warp's lanes, reshaped.
 
 _MMA_ROWS_ASM = tl.constexpr("""{
     .reg .b32 a0, a1, a2, a3, s0, s1;
@@ -877,53 +879,74 @@ def _mma_x_pairs(xs, ASM: tl.constexpr):
 
 
 @triton.jit
-def _quad_sum(values, THREADS: tl.constexpr):
-    """[THREADS] -> each lane's value replaced by the sum over its quad (lanes 4q ... 4q + 3): the interpreter's
-    stand-in for an MMA's sum over the four lanes that hold a row's k."""
-    sums = tl.sum(tl.reshape(values, (THREADS // 4, 4)), axis=1)
-    return tl.reshape(tl.broadcast_to(sums[:, None], (THREADS // 4, 4)), (THREADS,))
+def _warp_product(a_values, x_values, THREADS: tl.constexpr):
+    """The interpreter's stand-in for an MMA's D: a_values, x_values [THREADS, 8] (each lane's 8 inputs of its A row
+    and of its B column, in one order) -> (D[g, 2c], D[g, 2c + 1]) for each lane (g, c) of each warp, [THREADS]
+    each, where D[g, n] sums a_values of lanes (g, c') times x_values of lanes (n, c') over c' and the 8 inputs."""
+    warps: tl.constexpr = THREADS // 32
+    a = tl.reshape(a_values, (warps, 8, 1, 32))  # [warp, g, -, (c', input)]
+    x = tl.reshape(x_values, (warps, 1, 8, 32))  # [warp, -, n, (c', input)]
+    d = tl.sum(a * x, axis=3)  # [warp, g, n]
+    even, odd = tl.split(tl.reshape(d, (warps, 8, 4, 2)))  # n = 2c + e
+    return tl.reshape(even, (THREADS,)), tl.reshape(odd, (THREADS,))
+
+
+@triton.jit
+def _stack_four(v0, v1, v2, v3, THREADS: tl.constexpr):
+    """Four [T] tensors -> [T, 4], v_i at column i."""
+    stacked = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [T, 2, 2]: [t, k, i] is v_(2i + k)
+    return tl.reshape(tl.permute(stacked, (0, 2, 1)), (THREADS, 4))
+
+
+@triton.jit
+def _pair_floats(pairs, THREADS: tl.constexpr):
+    """(x04, x15, x26, x37), bf16 pairs (x_j, x_j+4) as int32 [T] -> [T, 8] float32, input j of the word at j."""
+    lows = _stack_four((pairs[0] << 16).to(tl.float32, bitcast=True), (pairs[1] << 16).to(tl.float32, bitcast=True),
+                       (pairs[2] << 16).to(tl.float32, bitcast=True), (pairs[3] << 16).to(tl.float32, bitcast=True),
+                       THREADS)
+    highs = _stack_four((pairs[0] & -65536).to(tl.float32, bitcast=True),
+                        (pairs[1] & -65536).to(tl.float32, bitcast=True),
+                        (pairs[2] & -65536).to(tl.float32, bitcast=True),
+                        (pairs[3] & -65536).to(tl.float32, bitcast=True), THREADS)
+    return tl.reshape(tl.permute(tl.join(lows, highs), (0, 2, 1)), (THREADS, 8))
 
 
 @triton.jit
 def _mma_rows(word_g, word_g8, pairs, acc, ASM: tl.constexpr, THREADS: tl.constexpr):
-    """acc (an MMA row tile's D: rows g, g, g + 8, g + 8, each the row's sum so far) plus the sums (128 + q) . x
-    over one 32-input chunk of rows g and g + 8 (module notes above). word_g, word_g8: this thread's packed word
-    of each row; pairs: x's (x04, x15, x26, x37) of the thread's word (`_mma_x_pairs`); all [THREADS]."""
+    """acc (an MMA row tile's D: rows g and g + 8, batch rows 2c and 2c + 1 each) plus the sums (128 + q) . x over
+    one 32-input chunk of the tile's rows g and g + 8 (module notes above). word_g, word_g8: this thread's packed
+    word of each row; pairs: x's (x04, x15, x26, x37) of the thread's word and batch row g (`_mma_x_pairs`); all
+    [THREADS]."""
     if ASM:
         acc = tl.inline_asm_elementwise(
-            _MMA_ROWS_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [word_g, word_g8, pairs[0], pairs[1], pairs[2], pairs[3], acc[0], acc[1], acc[2],
-                                             acc[3]],
+            _MMA_ROWS_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [word_g, word_g8, pairs[0], pairs[1], pairs[2], pairs[3],
+                                                               acc[0], acc[1], acc[2], acc[3]],
             dtype=(tl.float32,) * 4, is_pure=True, pack=1)
     else:
-        part_g = tl.zeros((THREADS,), dtype=tl.float32)
-        part_g8 = tl.zeros((THREADS,), dtype=tl.float32)
-        for j in tl.static_range(4):
-            x_j = (pairs[j] << 16).to(tl.float32, bitcast=True)  # the low half: input j of the word
-            x_j4 = (pairs[j] & -65536).to(tl.float32, bitcast=True)  # input j + 4
-            part_g += (((word_g >> (4 * j)) & 0xF) + 128).to(tl.float32) * x_j
-            part_g += (((word_g >> (4 * j + 16)) & 0xF) + 128).to(tl.float32) * x_j4
-            part_g8 += (((word_g8 >> (4 * j)) & 0xF) + 128).to(tl.float32) * x_j
-            part_g8 += (((word_g8 >> (4 * j + 16)) & 0xF) + 128).to(tl.float32) * x_j4
-        sum_g = _quad_sum(part_g, THREADS)
-        sum_g8 = _quad_sum(part_g8, THREADS)
-        acc = (acc[0] + sum_g, acc[1] + sum_g, acc[2] + sum_g8, acc[3] + sum_g8)
+        x_values = _pair_floats(pairs, THREADS)
+        shifts = tl.arange(0, 8) * 4
+        row_g = ((word_g[:, None] >> shifts[None, :]) & 0xF).to(tl.float32) + 128.0  # [T, 8], input j at j
+        row_g8 = ((word_g8[:, None] >> shifts[None, :]) & 0xF).to(tl.float32) + 128.0
+        g_even, g_odd = _warp_product(row_g, x_values, THREADS)
+        g8_even, g8_odd = _warp_product(row_g8, x_values, THREADS)
+        acc = (acc[0] + g_even, acc[1] + g_odd, acc[2] + g8_even, acc[3] + g8_odd)
     return acc
 
 
 @triton.jit
 def _mma_x_sum(pairs, acc, ASM: tl.constexpr, THREADS: tl.constexpr):
-    """acc (4 copies, as an MMA's D) plus the sum of x's 32 inputs of one chunk, as an MMA with A all ones makes
-    it: the (128 + z) * sum(x) that `_mma_rows`' sums carry beyond sum((q - z) x). pairs: `_mma_x_pairs`'."""
+    """acc (as an MMA's D: batch rows 2c, 2c + 1, twice) plus the sum of x's 32 inputs of one chunk per batch row, as
+    an MMA with A all ones makes it: the (128 + z) * sum(x) that `_mma_rows`' sums carry beyond sum((q - z) x).
+    pairs: `_mma_x_pairs`'."""
     if ASM:
-        acc = tl.inline_asm_elementwise(_MMA_X_SUM_ASM, "=f,=f,=f,=f,r,r,r,r,f,f,f,f", [pairs[0], pairs[1], pairs[2], pairs[3], acc[0], acc[1],
-                                                                         acc[2], acc[3]],
+        acc = tl.inline_asm_elementwise(_MMA_X_SUM_ASM, "=f,=f,=f,=f,r,r,r,r,f,f,f,f", [pairs[0], pairs[1], pairs[2],
+                                                                                     pairs[3], acc[0], acc[1], acc[2],
+                                                                                     acc[3]],
                                         dtype=(tl.float32,) * 4, is_pure=True, pack=1)
     else:
-        part = tl.zeros((THREADS,), dtype=tl.float32)
-        for j in tl.static_range(4):
-            part += (pairs[j] << 16).to(tl.float32, bitcast=True) + (pairs[j] & -65536).to(tl.float32, bitcast=True)
-        total = _quad_sum(part, THREADS)
-        acc = (acc[0] + total, acc[1] + total, acc[2] + total, acc[3] + total)
+        x_values = _pair_floats(pairs, THREADS)
+        even, odd = _warp_product(tl.full((THREADS, 8), 1.0, tl.float32), x_values, THREADS)
+        acc = (acc[0] + even, acc[1] + odd, acc[2] + even, acc[3] + odd)
     return acc
 
 
@@ -969,22 +992,24 @@ def _mma_tile(w_ptr, scale_ptr, zero_ptr, k0, k_end, quad_lane, col0, N, group_s
 
 
 @triton.jit
-def _mma_step(totals, tile, x_ptr, k0, k_end, quad_lane, ASM: tl.constexpr, CHUNKS: tl.constexpr,
-              COLS: tl.constexpr, THREADS: tl.constexpr):
-    """totals (the thread's COLS columns' float32 sums) plus one tile's products with x's row 0 (inputs k0 ...).
-    Column col0 + 2t is row g of MMA row tile t, col0 + 2t + 1 its row g + 8."""
+def _mma_step(totals, tile, x_ptr, stride_xm, x_row, x_ok, k0, k_end, quad_lane, ASM: tl.constexpr,
+              CHUNKS: tl.constexpr, COLS: tl.constexpr, THREADS: tl.constexpr):
+    """totals (the thread's COLS columns' float32 sums for batch rows 2c and 2c + 1: element 2j + e) plus one tile's
+    products with x (inputs k0 ...; this lane loads x's row x_row [T], zeros where not x_ok, at or past M). Column
+    col0 + 2t is row g of MMA row tile t, col0 + 2t + 1 its row g + 8."""
     words, scales, zero_points = tile
     zero = tl.zeros((THREADS,), dtype=tl.float32)
-    tiles = ()  # each MMA row tile's D (rows g, g, g + 8, g + 8)
+    tiles = ()  # each MMA row tile's D: (row g, batch row 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
     for t in tl.static_range(COLS // 2):
         tiles = tiles + ((zero, zero, zero, zero),)
     x_sum = (zero, zero, zero, zero)
-    pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # rows of stride_xm // 2 pairs (mma_ok: even)
     four = tl.arange(0, 4)
     for chunk in tl.static_range(CHUNKS):
         word_row = k0 // 8 + 4 * chunk + quad_lane  # x's inputs 8 w ... 8 w + 7 of word row w: 16 bytes
-        xs = _split_four(tl.load(pair_ptr + 4 * word_row[:, None] + four[None, :],
-                                 mask=(word_row < k_end // 8)[:, None], other=0))
+        pair = x_row * (stride_xm // 2) + 4 * word_row
+        xs = _split_four(tl.load(pair_ptr + pair[:, None] + four[None, :],
+                                 mask=((word_row < k_end // 8) & x_ok)[:, None], other=0))
         pairs = _mma_x_pairs(xs, ASM)
         row_words = words[chunk]
         updated = ()
@@ -994,23 +1019,26 @@ def _mma_step(totals, tile, x_ptr, k0, k_end, quad_lane, ASM: tl.constexpr, CHUN
         x_sum = _mma_x_sum(pairs, x_sum, ASM, THREADS)
     out = ()
     for j in tl.static_range(COLS):
-        sums = tiles[j // 2][2 * (j % 2)]  # D's element 0 (row g) or 2 (row g + 8)
-        out = out + (totals[j] + scales[j] * (sums - zero_points[j] * x_sum[0]),)
+        for e in tl.static_range(2):
+            sums = tiles[j // 2][2 * (j % 2) + e]
+            out = out + (totals[2 * j + e] + scales[j] * (sums - zero_points[j] * x_sum[e]),)
     return out
 
 
 @triton.jit
 def _int4_mma_kernel(
-    out_ptr,  # [1, N] in x's dtype (bf16)
-    partial_ptr,  # [SPLIT_K, 1, N] float32 (PARTIAL)
+    out_ptr,  # [M, N] in x's dtype (bf16)
+    partial_ptr,  # [SPLIT_K, M, N] float32 (PARTIAL)
     counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, zero between calls (PARTIAL)
-    x_ptr,  # [1, K] bf16, 4-byte aligned
+    x_ptr,  # [M, K] bf16, 4-byte aligned rows (stride_xm even)
     w_ptr,  # [K // 8, N] int32
     scale_ptr,  # [G, N]
     zero_ptr,  # [G, N]
     bias_ptr,  # [N] (HAS_BIAS)
+    M,  # 1 ... 8
     N,
     K,
+    stride_xm,
     group_size: tl.constexpr,
     k_per_split,  # a multiple of BLOCK_K
     split_k,
@@ -1018,6 +1046,7 @@ def _int4_mma_kernel(
     PARTIAL: tl.constexpr,
     ASM: tl.constexpr,  # inline PTX (mma.sync), else the interpreter's stand-in
     REDUCE_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # M rounded up to a power of two (the last program's reduction tile)
     THREADS: tl.constexpr,  # 32 * num_warps
     COLS: tl.constexpr,  # columns a thread holds (4 or 8): a warp owns 8 COLS, a program BLOCK_N = THREADS * COLS / 4
     BLOCK_K: tl.constexpr,  # 32 * chunks a step
@@ -1026,13 +1055,14 @@ def _int4_mma_kernel(
     PF_LINES: tl.constexpr,
     PF_STEP: tl.constexpr,
 ):
-    """y[0, n] = sum_k x[0, k] W[k, n] for the N tile of BLOCK_N columns and K slice of this program (the split-K,
+    """y[m, n] = sum_k x[m, k] W[k, n] for the N tile of BLOCK_N columns and K slice of this program (the split-K,
     PDL and reduction contract of `_gemv_kernel`); the MMA notes above."""
     BLOCK_N: tl.constexpr = THREADS * COLS // 4
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     thread = tl.arange(0, THREADS)
     quad_lane = thread % 4  # c: which packed word of a 32-input chunk
-    col0 = pid_n * BLOCK_N + (thread // 32) * (8 * COLS) + COLS * ((thread % 32) // 4)  # columns col0 + j
+    group_id = (thread % 32) // 4  # g: the lane's A rows g, g + 8 and its B column (x's row g)
+    col0 = pid_n * BLOCK_N + (thread // 32) * (8 * COLS) + COLS * group_id  # columns col0 + j
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if USE_PDL:
@@ -1041,35 +1071,41 @@ def _int4_mma_kernel(
     tile = _mma_tile(w_ptr, scale_ptr, zero_ptr, k_start, k_end, quad_lane, col0, N, group_size, BLOCK_K // 32, COLS)
     wait_for_prior_grids(USE_PDL)  # x is the previous kernel's output; the counters its to finish with
     zero = tl.zeros((THREADS,), dtype=tl.float32)
-    totals = ()
-    for j in tl.static_range(COLS):
+    totals = ()  # column col0 + j, batch row 2c + e at 2j + e
+    for j in tl.static_range(2 * COLS):
         totals = totals + (zero,)
     for k0 in range(k_start, k_end, BLOCK_K):  # each step loads the next tile before its own math
         next_tile = _mma_tile(w_ptr, scale_ptr, zero_ptr, k0 + BLOCK_K, k_end, quad_lane, col0, N, group_size,
                               BLOCK_K // 32, COLS)
-        totals = _mma_step(totals, tile, x_ptr, k0, k_end, quad_lane, ASM, BLOCK_K // 32, COLS, THREADS)
+        totals = _mma_step(totals, tile, x_ptr, stride_xm, group_id, group_id < M, k0, k_end, quad_lane, ASM,
+                           BLOCK_K // 32, COLS, THREADS)
         tile = next_tile
-    writer = quad_lane == 0  # the quad's four lanes hold the same sums
     if PARTIAL:
         for j in tl.static_range(COLS):
-            tl.store(partial_ptr + pid_k * N + col0 + j, totals[j], mask=writer & (col0 + j < N))
+            for e in tl.static_range(2):
+                row = 2 * quad_lane + e
+                tl.store(partial_ptr + pid_k * M * N + row * N + col0 + j, totals[2 * j + e],
+                         mask=(row < M) & (col0 + j < N))
         tl.debug_barrier()  # every thread's partial sums stored before the (release) atomic below
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
         if arrived == split_k - 1:  # the last slice of this N tile: reduce, finish, reset the counter
-            rows = tl.arange(0, 1)
+            rows = tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             offsets = rows[:, None] * N + cols[None, :]
-            mask = (rows < 1)[:, None] & (cols < N)[None, :]
-            total = _sum_partials(partial_ptr, offsets, mask, 1, N, split_k, 1, BLOCK_N, REDUCE_CHUNK)
-            _store_output(out_ptr, total, out_ptr, 0, bias_ptr, rows, cols, rows < 1, cols < N, N, False, HAS_BIAS)
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            total = _sum_partials(partial_ptr, offsets, mask, M, N, split_k, BLOCK_M, BLOCK_N, REDUCE_CHUNK)
+            _store_output(out_ptr, total, out_ptr, 0, bias_ptr, rows, cols, rows < M, cols < N, N, False, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + pid_n, 0)
     else:
         for j in tl.static_range(COLS):
-            value = totals[j]
             col_ok = col0 + j < N
+            bias = tl.zeros((THREADS,), dtype=tl.float32)
             if HAS_BIAS:
-                value += tl.load(bias_ptr + col0 + j, mask=col_ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + col0 + j, value.to(out_ptr.dtype.element_ty), mask=writer & col_ok)
+                bias = tl.load(bias_ptr + col0 + j, mask=col_ok, other=0.0).to(tl.float32)
+            for e in tl.static_range(2):
+                row = 2 * quad_lane + e
+                tl.store(out_ptr + row * N + col0 + j, (totals[2 * j + e] + bias).to(out_ptr.dtype.element_ty),
+                         mask=(row < M) & col_ok)
 
 
 # -- configuration ------------------------------------------------------------------------------------------
@@ -1083,11 +1119,15 @@ def weight_format(weight: torch.Tensor) -> str:
 
 
 def m_bucket(m: int, fmt: str = "") -> int:
-    """The config table's batch key and the tl.dot tile's rows: 1 (the FMA path), else 16 (M of 2..16), 32 or 64;
-    int4 takes 64 rows for every M of 17..64: its 32-row tiles measured slower than its 64-row ones at every 8B
-    shape on an H200 (run 86: qkv 33.3 vs 25.1 us, gate_up 148.1 vs 81.7)."""
+    """The config table's batch key: 1 (the FMA path), else 16 (M of 2..16), 32 or 64; int4 takes 64 rows for every
+    M of 17..64 (its 32-row tiles measured slower than its 64-row ones at every 8B shape on an H200, run 86: qkv
+    33.3 vs 25.1 us, gate_up 148.1 vs 81.7), and has a key of its own for M of 2..8 (MMA_MAX_M: GemvConfig.mma
+    takes them at the cost of one row; `config_for` falls back to the 16 row). The tl.dot tile's rows are
+    max(16, bucket)."""
     if fmt == "int4" and m > 16:
         return 64
+    if fmt == "int4" and 1 < m <= MMA_MAX_M:
+        return MMA_MAX_M
     return 1 if m == 1 else max(16, triton.next_power_of_2(m))
 
 
@@ -1116,11 +1156,17 @@ def default_config(fmt: str, m: int, n: int, k: int, num_sms: int) -> GemvConfig
 
 def config_for(fmt: str, m: int, n: int, k: int, num_sms: int, gpu: str = "") -> GemvConfig:
     """The tuned config of this shape: quant_gemv_configs.TUNED's row measured on this GPU (`gpu`, its name as
-    torch reports it) if there is one, else its row for any GPU, else the default."""
+    torch reports it) if there is one, else its row for any GPU (int4 at M of 2..8: those of the M = 16 key next),
+    else the default."""
     from .quant_gemv_configs import TUNED
 
-    key = (fmt, n, k, m_bucket(m, fmt))
-    return TUNED.get(key + (gpu,)) or TUNED.get(key) or default_config(fmt, m, n, k, num_sms)
+    buckets = [m_bucket(m, fmt)] + ([16] if m_bucket(m, fmt) == MMA_MAX_M else [])  # int4's 2..8, then 16
+    for bucket in buckets:
+        key = (fmt, n, k, bucket)
+        config = TUNED.get(key + (gpu,)) or TUNED.get(key)
+        if config:
+            return config
+    return default_config(fmt, m, n, k, num_sms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1199,8 +1245,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
         raise ValueError("decode GEMV: FP8 group scales need the FP8 word path at M == 1 (fp8_words) or tl.dot")
     if config.load_ahead and use_dot:
         raise ValueError("GemvConfig.load_ahead applies at M == 1 on the FMA path (dot=False) only")
-    if config.mma and (m > 1 or not int4):
-        raise ValueError(f"GemvConfig.mma applies to int4 weights at M == 1 only, got M={m}"
+    if config.mma and (m > MMA_MAX_M or not int4):
+        raise ValueError(f"GemvConfig.mma applies to int4 weights at M <= {MMA_MAX_M} only, got M={m}"
                          f"{'' if int4 else ', a dense weight'}")
     if config.mma and mma_ok(x2) and fit.block_k >= 32:
         return _launch_mma(x2, weight, n, scale, zeros, bias, group_size, fit)
@@ -1232,32 +1278,34 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
 
 
 def mma_ok(x2: torch.Tensor) -> bool:
-    """Whether GemvConfig.mma can take x: bf16 at a 4-byte aligned address, on CUDA of compute capability 8.0+
-    (mma.sync with bf16 operands) or in Triton's interpreter (its stand-in for the MMA)."""
-    if x2.dtype != torch.bfloat16 or x2.data_ptr() % 4:
+    """Whether GemvConfig.mma can take x [M, K]: M <= MMA_MAX_M, bf16 rows at 4-byte aligned addresses, on CUDA of
+    compute capability 8.0+ (mma.sync with bf16 operands) or in Triton's interpreter (its stand-in for the MMA)."""
+    m = x2.shape[0]
+    if m > MMA_MAX_M or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2):
         return False
     return interpreting() or (x2.is_cuda and compute_capability(x2.device.index) >= (8, 0))
 
 
 def _launch_mma(x2: torch.Tensor, qweight: torch.Tensor, n: int, scale: torch.Tensor, zeros: torch.Tensor, bias,
                 group_size: int, fit: _Launch) -> torch.Tensor:
-    """One launch of the int4 tensor-core path (`_int4_mma_kernel`; x2 [1, K] bf16, `mma_ok`)."""
+    """One launch of the int4 tensor-core path (`_int4_mma_kernel`; x2 [M, K] bf16, `mma_ok`)."""
     config = fit.config
-    k = x2.shape[1]
+    m, k = x2.shape
     tiles = triton.cdiv(n, config.block_n)
     partial = fit.split_k > 1
-    out = torch.empty((1, n), device=x2.device, dtype=x2.dtype)
-    workspace = torch.empty((fit.split_k, 1, n), device=x2.device, dtype=torch.float32) if partial else out
+    out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
     counters = _counter_buffer(x2.device)
     pdl = pdl_enabled(x2.device)
     prefetch = _prefetch_shape(qweight, True, config.block_n, fit.k_per_split)
     _int4_mma_kernel[(tiles, fit.split_k)](
-        out, workspace, counters, x2, qweight, scale, zeros, bias if bias is not None else out, n, k, group_size,
-        fit.k_per_split, fit.split_k, HAS_BIAS=bias is not None, PARTIAL=partial, ASM=not interpreting(),
-        REDUCE_CHUNK=_reduce_chunk(1, config), THREADS=32 * config.num_warps,
-        COLS=config.block_n // (8 * config.num_warps), BLOCK_K=fit.block_k, USE_PDL=pdl,
-        PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps,
-        num_stages=config.num_stages, launch_pdl=pdl)
+        out, workspace, counters, x2, qweight, scale, zeros, bias if bias is not None else out, m, n, k,
+        x2.stride(0) if m > 1 else 0, group_size, fit.k_per_split, fit.split_k, HAS_BIAS=bias is not None,
+        PARTIAL=partial, ASM=not interpreting(),
+        REDUCE_CHUNK=max(1, _reduce_chunk(1, config) // triton.next_power_of_2(m)), BLOCK_M=triton.next_power_of_2(m), THREADS=32 * config.num_warps,
+        COLS=config.block_n // (8 * config.num_warps), BLOCK_K=fit.block_k, USE_PDL=pdl, PF_ROWS=prefetch[0],
+        PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps, num_stages=config.num_stages,
+        launch_pdl=pdl)
     return out
 
 

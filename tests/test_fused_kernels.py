@@ -563,8 +563,8 @@ kernels = [
           X_BF16_PAIRS=True, HALF_FMA=False)),
     # the int4 GEMV's tensor-core path at one row (GemvConfig.mma), 8 columns a thread
     (quant_gemv._int4_mma_kernel, dict(partial_ptr=f32, counter_ptr=i32, w_ptr=i32, scale_ptr=bf16, zero_ptr=bf16),
-     dict(group_size=128, HAS_BIAS=False, PARTIAL=True, ASM=True, REDUCE_CHUNK=8, THREADS=128, COLS=8, BLOCK_K=128,
-          PF_ROWS=8, PF_LINES=2, PF_STEP=32)),
+     dict(group_size=128, HAS_BIAS=False, PARTIAL=True, ASM=True, REDUCE_CHUNK=8, BLOCK_M=1, THREADS=128, COLS=8,
+          BLOCK_K=128, PF_ROWS=8, PF_LINES=2, PF_STEP=32)),
 ]
 ok = [compile_kernel(*k) for k in kernels]
 print("with griddepcontrol", sum(ok), "of", len(ok))

@@ -64,8 +64,10 @@ def test_int4_decode_batches_take_the_split_k_gemv_by_default(m, group_size):
 def test_int4_takes_64_row_tiles_above_16_rows_and_dense_formats_the_next_power_of_two():
     from asyncengine.kernels import quant_gemv
 
-    assert [quant_gemv.m_bucket(m, "int4") for m in (1, 2, 16, 17, 33, 64)] == [1, 16, 16, 64, 64, 64]
+    assert [quant_gemv.m_bucket(m, "int4") for m in (1, 2, 8, 9, 16, 17, 33, 64)] == [1, 8, 8, 16, 16, 64, 64, 64]
     assert [quant_gemv.m_bucket(m, "bf16") for m in (1, 2, 16, 17, 33, 64)] == [1, 16, 16, 32, 64, 64]
+    # int4 at M of 2..8 has a key of its own (GemvConfig.mma's); without a row there, the M = 16 key's row
+    assert quant_gemv.config_for("int4", 3, 6144, 4096, 132) == quant_gemv.config_for("int4", 16, 6144, 4096, 132)
 
 
 # (block_n, block_k, split_k, dot): ragged N tiles, K tiles cut to the group (block_k 128 > group 32), one slice
@@ -194,14 +196,15 @@ MMA_TILES = [(32, 32, 1, 1), (64, 64, 3, 2), (128, 128, 2, 4), (32, 128, 4, 1), 
 
 
 @pytest.mark.parametrize("block_n, block_k, split_k, warps", MMA_TILES)
-@pytest.mark.parametrize("group_size", [64, 128])
-def test_int4_mma_gemv_matches_the_float32_reference(block_n, block_k, split_k, warps, group_size):
-    """The int4 tensor-core path at M = 1 (GemvConfig.mma; in the interpreter its stand-in for mma.sync, the same
-    sums per quad of lanes): K ending in a partial group (2 groups + 40 inputs), N odd, a bias, fresh weights with
-    zero points. Its sums (128 + q) . x less (128 + z) sum(x) are float32: y is the float32 reference's rounded."""
+@pytest.mark.parametrize("m, group_size", [(1, 64), (1, 128), (3, 64), (8, 128)])
+def test_int4_mma_gemv_matches_the_float32_reference(block_n, block_k, split_k, warps, m, group_size):
+    """The int4 tensor-core path at M <= 8 (GemvConfig.mma; in the interpreter its stand-in for mma.sync, the same
+    D from each warp's lanes): K ending in a partial group (2 groups + 40 inputs), N odd, a bias, fresh weights
+    with zero points, x's rows as B's columns. Its sums (128 + q) . x less (128 + z) sum(x) are float32: y is the
+    float32 reference's rounded."""
     from asyncengine.kernels import quant_gemv
 
-    x, qweight, scales, zeros = int4_case(1, 2 * group_size + 40, 37, group_size, torch.bfloat16)
+    x, qweight, scales, zeros = int4_case(m, 2 * group_size + 40, 37, group_size, torch.bfloat16)
     bias = torch.randn(37, dtype=torch.bfloat16, device=x.device)
     config = quant_gemv.GemvConfig(block_n, block_k, split_k, warps, mma=True)
     assert quant_gemv.mma_ok(x)
@@ -211,7 +214,7 @@ def test_int4_mma_gemv_matches_the_float32_reference(block_n, block_k, split_k, 
 
 def test_int4_mma_gemv_with_x_it_cannot_take_runs_the_float32_fma_path():
     """x the MMA cannot take (float32, or bf16 at an address that is not 4-byte aligned) runs the float32 FMA path
-    with the same tiles, to the reference's precision; the MMA applies at M == 1 to int4 weights only."""
+    with the same tiles, to the reference's precision; the MMA applies at M <= 8 to int4 weights only."""
     from asyncengine.kernels import quant_gemv, quant_reference
 
     _, qweight, scales, zeros = int4_case(1, 256, 64, 64, torch.bfloat16)
@@ -222,8 +225,8 @@ def test_int4_mma_gemv_with_x_it_cannot_take_runs_the_float32_fma_path():
         out = quant_gemv.int4_gemv(x, qweight, scales, zeros, 64, config=config)
         ref = quant_reference.int_weight_matmul(x, qweight, scales, zeros, 64, 4)
         assert not out.isnan().any() and rel_error(out, ref) < INT4_REL_ERROR[torch.bfloat16], rel_error(out, ref)
-    with pytest.raises(ValueError, match="GemvConfig.mma applies to int4 weights at M == 1 only, got M=2"):
-        quant_gemv.int4_gemv(buffer[:, :256].expand(2, 256), qweight, scales, zeros, 64, config=config)
+    with pytest.raises(ValueError, match="GemvConfig.mma applies to int4 weights at M <= 8 only, got M=9"):
+        quant_gemv.int4_gemv(buffer[:, :256].expand(9, 256), qweight, scales, zeros, 64, config=config)
     with pytest.raises(ValueError, match="a dense weight"):
         quant_gemv.dense_gemv(buffer[:, :256], torch.randn(64, 256, dtype=torch.bfloat16, device=qweight.device),
                               config=config)
