@@ -994,8 +994,8 @@ def _mma_tile(w_ptr, scale_ptr, zero_ptr, k0, k_end, quad_lane, col0, N, group_s
 @triton.jit
 def _mma_step(totals, tile, x_ptr, stride_xm, x_row, x_ok, k0, k_end, quad_lane, ASM: tl.constexpr,
               CHUNKS: tl.constexpr, COLS: tl.constexpr, THREADS: tl.constexpr):
-    """totals (the thread's COLS columns' float32 sums for batch rows 2c and 2c + 1: element 2j + e) plus one tile's
-    products with x (inputs k0 ...; this lane loads x's row x_row [T], zeros where not x_ok, at or past M). Column
+    """totals (the thread's COLS columns' float32 sums for batch rows 2c and 2c + 1: element 2j + e; with one row of
+    x, row 0's only: element j) plus one tile's products with x (inputs k0 ...; this lane loads x's row x_row [T], zeros where not x_ok, at or past M). Column
     col0 + 2t is row g of MMA row tile t, col0 + 2t + 1 its row g + 8."""
     words, scales, zero_points = tile
     zero = tl.zeros((THREADS,), dtype=tl.float32)
@@ -1019,9 +1019,9 @@ def _mma_step(totals, tile, x_ptr, stride_xm, x_row, x_ok, k0, k_end, quad_lane,
         x_sum = _mma_x_sum(pairs, x_sum, ASM, THREADS)
     out = ()
     for j in tl.static_range(COLS):
-        for e in tl.static_range(2):
+        for e in tl.static_range(len(totals) // COLS):  # 1: one row of x, in every column of B (D's alike)
             sums = tiles[j // 2][2 * (j % 2) + e]
-            out = out + (totals[2 * j + e] + scales[j] * (sums - zero_points[j] * x_sum[e]),)
+            out = out + (totals[len(totals) // COLS * j + e] + scales[j] * (sums - zero_points[j] * x_sum[e]),)
     return out
 
 
@@ -1071,20 +1071,24 @@ def _int4_mma_kernel(
     tile = _mma_tile(w_ptr, scale_ptr, zero_ptr, k_start, k_end, quad_lane, col0, N, group_size, BLOCK_K // 32, COLS)
     wait_for_prior_grids(USE_PDL)  # x is the previous kernel's output; the counters its to finish with
     zero = tl.zeros((THREADS,), dtype=tl.float32)
-    totals = ()  # column col0 + j, batch row 2c + e at 2j + e
-    for j in tl.static_range(2 * COLS):
+    # ROWS_PER_LANE: batch rows 2c, 2c + 1 per lane; at M = 1 every lane loads x's row 0 (B's columns alike) and
+    # keeps one sum per column (lanes c > 0 hold copies of it and store nothing)
+    ROWS_PER_LANE: tl.constexpr = 1 if BLOCK_M == 1 else 2
+    x_row = group_id if BLOCK_M > 1 else tl.zeros((THREADS,), dtype=tl.int32)
+    totals = ()  # column col0 + j, batch row 2c + e at ROWS_PER_LANE * j + e
+    for j in tl.static_range(ROWS_PER_LANE * COLS):
         totals = totals + (zero,)
     for k0 in range(k_start, k_end, BLOCK_K):  # each step loads the next tile before its own math
         next_tile = _mma_tile(w_ptr, scale_ptr, zero_ptr, k0 + BLOCK_K, k_end, quad_lane, col0, N, group_size,
                               BLOCK_K // 32, COLS)
-        totals = _mma_step(totals, tile, x_ptr, stride_xm, group_id, group_id < M, k0, k_end, quad_lane, ASM,
+        totals = _mma_step(totals, tile, x_ptr, stride_xm, x_row, x_row < M, k0, k_end, quad_lane, ASM,
                            BLOCK_K // 32, COLS, THREADS)
         tile = next_tile
     if PARTIAL:
         for j in tl.static_range(COLS):
-            for e in tl.static_range(2):
+            for e in tl.static_range(ROWS_PER_LANE):
                 row = 2 * quad_lane + e
-                tl.store(partial_ptr + pid_k * M * N + row * N + col0 + j, totals[2 * j + e],
+                tl.store(partial_ptr + pid_k * M * N + row * N + col0 + j, totals[ROWS_PER_LANE * j + e],
                          mask=(row < M) & (col0 + j < N))
         tl.debug_barrier()  # every thread's partial sums stored before the (release) atomic below
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
@@ -1102,10 +1106,10 @@ def _int4_mma_kernel(
             bias = tl.zeros((THREADS,), dtype=tl.float32)
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + col0 + j, mask=col_ok, other=0.0).to(tl.float32)
-            for e in tl.static_range(2):
+            for e in tl.static_range(ROWS_PER_LANE):
                 row = 2 * quad_lane + e
-                tl.store(out_ptr + row * N + col0 + j, (totals[2 * j + e] + bias).to(out_ptr.dtype.element_ty),
-                         mask=(row < M) & col_ok)
+                tl.store(out_ptr + row * N + col0 + j,
+                         (totals[ROWS_PER_LANE * j + e] + bias).to(out_ptr.dtype.element_ty), mask=(row < M) & col_ok)
 
 
 # -- configuration ------------------------------------------------------------------------------------------
