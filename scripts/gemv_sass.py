@@ -8,7 +8,10 @@ at the 8B shapes) for each M = 1 row of the tile table at the Llama-3-8B shapes,
 block that branches back), and prints its SASS instructions per weight (one loop step covers BLOCK_K x BLOCK_N
 weights over 32 x num_warps threads), by kind. Issue rate, not time: a GPU run still decides.
 
-    python scripts/gemv_sass.py [--formats int4,fp8,bf16] [--keep DIR] [--int4-load-ahead]
+    python scripts/gemv_sass.py [--formats int4,fp8,bf16] [--keep DIR] [--int4-load-ahead] [--int4-mma N,K,WARPS]
+
+--int4-mma compiles the int4 rows as GemvConfig.mma (`quant_gemv._int4_mma_kernel`, M = 1) with block_n N,
+block_k K and WARPS warps instead (N = 32 or 64 x WARPS), the tensor-core path the table may not take yet.
 """
 
 from __future__ import annotations
@@ -59,6 +62,19 @@ def constexprs(fmt: str, config, k: int, n: int) -> dict:
                 GROUP_SCALE=False, group_size=128 if int4 else 1)
 
 
+def mma_constexprs(config, k: int) -> dict:
+    """What quant_gemv._launch_mma passes at M = 1 under PDL (bf16 x, group 128)."""
+    from asyncengine.kernels import quant_gemv
+
+    fit = quant_gemv._fit(config, k, 128)
+    fake = type("W", (), {"element_size": lambda self: 4})()
+    rows, lines, step = quant_gemv._prefetch_shape(fake, True, config.block_n, fit.k_per_split)
+    return dict(group_size=128, HAS_BIAS=False, PARTIAL=fit.split_k > 1, ASM=True,
+                REDUCE_CHUNK=quant_gemv._reduce_chunk(1, config), BLOCK_M=1, THREADS=32 * config.num_warps,
+                COLS=config.block_n // (8 * config.num_warps), BLOCK_K=fit.block_k, USE_PDL=True, PF_ROWS=rows,
+                PF_LINES=lines, PF_STEP=step)
+
+
 def sass_of(fmt: str, constants: dict, num_warps: int, keep: Path | None, name: str) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -66,7 +82,7 @@ def sass_of(fmt: str, constants: dict, num_warps: int, keep: Path | None, name: 
 
     from asyncengine.kernels import quant_gemv
 
-    fn = quant_gemv._gemv_kernel
+    fn = quant_gemv._int4_mma_kernel if "COLS" in constants else quant_gemv._gemv_kernel
     weight = {"int4": "*i32", "fp8": "*fp8e4nv", "bf16": "*bf16"}[fmt]
     types = dict(partial_ptr="*fp32", counter_ptr="*i32", w_ptr=weight, scale_ptr="*bf16" if fmt == "int4" else
                  "*fp32", zero_ptr="*bf16")
@@ -74,7 +90,7 @@ def sass_of(fmt: str, constants: dict, num_warps: int, keep: Path | None, name: 
                  for a in fn.arg_names}
     divisible = ("out_ptr", "partial_ptr", "counter_ptr", "x_ptr", "w_ptr", "scale_ptr", "zero_ptr", "bias_ptr", "N",
                  "K", "stride_xm", "stride_wn", "k_per_split")
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible if a in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -127,6 +143,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default="int4,fp8,bf16")
     parser.add_argument("--keep", type=Path, help="write each kernel's SASS into this folder")
+    parser.add_argument("--int4-mma", metavar="N,K,WARPS",
+                        help="compile the int4 rows as GemvConfig.mma with these tiles (module docstring)")
     parser.add_argument("--int4-load-ahead", action="store_true",
                         help="compile the int4 rows with GemvConfig.load_ahead (the next tile and its x loaded a "
                              "step ahead) whatever the table says")
@@ -143,7 +161,13 @@ def main() -> int:
             config = quant_gemv.config_for(fmt, 1, n, k, 132)
             if fmt == "int4" and args.int4_load_ahead:
                 config = dataclasses.replace(config, load_ahead=True)
-            constants = constexprs(fmt, config, k, n)
+            if fmt == "int4" and args.int4_mma:
+                block_n, block_k, warps = (int(v) for v in args.int4_mma.split(","))
+                config = quant_gemv.GemvConfig(block_n, block_k, quant_gemv.split_k_for(n, k, block_n, block_k, 132),
+                                               warps, mma=True)
+                constants = mma_constexprs(config, k)
+            else:
+                constants = constexprs(fmt, config, k, n)
             body = k_loop(sass_of(fmt, constants, config.num_warps, args.keep, f"{fmt}_{shape}"))
             weights = constants["BLOCK_K"] * config.block_n // (32 * config.num_warps)
             tile = f"{config.block_n} x {constants['BLOCK_K']}, {config.num_warps}"
