@@ -94,7 +94,7 @@ def _tile_shapes(fmt: str, dot: bool, tiny: bool) -> list[tuple[int, int, int, i
 
 def candidates(group: Group, num_sms: int, tiny: bool = False):
     """Every GemvConfig tried for one group."""
-    from asyncengine.kernels.quant_gemv import GemvConfig
+    from asyncengine.kernels.quant_gemv import MMA_MAX_M, GemvConfig
 
     paths = [False, True] if group.m == 1 else [True]
     out = []
@@ -124,13 +124,13 @@ def candidates(group: Group, num_sms: int, tiny: bool = False):
             for split in _splits(group.n, group.k, bn, bk, num_sms):
                 out += [GemvConfig(bn, bk, split, warps, stages, dot, slot_dot, half_fma, fp8_words, load_ahead)
                         for slot_dot, half_fma, fp8_words, load_ahead in variants]
-    if group.fmt == "int4" and group.m == 1:
+    if group.fmt == "int4" and group.m <= MMA_MAX_M:
         out += _mma_candidates(group, num_sms, tiny)
     return out
 
 
 def _mma_candidates(group: Group, num_sms: int, tiny: bool):
-    """The int4 tensor-core path's configs at M = 1 (GemvConfig.mma: a warp owns 32 or 64 columns, so block_n is
+    """The int4 tensor-core path's configs at M <= 8 (GemvConfig.mma: a warp owns 32 or 64 columns, so block_n is
     32 or 64 * num_warps): 2 to 8 warps, 64 or 128 inputs a step, and splits for up to 8 programs per SM (its
     programs are smaller than the FMA path's)."""
     from triton import cdiv
@@ -431,7 +431,9 @@ def _only_path(group: Group, configs: list, flag: str, num_sms: int, device: str
 def groups_for(formats: list[str], tiny: bool, shape_sets: tuple[str, ...] = ("8b",),
                ms: Optional[tuple[int, ...]] = None) -> list[Group]:
     """The sweep's cells: each format x shape (of each named set; the toy shapes with `tiny`) x M (`ms`, or the
-    format's own: 1 and 16 for int4, also 64 for the dense formats)."""
+    format's own: 1, 8, 16 and 64 for int4, 1, 16 and 64 for the dense formats)."""
+    from asyncengine.kernels.quant_gemv import MMA_MAX_M
+
     shapes = [(f"{name}" if set_name == "8b" else f"{set_name} {name}", kn)
               for set_name in (("tiny",) if tiny else shape_sets)
               for name, kn in (TINY_SHAPES if tiny else SHAPE_SETS[set_name]).items()]
@@ -440,8 +442,9 @@ def groups_for(formats: list[str], tiny: bool, shape_sets: tuple[str, ...] = ("8
         for name, (k, n) in shapes:
             if name.endswith("lm_head") and fmt != "bf16":  # the engine keeps the LM head in the model's dtype
                 continue
-            # int4 takes the GEMV up to M = 64 (quant_int4.GEMV_MAX_M); dense formats up to 64 where it wins
-            own = (1, 16, 64)
+            # int4 takes the GEMV up to M = 64 (quant_int4.GEMV_MAX_M), with a key of its own for 2..8 (the MMA
+            # path's); dense formats up to 64 where it wins
+            own = (1, MMA_MAX_M, 16, 64) if fmt == "int4" else (1, 16, 64)
             out += [Group(fmt, name, k, n, m) for m in (ms or own)]
     return out
 
