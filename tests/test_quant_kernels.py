@@ -232,6 +232,55 @@ def test_int4_mma_gemv_with_x_it_cannot_take_runs_the_float32_fma_path():
                               config=config)
 
 
+MMA_LANE_LAYOUT = "sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [{warps}], order = [0]"
+# Compiles the MMA kernel for sm_90 outside the interpreter (this module runs under it without CUDA) and prints
+# its TTGIR: argv = num_warps, block_k, cols, block_m
+MMA_TTGIR = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from asyncengine.kernels import quant_gemv
+warps, block_k, cols, block_m = (int(v) for v in sys.argv[1:])
+fn = quant_gemv._int4_mma_kernel
+constants = dict(group_size=128, HAS_BIAS=False, PARTIAL=True, ASM=True, REDUCE_CHUNK=1, BLOCK_M=block_m,
+                 THREADS=32 * warps, COLS=cols, BLOCK_K=block_k, USE_PDL=True, PF_ROWS=8, PF_LINES=1, PF_STEP=32)
+types = dict(partial_ptr="*fp32", counter_ptr="*i32", w_ptr="*i32", scale_ptr="*bf16", zero_ptr="*bf16")
+signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+             for a in fn.arg_names}
+print(triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=warps)).asm["ttgir"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the MMA path natively")
+@pytest.mark.parametrize("warps, block_k, cols, block_m", [(4, 128, 8, 1), (2, 64, 4, 8), (8, 128, 8, 8)])
+def test_int4_mma_operands_hold_one_value_per_lane_in_lane_order(warps, block_k, cols, block_m, tmp_path):
+    """What the MMA path's inline assembly relies on, read from Triton's own layouts (compiled for sm_90, no GPU):
+    every tensor fed to an mma.sync (or to the PRMT of x's pairs) is 1-D over 32 * num_warps values, one per
+    thread, value i on lane i % 32 of warp i // 32, so that lane (g, c) holds its own fragment. A Triton that laid
+    them out otherwise (a vectorized or replicated layout) would feed the MMAs other lanes' words: this fails first."""
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", MMA_TTGIR, str(warps), str(block_k), str(cols), str(block_m)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<\{(.*)\}>", run.stdout, re.MULTILINE))
+    asm_ops = [line for line in run.stdout.splitlines() if "elementwise_inline_asm" in line and
+               ("mma.sync" in line or "prmt.b32" in line)]
+    assert len(asm_ops) >= block_k // 32 * (cols // 2 + 2), "an MMA or x-pair op per chunk and row tile expected"
+    for line in asm_ops:
+        operands = re.findall(r"tensor<(\d+)x\w+, (#\w+)>", line)
+        assert operands, line[-300:]
+        for size, layout in operands:
+            assert int(size) == 32 * warps and layouts[layout] == MMA_LANE_LAYOUT.format(warps=warps), (
+                size, layout, layouts[layout])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_n=64, num_warps=4), "block_n = 32 or 64 \\* num_warps"),
     (dict(block_n=128, block_k=16), "block_k >= 32"),
