@@ -38,6 +38,9 @@ time is read. Variants (each a monkeypatch of the one place the model calls that
                   Outputs are garbage and the split-K arrival counters may be left inconsistent (a reduction
                   skipped: the bound is slightly optimistic). A mixture of experts routed on garbage reads
                   outside its weights: measure it as route+nowait_all against route
+    mma_BN_BK_W   (not an ablation) every int4 decode GEMV of at most 8 rows on the tensor-core path
+                  (GemvConfig.mma) with block_n BN, block_k BK, W warps and `split_k_for`'s slices, whatever the
+                  tile table says: the MMA path measured in the step before any sweep writes its rows
     A+B           both variants at once (each applied in turn)
     first_tile_after_wait (not an ablation) the decode GEMV's FMA paths load their first weight tile after the PDL
                   wait instead of before it (quant_gemv.FIRST_TILE_BEFORE_WAIT off: the engine before session 28)
@@ -159,6 +162,19 @@ def ablate(variant: str) -> None:
             return dataclasses.replace(config, split_k=scale(config.split_k))
 
         quant_gemv.config_for = other_slices
+    elif variant.startswith("mma_"):  # mma_BN_BK_W: every int4 GEMV of at most 8 rows on the MMA path
+        from asyncengine.kernels import quant_gemv
+
+        block_n, block_k, warps = (int(v) for v in variant.split("_")[1:4])
+        table = quant_gemv.config_for
+
+        def on_the_mma(fmt, m, n, k, num_sms, gpu=""):
+            if fmt != "int4" or m > quant_gemv.MMA_MAX_M:
+                return table(fmt, m, n, k, num_sms, gpu)
+            split = quant_gemv.split_k_for(n, k, block_n, block_k, num_sms)
+            return quant_gemv.GemvConfig(block_n, block_k, split, warps, mma=True)
+
+        quant_gemv.config_for = on_the_mma
     elif variant.startswith("attn_splits_"):  # the split-KV decode's split count capped at S
         from asyncengine.kernels import attention
 
@@ -202,7 +218,8 @@ def ablate(variant: str) -> None:
         quant_gemv._prefetch_shape = shaped
     elif variant != "base":
         raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB, "
-                         "maxnreg_N, split_div_D, split_mul_M, attn_splits_S, attn_bn_B_S, l2_o, l2_o_first, nowait_gemv, "
+                         "maxnreg_N, split_div_D, split_mul_M, attn_splits_S, attn_bn_B_S, mma_BN_BK_W, l2_o, l2_o_first, "
+                         "nowait_gemv, "
                          "nowait_all, first_tile_after_wait")
 
 
