@@ -210,6 +210,8 @@ def test_int4_mma_gemv_matches_the_float32_reference(block_n, block_k, split_k, 
     assert quant_gemv.mma_ok(x)
     out = quant_gemv.int4_gemv(x, qweight, scales, zeros, group_size, bias, config=config)
     assert_mma_sums_are_float32(out, x, qweight, scales, zeros, group_size, bias)
+    # the split-K counters were left zeroed: the same bits again
+    assert torch.equal(quant_gemv.int4_gemv(x, qweight, scales, zeros, group_size, bias, config=config), out)
 
 
 def test_int4_mma_gemv_with_x_it_cannot_take_runs_the_float32_fma_path():
