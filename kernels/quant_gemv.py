@@ -75,10 +75,10 @@ class GemvConfig:
     fp8_words or not, and int4, where x's inputs are loaded ahead too: `_int4_ahead_step`): each step issues the
     next tile's loads before its own math (two tiles in flight per thread).
     mma: int4 at M <= 8 with bf16 x (`mma_ok`): the tensor-core path (`_int4_mma_kernel`): block_n must be 32 or
-    64 * num_warps (a warp owns 32 or 64 columns, a thread 4 or 8), block_k a multiple of 32 (chunks of 32 inputs a step), and each step
-    loads the next tile ahead; dot, slot_dot, half_fma, fp8_words and load_ahead do not apply. Its sums are
-    float32 products of exact bf16 operands (~1e-6 relative to the float32 reference). With other x it is the
-    float32 FMA path (M == 1) or tl.dot (M > 1) with the same tiles."""
+    64 * num_warps (a warp owns 32 or 64 columns, a thread 4 or 8), block_k a multiple of 32 (chunks of 32
+    inputs a step), and each step loads the next tile ahead; dot, slot_dot, half_fma, fp8_words and load_ahead do
+    not apply. Its sums are float32 products of exact bf16 operands (~1e-6 relative to the float32 reference).
+    With other x it is the float32 FMA path (M == 1) or tl.dot (M > 1) with the same tiles."""
 
     block_n: int
     block_k: int
@@ -801,7 +801,7 @@ def _gemv_kernel(
 
 # -- the int4 tensor-core path for up to 8 rows (GemvConfig.mma) -------------------------------------------------
 #
-# The FMA paths above issue 3.4-4.4 instructions per weight at the 8B shapes (scripts/gemv_sass.py): the int4 W3
+# The FMA paths above issue 3.4-4.2 instructions per weight at the 8B shapes (scripts/gemv_sass.py): the int4 W3
 # target needs about one. This path hands the products to the tensor cores, one warp-wide
 # `mma.sync.m16n8k16` (bf16 in, float32 sums) per 16 x 16 block of W, without staging anything in shared memory:
 # each thread's own packed words already hold its A fragment, once K is read in a thread-specific order.
@@ -818,13 +818,15 @@ def _gemv_kernel(
 # is output n's sum for batch row 2c or 2c + 1: one MMA serves M up to 8 at the cost of M = 1.
 #
 # No q - z per weight: the MMAs sum (128 + q) x exactly in float32, one more MMA per chunk with A all ones sums
-# each row of x, and each step (a tile never crosses a group) adds scale * (sum - (128 + z) * sum(x)) per output. Per packed word (8
-# weights): 4 LOP3, 3 shifts and half of one MMA, against ~19 instructions on the bf16x2 FMA path.
+# each row of x, and each step (a tile never crosses a group) adds scale * (sum - (128 + z) * sum(x)) per output.
+# Per packed word (8 weights): 4 LOP3, 3 shifts and half of one MMA, against ~19 instructions on the bf16x2 FMA
+# path; the whole K loop 1.8 instructions a weight at 8 columns a thread and block_k 128 (sm_90 SASS, session 33).
 #
-# A warp owns 32 columns of W per step, two MMA row tiles: thread (g, c) holds the words of columns 4g ... 4g + 3
-# (tile 0's rows g and g + 8, tile 1's rows g and g + 8), so its loads are 16 contiguous bytes of one qweight row.
-# Every tensor below is one value per thread ([32 * num_warps], element i on lane i % 32 of warp i // 32:
-# Triton's layout of a 1-D tensor of that size), which is what lets inline assembly address the lanes. In Triton's
+# A thread holds COLS = 4 or 8 columns of W, COLS / 2 MMA row tiles sharing x's loads: thread (g, c) holds the words
+# of columns COLS g ... COLS g + COLS - 1 of its warp's 8 COLS (tile t's rows g and g + 8 are columns COLS g + 2t
+# and + 2t + 1), so its loads are 16 or 32 contiguous bytes of one qweight row. Every tensor below is one value
+# per thread ([32 * num_warps], element i on lane i % 32 of warp i // 32: Triton's layout of a 1-D tensor of that
+# size; a test reads it from the compiled layouts), which is what lets inline assembly address the lanes. In Triton's
 # interpreter (no lanes, no PTX) `_mma_rows` and `_mma_x_sum` compute the same D from each warp's lanes, reshaped.
 
 _MMA_ROWS_ASM = tl.constexpr("""{
@@ -836,7 +838,8 @@ _MMA_ROWS_ASM = tl.constexpr("""{
     shr.u32 s1, $5, 4;
     lop3.b32 a2, s0, 0x000f000f, 0x43004300, 0xea;
     lop3.b32 a3, s1, 0x000f000f, 0x43004300, 0xea;
-    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {t0, t1, t2, t3}, {a0, a1, a2, a3}, {$6, $7}, {$10, $11, $12, $13};
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+        {t0, t1, t2, t3}, {a0, a1, a2, a3}, {$6, $7}, {$10, $11, $12, $13};
     shr.u32 s0, $4, 8;
     shr.u32 s1, $5, 8;
     lop3.b32 a0, s0, 0x000f000f, 0x43004300, 0xea;
@@ -845,15 +848,18 @@ _MMA_ROWS_ASM = tl.constexpr("""{
     shr.u32 s1, $5, 12;
     lop3.b32 a2, s0, 0x000f000f, 0x43004300, 0xea;
     lop3.b32 a3, s1, 0x000f000f, 0x43004300, 0xea;
-    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$8, $9}, {t0, t1, t2, t3};
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+        {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$8, $9}, {t0, t1, t2, t3};
 }""")
 
 _MMA_X_SUM_ASM = tl.constexpr("""{
     .reg .b32 one;
     .reg .f32 t0, t1, t2, t3;
     mov.b32 one, 0x3f803f80;
-    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {t0, t1, t2, t3}, {one, one, one, one}, {$4, $5}, {$8, $9, $10, $11};
-    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {one, one, one, one}, {$6, $7}, {t0, t1, t2, t3};
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+        {t0, t1, t2, t3}, {one, one, one, one}, {$4, $5}, {$8, $9, $10, $11};
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+        {$0, $1, $2, $3}, {one, one, one, one}, {$6, $7}, {t0, t1, t2, t3};
 }""")
 
 
@@ -995,8 +1001,8 @@ def _mma_tile(w_ptr, scale_ptr, zero_ptr, k0, k_end, quad_lane, col0, N, group_s
 def _mma_step(totals, tile, x_ptr, stride_xm, x_row, x_ok, k0, k_end, quad_lane, ASM: tl.constexpr,
               CHUNKS: tl.constexpr, COLS: tl.constexpr, THREADS: tl.constexpr):
     """totals (the thread's COLS columns' float32 sums for batch rows 2c and 2c + 1: element 2j + e; with one row of
-    x, row 0's only: element j) plus one tile's products with x (inputs k0 ...; this lane loads x's row x_row [T], zeros where not x_ok, at or past M). Column
-    col0 + 2t is row g of MMA row tile t, col0 + 2t + 1 its row g + 8."""
+    x, row 0's only: element j) plus one tile's products with x (inputs k0 ...; this lane loads x's row x_row [T],
+    zeros where not x_ok, at or past M). Column col0 + 2t is row g of MMA row tile t, col0 + 2t + 1 its row g + 8."""
     words, scales, zero_points = tile
     zero = tl.zeros((THREADS,), dtype=tl.float32)
     tiles = ()  # each MMA row tile's D: (row g, batch row 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
@@ -1295,6 +1301,7 @@ def _launch_mma(x2: torch.Tensor, qweight: torch.Tensor, n: int, scale: torch.Te
     """One launch of the int4 tensor-core path (`_int4_mma_kernel`; x2 [M, K] bf16, `mma_ok`)."""
     config = fit.config
     m, k = x2.shape
+    block_m = triton.next_power_of_2(m)  # the last program's reduction tile
     tiles = triton.cdiv(n, config.block_n)
     partial = fit.split_k > 1
     out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
@@ -1305,11 +1312,10 @@ def _launch_mma(x2: torch.Tensor, qweight: torch.Tensor, n: int, scale: torch.Te
     _int4_mma_kernel[(tiles, fit.split_k)](
         out, workspace, counters, x2, qweight, scale, zeros, bias if bias is not None else out, m, n, k,
         x2.stride(0) if m > 1 else 0, group_size, fit.k_per_split, fit.split_k, HAS_BIAS=bias is not None,
-        PARTIAL=partial, ASM=not interpreting(),
-        REDUCE_CHUNK=max(1, _reduce_chunk(1, config) // triton.next_power_of_2(m)), BLOCK_M=triton.next_power_of_2(m), THREADS=32 * config.num_warps,
-        COLS=config.block_n // (8 * config.num_warps), BLOCK_K=fit.block_k, USE_PDL=pdl, PF_ROWS=prefetch[0],
-        PF_LINES=prefetch[1], PF_STEP=prefetch[2], num_warps=config.num_warps, num_stages=config.num_stages,
-        launch_pdl=pdl)
+        PARTIAL=partial, ASM=not interpreting(), REDUCE_CHUNK=max(1, _reduce_chunk(1, config) // block_m),
+        BLOCK_M=block_m, THREADS=32 * config.num_warps, COLS=config.block_n // (8 * config.num_warps),
+        BLOCK_K=fit.block_k, USE_PDL=pdl, PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2],
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out
 
 

@@ -218,9 +218,8 @@ def ablate(variant: str) -> None:
         quant_gemv._prefetch_shape = shaped
     elif variant != "base":
         raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, prefetch_KB, prefetch_o_KB, "
-                         "maxnreg_N, split_div_D, split_mul_M, attn_splits_S, attn_bn_B_S, mma_BN_BK_W, l2_o, l2_o_first, "
-                         "nowait_gemv, "
-                         "nowait_all, first_tile_after_wait")
+                         "maxnreg_N, split_div_D, split_mul_M, attn_splits_S, attn_bn_B_S, mma_BN_BK_W, l2_o, "
+                         "l2_o_first, nowait_gemv, nowait_all, first_tile_after_wait")
 
 
 def _skip_pdl_waits(everywhere: bool) -> None:

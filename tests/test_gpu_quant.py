@@ -72,8 +72,9 @@ INT4_MMA_TILES = [(128, 128, 8, 4), (64, 64, 11, 2), (256, 128, 4, 8), (32, 32, 
 @pytest.mark.parametrize("k, n", SHAPES)
 def test_gpu_int4_mma_gemv_at_llama_8b_sizes(tiles, k, n, m):
     """The int4 tensor-core path (mma.sync on each thread's own words, inline PTX: only on a GPU) at the 8B shapes,
-    one row and eight (B's columns), against the float32 reference, to bf16's rounding of y; outputs poisoned. The same sums as the interpreter's
-    stand-in, so a fragment taken from the wrong lane or nibble shows as a large error here."""
+    one row and eight (B's columns), against the float32 reference, to bf16's rounding of y; outputs poisoned. The
+    same sums as the interpreter's stand-in, so a fragment taken from the wrong lane or nibble shows as a large
+    error here."""
     from asyncengine.kernels import quant_gemv
     from test_quant_kernels import assert_mma_sums_are_float32, int4_case
 
