@@ -923,11 +923,11 @@ def _mma_rows(word_g, word_g8, pairs, acc, ASM: tl.constexpr, THREADS: tl.conste
     one 32-input chunk of the tile's rows g and g + 8 (module notes above). word_g, word_g8: this thread's packed
     word of each row; pairs: x's (x04, x15, x26, x37) of the thread's word and batch row g (`_mma_x_pairs`); all
     [THREADS]."""
-    if ASM:
+    if ASM:  # not pure: a warp-collective instruction the compiler must neither move into divergent code nor merge
         acc = tl.inline_asm_elementwise(
             _MMA_ROWS_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [word_g, word_g8, pairs[0], pairs[1], pairs[2], pairs[3],
                                                                acc[0], acc[1], acc[2], acc[3]],
-            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+            dtype=(tl.float32,) * 4, is_pure=False, pack=1)
     else:
         x_values = _pair_floats(pairs, THREADS)
         shifts = tl.arange(0, 8) * 4
@@ -944,11 +944,11 @@ def _mma_x_sum(pairs, acc, ASM: tl.constexpr, THREADS: tl.constexpr):
     """acc (as an MMA's D: batch rows 2c, 2c + 1, twice) plus the sum of x's 32 inputs of one chunk per batch row, as
     an MMA with A all ones makes it: the (128 + z) * sum(x) that `_mma_rows`' sums carry beyond sum((q - z) x).
     pairs: `_mma_x_pairs`'."""
-    if ASM:
+    if ASM:  # not pure, as `_mma_rows`' MMAs
         acc = tl.inline_asm_elementwise(_MMA_X_SUM_ASM, "=f,=f,=f,=f,r,r,r,r,f,f,f,f", [pairs[0], pairs[1], pairs[2],
                                                                                      pairs[3], acc[0], acc[1], acc[2],
                                                                                      acc[3]],
-                                        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+                                        dtype=(tl.float32,) * 4, is_pure=False, pack=1)
     else:
         x_values = _pair_floats(pairs, THREADS)
         even, odd = _warp_product(tl.full((THREADS, 8), 1.0, tl.float32), x_values, THREADS)
