@@ -78,7 +78,8 @@ class GemvConfig:
     64 * num_warps (a warp owns 32 or 64 columns, a thread 4 or 8), block_k a multiple of 32 (chunks of 32
     inputs a step), and each step loads the next tile ahead; dot, slot_dot, half_fma, fp8_words and load_ahead do
     not apply. Its sums are float32 products of exact bf16 operands (~1e-6 relative to the float32 reference).
-    With other x it is the float32 FMA path (M == 1) or tl.dot (M > 1) with the same tiles."""
+    With other x, or a group size below 32, it is the float32 FMA path (M == 1) or tl.dot (M > 1) with the same
+    tiles."""
 
     block_n: int
     block_k: int
@@ -289,11 +290,19 @@ def _x_pair_vectors(x_ptr, words_k, row_mask):
     per pair issued four loads a word, most of a step's loads: 909 -> 866 SASS instructions a step at the 8B
     gate_up tile, and the MoE's decode kernels alike)."""
     pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    pairs = tl.load(pair_ptr + 4 * words_k[:, None] + tl.arange(0, 4)[None, :], mask=row_mask[:, None], other=0)
-    x01_x45, x23_x67 = tl.split(tl.reshape(pairs, (words_k.shape[0], 2, 2)))  # [R, 2] each: (x01, x45), (x23, x67)
-    x01, x45 = tl.split(x01_x45)
-    x23, x67 = tl.split(x23_x67)
-    return x01, x23, x45, x67
+    if len(pair_ptr.shape) == 1:  # one pointer a row (the MMA path's lanes each read their own row of x)
+        pair_ptr = pair_ptr[:, None]
+    return _split_four(tl.load(pair_ptr + 4 * words_k[:, None] + tl.arange(0, 4)[None, :], mask=row_mask[:, None],
+                               other=0))
+
+
+@triton.jit
+def _split_four(values):
+    """[R, 4] (one thread's vector per row) -> its 4 columns as tensors [R]."""
+    first_two, last_two = tl.split(tl.reshape(values, (values.shape[0], 2, 2)))  # columns (0, 2), (1, 3)
+    v0, v2 = tl.split(first_two)
+    v1, v3 = tl.split(last_two)
+    return v0, v1, v2, v3
 
 
 @triton.jit
@@ -886,35 +895,29 @@ def _mma_x_pairs(xs, ASM: tl.constexpr):
 
 @triton.jit
 def _warp_product(a_values, x_values, THREADS: tl.constexpr):
-    """The interpreter's stand-in for an MMA's D: a_values, x_values [THREADS, 8] (each lane's 8 inputs of its A row
-    and of its B column, in one order) -> (D[g, 2c], D[g, 2c + 1]) for each lane (g, c) of each warp, [THREADS]
-    each, where D[g, n] sums a_values of lanes (g, c') times x_values of lanes (n, c') over c' and the 8 inputs."""
+    """The interpreter's stand-in for an MMA's D: a_values, x_values (8 tensors [THREADS] each: each lane's 8 inputs
+    of its A row and of its B column, in one order) -> (D[g, 2c], D[g, 2c + 1]) for each lane (g, c) of each warp,
+    [THREADS] each, where D[g, n] sums a_values of lanes (g, c') times x_values of lanes (n, c') over c' and the 8
+    inputs."""
     warps: tl.constexpr = THREADS // 32
-    a = tl.reshape(a_values, (warps, 8, 1, 32))  # [warp, g, -, (c', input)]
-    x = tl.reshape(x_values, (warps, 1, 8, 32))  # [warp, -, n, (c', input)]
-    d = tl.sum(a * x, axis=3)  # [warp, g, n]
+    d = tl.zeros((warps, 8, 8), dtype=tl.float32)  # [warp, g, n]
+    for i in tl.static_range(8):
+        a = tl.reshape(a_values[i], (warps, 8, 1, 4))  # [warp, g, -, c']
+        x = tl.reshape(x_values[i], (warps, 1, 8, 4))  # [warp, -, n, c']
+        d += tl.sum(a * x, axis=3)
     even, odd = tl.split(tl.reshape(d, (warps, 8, 4, 2)))  # n = 2c + e
     return tl.reshape(even, (THREADS,)), tl.reshape(odd, (THREADS,))
 
 
 @triton.jit
-def _stack_four(v0, v1, v2, v3, THREADS: tl.constexpr):
-    """Four [T] tensors -> [T, 4], v_i at column i."""
-    stacked = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [T, 2, 2]: [t, k, i] is v_(2i + k)
-    return tl.reshape(tl.permute(stacked, (0, 2, 1)), (THREADS, 4))
-
-
-@triton.jit
-def _pair_floats(pairs, THREADS: tl.constexpr):
-    """(x04, x15, x26, x37), bf16 pairs (x_j, x_j+4) as int32 [T] -> [T, 8] float32, input j of the word at j."""
-    lows = _stack_four((pairs[0] << 16).to(tl.float32, bitcast=True), (pairs[1] << 16).to(tl.float32, bitcast=True),
-                       (pairs[2] << 16).to(tl.float32, bitcast=True), (pairs[3] << 16).to(tl.float32, bitcast=True),
-                       THREADS)
-    highs = _stack_four((pairs[0] & -65536).to(tl.float32, bitcast=True),
-                        (pairs[1] & -65536).to(tl.float32, bitcast=True),
-                        (pairs[2] & -65536).to(tl.float32, bitcast=True),
-                        (pairs[3] & -65536).to(tl.float32, bitcast=True), THREADS)
-    return tl.reshape(tl.permute(tl.join(lows, highs), (0, 2, 1)), (THREADS, 8))
+def _pair_floats(pairs):
+    """(x04, x15, x26, x37), bf16 pairs (x_j, x_j+4) as int32 [T] -> x_0 ... x_7 as 8 float32 tensors [T]."""
+    lows = ()
+    highs = ()
+    for j in tl.static_range(4):
+        lows = lows + ((pairs[j] << 16).to(tl.float32, bitcast=True),)
+        highs = highs + ((pairs[j] & -65536).to(tl.float32, bitcast=True),)
+    return lows + highs
 
 
 @triton.jit
@@ -929,10 +932,12 @@ def _mma_rows(word_g, word_g8, pairs, acc, ASM: tl.constexpr, THREADS: tl.conste
                                                                acc[0], acc[1], acc[2], acc[3]],
             dtype=(tl.float32,) * 4, is_pure=False, pack=1)
     else:
-        x_values = _pair_floats(pairs, THREADS)
-        shifts = tl.arange(0, 8) * 4
-        row_g = ((word_g[:, None] >> shifts[None, :]) & 0xF).to(tl.float32) + 128.0  # [T, 8], input j at j
-        row_g8 = ((word_g8[:, None] >> shifts[None, :]) & 0xF).to(tl.float32) + 128.0
+        x_values = _pair_floats(pairs)
+        row_g = ()  # 128 + q_j, input j at j
+        row_g8 = ()
+        for j in tl.static_range(8):
+            row_g = row_g + (((word_g >> (4 * j)) & 0xF).to(tl.float32) + 128.0,)
+            row_g8 = row_g8 + (((word_g8 >> (4 * j)) & 0xF).to(tl.float32) + 128.0,)
         g_even, g_odd = _warp_product(row_g, x_values, THREADS)
         g8_even, g8_odd = _warp_product(row_g8, x_values, THREADS)
         acc = (acc[0] + g_even, acc[1] + g_odd, acc[2] + g8_even, acc[3] + g8_odd)
@@ -950,19 +955,10 @@ def _mma_x_sum(pairs, acc, ASM: tl.constexpr, THREADS: tl.constexpr):
                                                                                      acc[3]],
                                         dtype=(tl.float32,) * 4, is_pure=False, pack=1)
     else:
-        x_values = _pair_floats(pairs, THREADS)
-        even, odd = _warp_product(tl.full((THREADS, 8), 1.0, tl.float32), x_values, THREADS)
+        ones = tl.full((THREADS,), 1.0, tl.float32)
+        even, odd = _warp_product((ones,) * 8, _pair_floats(pairs), THREADS)
         acc = (acc[0] + even, acc[1] + odd, acc[2] + even, acc[3] + odd)
     return acc
-
-
-@triton.jit
-def _split_four(values):
-    """[T, 4] (one thread's vector per row) -> its 4 columns as tensors [T]."""
-    first_two, last_two = tl.split(tl.reshape(values, (values.shape[0], 2, 2)))
-    v0, v2 = tl.split(first_two)
-    v1, v3 = tl.split(last_two)
-    return v0, v1, v2, v3
 
 
 @triton.jit
@@ -999,23 +995,21 @@ def _mma_tile(w_ptr, scale_ptr, zero_ptr, k0, k_end, quad_lane, col0, N, group_s
 
 @triton.jit
 def _mma_step(totals, tile, x_ptr, stride_xm, x_row, x_ok, k0, k_end, quad_lane, ASM: tl.constexpr,
-              CHUNKS: tl.constexpr, COLS: tl.constexpr, THREADS: tl.constexpr):
-    """totals (the thread's COLS columns' float32 sums for batch rows 2c and 2c + 1: element 2j + e; with one row of
-    x, row 0's only: element j) plus one tile's products with x (inputs k0 ...; this lane loads x's row x_row [T],
-    zeros where not x_ok, at or past M). Column col0 + 2t is row g of MMA row tile t, col0 + 2t + 1 its row g + 8."""
+              CHUNKS: tl.constexpr, COLS: tl.constexpr, ROWS_PER_LANE: tl.constexpr, THREADS: tl.constexpr):
+    """totals (the thread's COLS columns' float32 sums for batch rows 2c + e, e < ROWS_PER_LANE: element
+    ROWS_PER_LANE j + e; at M = 1 one row of x in every column of B, row 0's only) plus one tile's products with x
+    (inputs k0 ...; this lane loads x's row x_row [T], zeros where not x_ok, at or past M). Column col0 + 2t is row
+    g of MMA row tile t, col0 + 2t + 1 its row g + 8."""
     words, scales, zero_points = tile
     zero = tl.zeros((THREADS,), dtype=tl.float32)
     tiles = ()  # each MMA row tile's D: (row g, batch row 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
     for t in tl.static_range(COLS // 2):
         tiles = tiles + ((zero, zero, zero, zero),)
     x_sum = (zero, zero, zero, zero)
-    pair_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # rows of stride_xm // 2 pairs (mma_ok: even)
-    four = tl.arange(0, 4)
+    x_rows = x_ptr + x_row * stride_xm  # [T] (mma_ok: rows at 4-byte aligned addresses)
     for chunk in tl.static_range(CHUNKS):
         word_row = k0 // 8 + 4 * chunk + quad_lane  # x's inputs 8 w ... 8 w + 7 of word row w: 16 bytes
-        pair = x_row * (stride_xm // 2) + 4 * word_row
-        xs = _split_four(tl.load(pair_ptr + pair[:, None] + four[None, :],
-                                 mask=((word_row < k_end // 8) & x_ok)[:, None], other=0))
+        xs = _x_pair_vectors(x_rows, word_row, (word_row < k_end // 8) & x_ok)
         pairs = _mma_x_pairs(xs, ASM)
         row_words = words[chunk]
         updated = ()
@@ -1025,9 +1019,9 @@ def _mma_step(totals, tile, x_ptr, stride_xm, x_row, x_ok, k0, k_end, quad_lane,
         x_sum = _mma_x_sum(pairs, x_sum, ASM, THREADS)
     out = ()
     for j in tl.static_range(COLS):
-        for e in tl.static_range(len(totals) // COLS):  # 1: one row of x, in every column of B (D's alike)
+        for e in tl.static_range(ROWS_PER_LANE):
             sums = tiles[j // 2][2 * (j % 2) + e]
-            out = out + (totals[len(totals) // COLS * j + e] + scales[j] * (sums - zero_points[j] * x_sum[e]),)
+            out = out + (totals[ROWS_PER_LANE * j + e] + scales[j] * (sums - zero_points[j] * x_sum[e]),)
     return out
 
 
@@ -1045,9 +1039,9 @@ def _int4_mma_kernel(
     N,
     K,
     stride_xm,
-    group_size: tl.constexpr,
     k_per_split,  # a multiple of BLOCK_K
     split_k,
+    group_size: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,
     ASM: tl.constexpr,  # inline PTX (mma.sync), else the interpreter's stand-in
@@ -1088,7 +1082,7 @@ def _int4_mma_kernel(
         next_tile = _mma_tile(w_ptr, scale_ptr, zero_ptr, k0 + BLOCK_K, k_end, quad_lane, col0, N, group_size,
                               BLOCK_K // 32, COLS)
         totals = _mma_step(totals, tile, x_ptr, stride_xm, x_row, x_row < M, k0, k_end, quad_lane, ASM,
-                           BLOCK_K // 32, COLS, THREADS)
+                           BLOCK_K // 32, COLS, ROWS_PER_LANE, THREADS)
         tile = next_tile
     if PARTIAL:
         for j in tl.static_range(COLS):
@@ -1261,8 +1255,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, n: int, scale, zeros, bias, 
     if config.mma and mma_ok(x2) and fit.block_k >= 32:
         return _launch_mma(x2, weight, n, scale, zeros, bias, group_size, fit)
     partial = fit.split_k > 1
-    out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-    workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
+    out, workspace = _outputs(x2, n, fit.split_k)
     counters = _counter_buffer(x2.device)  # made on the first call, split or not (see _counter_buffer)
     stride_scale = 1 if int4 or group_scale or scale is None else scale.stride(0)
     pdl = pdl_enabled(x2.device)
@@ -1299,24 +1292,33 @@ def mma_ok(x2: torch.Tensor) -> bool:
 def _launch_mma(x2: torch.Tensor, qweight: torch.Tensor, n: int, scale: torch.Tensor, zeros: torch.Tensor, bias,
                 group_size: int, fit: _Launch) -> torch.Tensor:
     """One launch of the int4 tensor-core path (`_int4_mma_kernel`; x2 [M, K] bf16, `mma_ok`)."""
-    config = fit.config
     m, k = x2.shape
-    block_m = triton.next_power_of_2(m)  # the last program's reduction tile
-    tiles = triton.cdiv(n, config.block_n)
-    partial = fit.split_k > 1
-    out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-    workspace = torch.empty((fit.split_k, m, n), device=x2.device, dtype=torch.float32) if partial else out
-    counters = _counter_buffer(x2.device)
-    pdl = pdl_enabled(x2.device)
-    prefetch = _prefetch_shape(qweight, True, config.block_n, fit.k_per_split)
-    _int4_mma_kernel[(tiles, fit.split_k)](
-        out, workspace, counters, x2, qweight, scale, zeros, bias if bias is not None else out, m, n, k,
-        x2.stride(0) if m > 1 else 0, group_size, fit.k_per_split, fit.split_k, HAS_BIAS=bias is not None,
-        PARTIAL=partial, ASM=not interpreting(), REDUCE_CHUNK=max(1, _reduce_chunk(1, config) // block_m),
-        BLOCK_M=block_m, THREADS=32 * config.num_warps, COLS=config.block_n // (8 * config.num_warps),
-        BLOCK_K=fit.block_k, USE_PDL=pdl, PF_ROWS=prefetch[0], PF_LINES=prefetch[1], PF_STEP=prefetch[2],
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+    out, workspace = _outputs(x2, n, fit.split_k)
+    constexprs = mma_constexprs(qweight, fit, m, group_size, bias is not None, pdl_enabled(x2.device))
+    _int4_mma_kernel[(triton.cdiv(n, fit.config.block_n), fit.split_k)](
+        out, workspace, _counter_buffer(x2.device), x2, qweight, scale, zeros, bias if bias is not None else out, m,
+        n, k, x2.stride(0) if m > 1 else 0, fit.k_per_split, fit.split_k, **constexprs,
+        num_warps=fit.config.num_warps, num_stages=fit.config.num_stages, launch_pdl=constexprs["USE_PDL"])
     return out
+
+
+def mma_constexprs(qweight, fit: _Launch, m: int, group_size: int, has_bias: bool, pdl: bool) -> dict:
+    """`_int4_mma_kernel`'s constexprs for a fitted config (`_launch_mma`; scripts/gemv_sass.py compiles with them).
+    qweight: anything with int32's element_size()."""
+    config, block_m = fit.config, triton.next_power_of_2(m)  # block_m: the last program's reduction tile
+    rows, lines, step = _prefetch_shape(qweight, True, config.block_n, fit.k_per_split)
+    return dict(group_size=group_size, HAS_BIAS=has_bias, PARTIAL=fit.split_k > 1, ASM=not interpreting(),
+                REDUCE_CHUNK=max(1, _reduce_chunk(1, config) // block_m), BLOCK_M=block_m,
+                THREADS=32 * config.num_warps, COLS=config.block_n // (8 * config.num_warps), BLOCK_K=fit.block_k,
+                USE_PDL=pdl, PF_ROWS=rows, PF_LINES=lines, PF_STEP=step)
+
+
+def _outputs(x2: torch.Tensor, n: int, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [M, N] in x's dtype, the split-K workspace [split_k, M, N] float32, or y itself when K is not split)."""
+    m = x2.shape[0]
+    out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    workspace = torch.empty((split_k, m, n), device=x2.device, dtype=torch.float32) if split_k > 1 else out
+    return out, workspace
 
 
 def _prefetch_shape(weight: torch.Tensor, int4: bool, block_n: int, k_per_split: int) -> tuple[int, int, int]:

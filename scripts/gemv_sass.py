@@ -66,13 +66,8 @@ def mma_constexprs(config, k: int) -> dict:
     """What quant_gemv._launch_mma passes at M = 1 under PDL (bf16 x, group 128)."""
     from asyncengine.kernels import quant_gemv
 
-    fit = quant_gemv._fit(config, k, 128)
     fake = type("W", (), {"element_size": lambda self: 4})()
-    rows, lines, step = quant_gemv._prefetch_shape(fake, True, config.block_n, fit.k_per_split)
-    return dict(group_size=128, HAS_BIAS=False, PARTIAL=fit.split_k > 1, ASM=True,
-                REDUCE_CHUNK=quant_gemv._reduce_chunk(1, config), BLOCK_M=1, THREADS=32 * config.num_warps,
-                COLS=config.block_n // (8 * config.num_warps), BLOCK_K=fit.block_k, USE_PDL=True, PF_ROWS=rows,
-                PF_LINES=lines, PF_STEP=step)
+    return quant_gemv.mma_constexprs(fake, quant_gemv._fit(config, k, 128), 1, 128, False, True)
 
 
 def sass_of(fmt: str, constants: dict, num_warps: int, keep: Path | None, name: str) -> str:
